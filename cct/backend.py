@@ -1,0 +1,37 @@
+"""Array-module helpers: layers are written once against ``xp`` (numpy or cupy)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+try:  # CuPy is optional (``pip install cct[gpu]``).
+    import cupy as _cupy  # type: ignore
+except Exception:  # pragma: no cover - no GPU stack on CI machines
+    _cupy = None
+
+
+def get_array_module(*arrays: Any):
+    """Return cupy if any argument is a cupy array, else numpy (Chainer's convention)."""
+    if _cupy is not None:
+        for a in arrays:
+            if isinstance(a, _cupy.ndarray):
+                return _cupy
+    return np
+
+
+def cupy_available() -> bool:
+    """True when CuPy imports and sees at least one GPU."""
+    if _cupy is None:
+        return False
+    try:
+        return _cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # pragma: no cover
+        return False
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    """Bring an array (numpy or cupy) to host memory as numpy."""
+    if _cupy is not None and isinstance(a, _cupy.ndarray):
+        return _cupy.asnumpy(a)
+    return np.asarray(a)

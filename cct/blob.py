@@ -1,0 +1,115 @@
+"""Blob: a named pair of arrays (``data`` and ``diff``) of one shape, as in Caffe.
+
+Layers write into ``blob.data`` / ``blob.diff`` in place (``a[...] = ...``) so that
+views handed out (pycaffe shim, Reshape/Flatten tops) stay valid; only ``reshape``
+and ``share_*`` rebind the arrays.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .errors import CctError
+
+MAX_BLOB_AXES = 32
+
+
+def canonical_axis(axis: int, num_axes: int, what: str = "axis") -> int:
+    """Map a possibly negative axis into [0, num_axes) or raise with a clear message."""
+    if not -num_axes <= axis < num_axes:
+        raise CctError(f"{what} {axis} out of range for a blob with {num_axes} axes")
+    return axis + num_axes if axis < 0 else axis
+
+
+class Blob:
+    """Caffe's Blob: N-d ``data`` and ``diff`` arrays of the same shape and dtype."""
+
+    def __init__(self, shape: Sequence[int] = (), dtype=np.float32, xp=np, name: str = ""):
+        self.name = name
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self._shape: tuple[int, ...] = ()
+        self.data = xp.zeros((), dtype=self.dtype)
+        self.diff = xp.zeros((), dtype=self.dtype)
+        self.reshape(shape)
+
+    # -- shape -------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    def reshape(self, shape: Iterable[int]) -> None:
+        """Give the blob a new shape; reallocates (zeroed) only when the shape changes."""
+        shape = tuple(int(d) for d in shape)
+        if len(shape) > MAX_BLOB_AXES:
+            raise CctError(f"blob '{self.name}': {len(shape)} axes exceed the maximum of {MAX_BLOB_AXES}")
+        if any(d < 0 for d in shape):
+            raise CctError(f"blob '{self.name}': negative dimension in shape {list(shape)}")
+        if shape == self._shape and self.data.shape == shape:
+            return
+        self._shape = shape
+        self.data = self.xp.zeros(shape, dtype=self.dtype)
+        self.diff = self.xp.zeros(shape, dtype=self.dtype)
+
+    def reshape_like(self, other: "Blob") -> None:
+        self.reshape(other.shape)
+
+    def share_data(self, other: "Blob", shape: Sequence[int] | None = None) -> None:
+        """Make ``data`` a view of another blob's data (optionally with a new shape)."""
+        shape = other.shape if shape is None else tuple(int(d) for d in shape)
+        self._shape = shape
+        self.data = other.data.reshape(shape)
+        if self.diff.shape != shape:
+            self.diff = self.xp.zeros(shape, dtype=self.dtype)
+
+    def share_diff(self, other: "Blob", shape: Sequence[int] | None = None) -> None:
+        """Make ``diff`` a view of another blob's diff (optionally with a new shape)."""
+        shape = other.shape if shape is None else tuple(int(d) for d in shape)
+        self.diff = other.diff.reshape(shape)
+
+    @property
+    def num_axes(self) -> int:
+        return len(self._shape)
+
+    @property
+    def count(self) -> int:
+        return int(np.prod(self._shape, dtype=np.int64))
+
+    def count_range(self, start: int, end: int | None = None) -> int:
+        """Product of dimensions in [start, end)."""
+        end = self.num_axes if end is None else end
+        return int(np.prod(self._shape[start:end], dtype=np.int64))
+
+    def canonical_axis(self, axis: int) -> int:
+        return canonical_axis(axis, self.num_axes, f"axis of blob '{self.name}'")
+
+    def legacy_shape(self, index: int) -> int:
+        """Caffe's LegacyShape: 4-D view of up to 4-D blobs, missing axes are 1."""
+        if self.num_axes > 4:
+            raise CctError(f"blob '{self.name}' has {self.num_axes} axes; legacy accessors need <= 4")
+        if index >= self.num_axes or index < -self.num_axes:
+            return 1
+        return self._shape[index]
+
+    @property
+    def num(self) -> int:
+        return self.legacy_shape(0)
+
+    @property
+    def channels(self) -> int:
+        return self.legacy_shape(1)
+
+    @property
+    def height(self) -> int:
+        return self.legacy_shape(2)
+
+    @property
+    def width(self) -> int:
+        return self.legacy_shape(3)
+
+    def shape_string(self) -> str:
+        return " ".join(str(d) for d in self._shape) + f" ({self.count})"
+
+    def __repr__(self) -> str:
+        return f"Blob({self.name!r}, shape={list(self._shape)})"

@@ -1,0 +1,20 @@
+"""The layer library: one module per layer family, a registry keyed by Caffe's type string.
+
+Find any Caffe layer by its type name with ``layer_class("Convolution")``.
+"""
+from . import (  # noqa: F401  (importing registers the layers)
+    activation,
+    conv,
+    data,
+    inner_product,
+    input,
+    loss,
+    lrn,
+    norm,
+    pooling,
+    python_layer,
+    structure,
+)
+from .base import Layer, create_layer, layer_class, layer_type_list, register
+
+__all__ = ["Layer", "create_layer", "layer_class", "layer_type_list", "register"]
