@@ -1,2 +1,26 @@
-"""cct: Caffe con Troll, a fast Caffe-compatible CNN training framework."""
+"""cct: Caffe con Troll, a fast Caffe-compatible CNN training framework.
+
+The Python API in one screen::
+
+    import cct
+    net = cct.Net("models/lenet/lenet_train_test.prototxt", cct.TEST, weights="lenet.caffemodel")
+    loss = net.forward()
+    net.blobs["prob"].data
+"""
+from .blob import Blob
+from .errors import CctError, LayerError, NetError, ProtoParseError, SolverError
+from .layers import Layer, layer_type_list, register
+from .log import init_log
+from .net import Net
+from .proto import caffe_pb2
+from .rng import set_random_seed
+
 __version__ = "0.1.0"
+
+TRAIN = caffe_pb2.TRAIN
+TEST = caffe_pb2.TEST
+
+__all__ = [
+    "Blob", "CctError", "LayerError", "NetError", "ProtoParseError", "SolverError", "Layer", "layer_type_list",
+    "register", "init_log", "Net", "caffe_pb2", "set_random_seed", "TRAIN", "TEST", "__version__",
+]

@@ -39,8 +39,13 @@ class Blob:
     def shape(self) -> tuple[int, ...]:
         return self._shape
 
-    def reshape(self, shape: Iterable[int]) -> None:
-        """Give the blob a new shape; reallocates (zeroed) only when the shape changes."""
+    def reshape(self, *shape) -> None:
+        """Give the blob a new shape; reallocates (zeroed) only when the shape changes.
+
+        Takes a sequence (``reshape((2, 3))``) or, as pycaffe, the dimensions (``reshape(2, 3)``).
+        """
+        if len(shape) == 1 and isinstance(shape[0], Iterable):
+            shape = shape[0]
         shape = tuple(int(d) for d in shape)
         if len(shape) > MAX_BLOB_AXES:
             raise CctError(f"blob '{self.name}': {len(shape)} axes exceed the maximum of {MAX_BLOB_AXES}")

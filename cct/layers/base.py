@@ -87,6 +87,8 @@ class Layer:
     equal_num_bottom_top: ClassVar[bool] = False
     # Loss layers give top[0] an implicit loss weight of 1.
     is_loss: ClassVar[bool] = False
+    # Parameter blobs that are running statistics (BatchNorm): the net pins their lr_mult to 0.
+    statistics_params: ClassVar[bool] = False
 
     def __init__(self, param: caffe_pb2.LayerParameter):
         self.param = param

@@ -1,1 +1,452 @@
-"""(being written)"""
+"""Data layers: ``Data`` (LMDB/LevelDB of Datum), ``ImageData`` (image list file), ``HDF5Data``.
+
+Each layer reads ahead in a background thread (:class:`cct.data.prefetch.Prefetcher`, queue
+depth ``data_param.prefetch``, default 4) so loading and transforming overlap compute;
+``forward`` copies the next ready batch into the tops. Like Caffe's data layers they have no
+bottoms, no backward, and never take a gradient.
+
+Randomness (crops, mirrors, shuffles, ``rand_skip``) comes from a generator private to the
+layer, seeded once from :func:`cct.rng.get_rng` at setup (only when the layer needs it), so a
+run with a fixed ``random_seed`` is reproducible whatever the thread timing.
+
+Order of records (Caffe's): ``Data`` walks the database in key order and restarts from the
+first key at the end ("Restarting data prefetching from start."); ``ImageData`` walks the list
+(reshuffled at each pass with ``shuffle``); ``HDF5Data`` walks the rows of each listed file in
+order and wraps around row by row, even inside a batch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..blob import Blob
+from ..data.db import open_db, parse_datum
+from ..data.prefetch import Prefetcher
+from ..data.transformer import DataTransformer, read_image, read_image_list
+from ..errors import CctError
+from ..proto import caffe_pb2
+from ..rng import get_rng
+from .base import Layer, register
+
+log = logging.getLogger("cct")
+
+_LEGACY_TRANSFORM_FIELDS = ("scale", "mean_file", "crop_size", "mirror")
+_RESTART_MSG = "Restarting data prefetching from start."
+
+
+def _copy_to_blob(blob: Blob, arr: np.ndarray) -> None:
+    """Reshape ``blob`` to ``arr.shape`` and copy ``arr`` into its data (numpy or cupy)."""
+    blob.reshape(arr.shape)
+    if isinstance(blob.data, np.ndarray):
+        np.copyto(blob.data, arr, casting="unsafe")
+    else:  # cupy: host -> device copy
+        blob.data.set(np.ascontiguousarray(arr, dtype=blob.dtype))
+
+
+def _child_rng() -> np.random.Generator:
+    return np.random.default_rng(int(get_rng().integers(0, 2**63 - 1)))
+
+
+def _resolve_listed(path: str, list_file: str) -> str:
+    """A path from a list file: as given (relative to the cwd, as Caffe), else relative to the list file."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    alt = os.path.join(os.path.dirname(os.path.abspath(list_file)), path)
+    return alt if os.path.exists(alt) else path
+
+
+class _PrefetchingDataLayer(Layer):
+    """Shared machinery: prefetch thread, top copy, no backward."""
+
+    exact_num_bottom = 0
+
+    _prefetcher: Prefetcher | None = None
+
+    def _transform_param(self, legacy: Any, section: str) -> caffe_pb2.TransformationParameter:
+        """``transform_param`` with any legacy fields of ``section`` (data_param...) moved into it."""
+        tp = caffe_pb2.TransformationParameter()
+        tp.CopyFrom(self.param.transform_param)
+        for f in _LEGACY_TRANSFORM_FIELDS:
+            if legacy.HasField(f):
+                if tp.HasField(f):
+                    raise self.error(f"{section}.{f} (legacy) and transform_param.{f} are both set")
+                setattr(tp, f, getattr(legacy, f))
+                log.warning("layer '%s': legacy %s.%s moved to transform_param", self.name, section, f)
+        return tp
+
+    def _start(self, loader: Any, depth: int) -> None:
+        self._loader = loader
+        self._prefetcher = Prefetcher(loader.load, depth=max(1, int(depth)), name=f"cct-data-{self.name}")
+        self._finalizer = weakref.finalize(self, self._prefetcher.close)
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        """Tops are shaped at setup and by each forward (to the batch loaded)."""
+
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        """Copy the next prefetched batch into the tops."""
+        if self._prefetcher is None:
+            raise self.error("forward before setup")
+        try:
+            batch = self._prefetcher.get()
+        except CctError as e:
+            msg = str(e)
+            if msg.startswith(f"layer '{self.name}'"):
+                raise
+            raise self.error(msg) from None
+        for blob, arr in zip(top, batch):
+            _copy_to_blob(blob, arr)
+        self._prefetcher.recycle(batch)
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool], bottom: Sequence[Blob]) -> None:
+        """Data layers have no backward."""
+
+    def allow_force_backward(self, bottom_index: int) -> bool:
+        return False
+
+    def close(self) -> None:
+        """Stop the prefetch thread (also done when the layer is garbage collected)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Data: LMDB / LevelDB of Datum records
+# --------------------------------------------------------------------------------------------
+class _DBLoader:
+    """Walks a database cursor in key order, wrapping at the end; builds transformed batches."""
+
+    def __init__(self, db, transformer: DataTransformer, batch_size: int, dtypes: list, skip: int):
+        self.db = db
+        self.path = db.path
+        self.cursor = db.cursor()
+        self.transformer = transformer
+        self.batch_size = batch_size
+        self.dtypes = dtypes
+        for _ in range(skip):
+            self.next()
+
+    def next(self) -> None:
+        self.cursor.next()
+        if not self.cursor.valid:
+            log.info(_RESTART_MSG)
+            self.cursor.seek_to_first()
+
+    def current(self) -> tuple[bytes, np.ndarray, int]:
+        key = self.cursor.key
+        datum = parse_datum(self.cursor.value, key, self.path)
+        try:
+            arr = self.transformer.datum_array(datum)
+        except CctError as e:
+            raise CctError(f"record '{key.decode('utf-8', 'replace')}' in '{self.path}': {e}") from None
+        return key, arr, datum.label
+
+    def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
+        bs = self.batch_size
+        data = None
+        labels = None
+        for i in range(bs):
+            key, arr, label = self.current()
+            try:
+                if i == 0:  # the first record of each batch sets its shape (Caffe)
+                    shape = (bs,) + self.transformer.infer_shape(arr)
+                    data = buf[0] if buf is not None and buf[0].shape == shape else np.empty(shape, self.dtypes[0])
+                    if len(self.dtypes) > 1:
+                        labels = buf[1] if buf is not None else np.empty((bs,), self.dtypes[1])
+                self.transformer.transform(arr, data[i])
+            except CctError as e:
+                raise CctError(f"record '{key.decode('utf-8', 'replace')}' in '{self.path}': {e}") from None
+            if labels is not None:
+                labels[i] = label
+            self.next()
+        return [data] if labels is None else [data, labels]
+
+
+@register("Data")
+class Data(_PrefetchingDataLayer):
+    """Caffe's Data layer: batches of Datum records from an LMDB or LevelDB (tops: data, [label])."""
+
+    param_fields = ("data_param", "transform_param")
+    min_num_top = 1
+    max_num_top = 2
+
+    def layer_setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        dp = self.param.data_param
+        if not dp.source:
+            raise self.error("data_param.source is not set")
+        if dp.batch_size <= 0:
+            raise self.error("data_param.batch_size must be positive")
+        tp = self._transform_param(dp, "data_param")
+        if dp.HasField("force_encoded_color") and dp.force_encoded_color:
+            tp.force_color = True
+        if tp.force_color and tp.force_gray:
+            raise self.error("cannot set both force_color and force_gray")
+        needs_rng = bool(dp.rand_skip) or tp.mirror or (self.phase == caffe_pb2.TRAIN and tp.crop_size > 0)
+        rng = _child_rng() if needs_rng else None
+        try:
+            transformer = DataTransformer(tp, self.phase, rng=rng)
+            db = open_db(dp.source, dp.backend)
+        except CctError as e:
+            raise self.error(str(e)) from None
+        self._db = db
+        skip = 0
+        if dp.rand_skip:
+            skip = int(rng.integers(dp.rand_skip))
+            log.info("Skipping first %d data points.", skip)
+        dtypes = [top[0].dtype] + ([top[1].dtype] if len(top) > 1 else [])
+        loader = _DBLoader(db, transformer, int(dp.batch_size), dtypes, skip)
+        try:
+            _, first, _ = loader.current()
+            shape = (int(dp.batch_size),) + transformer.infer_shape(first)
+        except CctError as e:
+            raise self.error(str(e)) from None
+        top[0].reshape(shape)
+        log.info("output data size: %s", ",".join(str(d) for d in shape))
+        if len(top) > 1:
+            top[1].reshape((int(dp.batch_size),))
+        self._start(loader, dp.prefetch)
+
+    def close(self) -> None:
+        """Stop the prefetch thread; the database stays open for a daemon thread still finishing."""
+        super().close()
+
+
+# --------------------------------------------------------------------------------------------
+# ImageData: a list file of "path label" lines
+# --------------------------------------------------------------------------------------------
+class _ImageListLoader:
+    def __init__(self, lines, root: str, new_h: int, new_w: int, is_color: bool,
+                 transformer: DataTransformer, batch_size: int, dtypes: list, shuffle: bool,
+                 rng: np.random.Generator | None, start: int):
+        self.lines = lines
+        self.root = root
+        self.new_h, self.new_w, self.is_color = new_h, new_w, is_color
+        self.transformer = transformer
+        self.batch_size = batch_size
+        self.dtypes = dtypes
+        self.shuffle = shuffle
+        self.rng = rng
+        self.pos = start
+
+    def image(self, i: int) -> np.ndarray:
+        path = self.root + self.lines[i][0]
+        return read_image(path, self.new_h, self.new_w, self.is_color)
+
+    def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
+        bs = self.batch_size
+        data = labels = None
+        for i in range(bs):
+            img = self.image(self.pos)
+            chw = img.transpose(2, 0, 1)
+            try:
+                if i == 0:
+                    shape = (bs,) + self.transformer.infer_shape(chw)
+                    data = buf[0] if buf is not None and buf[0].shape == shape else np.empty(shape, self.dtypes[0])
+                    labels = buf[1] if buf is not None else np.empty((bs,), self.dtypes[1])
+                self.transformer.transform(chw, data[i])
+            except CctError as e:
+                raise CctError(f"image '{self.root + self.lines[self.pos][0]}': {e}") from None
+            labels[i] = self.lines[self.pos][1]
+            self.pos += 1
+            if self.pos >= len(self.lines):
+                log.info(_RESTART_MSG)
+                self.pos = 0
+                if self.shuffle:
+                    self.rng.shuffle(self.lines)
+        return [data, labels]
+
+
+@register("ImageData")
+class ImageData(_PrefetchingDataLayer):
+    """Caffe's ImageData layer: images listed in a text file, with labels (tops: data, label)."""
+
+    param_fields = ("image_data_param", "transform_param", "data_param")
+    exact_num_top = 2
+
+    def layer_setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        ip = self.param.image_data_param
+        new_h, new_w = int(ip.new_height), int(ip.new_width)
+        if (new_h > 0) != (new_w > 0):
+            raise self.error("new_height and new_width must be set together")
+        if ip.batch_size <= 0:
+            raise self.error("image_data_param.batch_size must be positive")
+        depth = 4
+        if self.param.HasField("data_param"):
+            extra = [f.name for f, _ in self.param.data_param.ListFields() if f.name != "prefetch"]
+            if extra:
+                raise self.unsupported(f"data_param.{extra[0]} in an ImageData layer")
+            depth = self.param.data_param.prefetch
+        if not ip.source:
+            raise self.error("image_data_param.source is not set")
+        tp = self._transform_param(ip, "image_data_param")
+        needs_rng = ip.shuffle or bool(ip.rand_skip) or tp.mirror or \
+            (self.phase == caffe_pb2.TRAIN and tp.crop_size > 0)
+        rng = _child_rng() if needs_rng else None
+        try:
+            transformer = DataTransformer(tp, self.phase, rng=rng)
+            log.info("Opening file %s", ip.source)
+            lines = read_image_list(ip.source)
+        except CctError as e:
+            raise self.error(str(e)) from None
+        if ip.shuffle:
+            log.info("Shuffling data")
+            rng.shuffle(lines)
+        log.info("A total of %d images.", len(lines))
+        start = 0
+        if ip.rand_skip:
+            start = int(rng.integers(ip.rand_skip))
+            log.info("Skipping first %d data points.", start)
+            if start >= len(lines):
+                raise self.error(f"not enough points to skip: rand_skip drew {start} but the list has "
+                                 f"{len(lines)} images")
+        dtypes = [top[0].dtype, top[1].dtype]
+        loader = _ImageListLoader(lines, ip.root_folder, new_h, new_w, ip.is_color, transformer,
+                                  int(ip.batch_size), dtypes, ip.shuffle, rng, start)
+        try:
+            first = loader.image(start)
+            shape = (int(ip.batch_size),) + transformer.infer_shape(first.transpose(2, 0, 1))
+        except CctError as e:
+            raise self.error(str(e)) from None
+        top[0].reshape(shape)
+        top[1].reshape((int(ip.batch_size),))
+        self._start(loader, depth)
+
+
+# --------------------------------------------------------------------------------------------
+# HDF5Data: datasets named after the tops, in the .h5 files listed in a text file
+# --------------------------------------------------------------------------------------------
+def read_hdf5_list(source: str) -> list[str]:
+    """The .h5 file names listed (whitespace separated) in ``source``."""
+    try:
+        with open(source, encoding="utf-8") as f:
+            names = f.read().split()
+    except OSError as e:
+        raise CctError(f"failed to open HDF5 list file '{source}': {e.strerror}") from None
+    if not names:
+        raise CctError(f"must have at least 1 HDF5 filename listed in '{source}'")
+    return [_resolve_listed(n, source) for n in names]
+
+
+def load_hdf5_file(path: str, names: Sequence[str], dtypes: Sequence) -> list[np.ndarray]:
+    """Read the datasets ``names`` of one HDF5 file (same number of rows) as arrays of ``dtypes``."""
+    import h5py
+
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise CctError(f"cannot open HDF5 file '{path}': {e}") from None
+    with f:
+        out = []
+        for name, dt in zip(names, dtypes):
+            if name not in f:
+                raise CctError(f"HDF5 file '{path}' has no dataset '{name}' (datasets are named after the tops)")
+            ds = f[name]
+            if not isinstance(ds, h5py.Dataset) or ds.ndim < 1:
+                raise CctError(f"HDF5 dataset '{name}' in '{path}' must be an array with at least 1 axis")
+            if ds.dtype.kind not in "fiub":
+                raise CctError(f"HDF5 dataset '{name}' in '{path}' is not numeric ({ds.dtype})")
+            out.append(np.asarray(ds[...], dtype=dt))
+    n = out[0].shape[0]
+    for name, arr in zip(names, out):
+        if arr.shape[0] != n:
+            raise CctError(f"HDF5 file '{path}': dataset '{name}' has {arr.shape[0]} rows, "
+                           f"'{names[0]}' has {n}")
+    if n == 0:
+        raise CctError(f"HDF5 file '{path}' has no rows")
+    return out
+
+
+class _HDF5Loader:
+    def __init__(self, files: list[str], names: list[str], dtypes: list, batch_size: int,
+                 shuffle: bool, rng: np.random.Generator | None):
+        self.files = files
+        self.names = names
+        self.dtypes = dtypes
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.rng = rng
+        self.file_perm = np.arange(len(files))
+        if shuffle:
+            rng.shuffle(self.file_perm)
+        self.cur_file = 0
+        self.arrays: list[np.ndarray] = []
+        self.trailing: list[tuple[int, ...]] | None = None
+        self._load(self.files[self.file_perm[0]])
+
+    def _load(self, path: str) -> None:
+        arrays = load_hdf5_file(path, self.names, self.dtypes)
+        trailing = [a.shape[1:] for a in arrays]
+        if self.trailing is None:
+            self.trailing = trailing
+        elif trailing != self.trailing:
+            raise CctError(f"HDF5 file '{path}': dataset shapes {trailing} differ from the first file's "
+                           f"{self.trailing}")
+        self.arrays = arrays
+        self.rows = arrays[0].shape[0]
+        self.row_perm = self.rng.permutation(self.rows) if self.shuffle else None
+        self.cur_row = 0
+
+    def _end_of_file(self) -> None:
+        if len(self.files) > 1:
+            self.cur_file += 1
+            if self.cur_file == len(self.files):
+                self.cur_file = 0
+                if self.shuffle:
+                    self.rng.shuffle(self.file_perm)
+            self._load(self.files[self.file_perm[self.cur_file]])
+        self.cur_row = 0
+        if self.shuffle:
+            self.row_perm = self.rng.permutation(self.rows)
+
+    def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
+        bs = self.batch_size
+        outs = buf if buf is not None else [np.empty((bs,) + t, dt) for t, dt in zip(self.trailing, self.dtypes)]
+        pos = 0
+        while pos < bs:
+            n = min(bs - pos, self.rows - self.cur_row)
+            if self.row_perm is None:
+                idx: Any = slice(self.cur_row, self.cur_row + n)
+            else:
+                idx = self.row_perm[self.cur_row:self.cur_row + n]
+            for out, arr in zip(outs, self.arrays):
+                out[pos:pos + n] = arr[idx]
+            pos += n
+            self.cur_row += n
+            if self.cur_row == self.rows:
+                self._end_of_file()
+        return outs
+
+
+@register("HDF5Data")
+class HDF5Data(_PrefetchingDataLayer):
+    """Caffe's HDF5Data layer: one top per dataset (named like the top) of the listed HDF5 files."""
+
+    param_fields = ("hdf5_data_param", "transform_param")
+    min_num_top = 1
+
+    def layer_setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        hp = self.param.hdf5_data_param
+        if self.param.HasField("transform_param"):
+            raise self.error("HDF5Data does not transform data (remove transform_param)")
+        if not hp.source:
+            raise self.error("hdf5_data_param.source is not set")
+        if hp.batch_size <= 0:
+            raise self.error("hdf5_data_param.batch_size must be positive")
+        names = list(self.param.top)
+        if len(names) != len(top):
+            names = [b.name for b in top]
+        rng = _child_rng() if hp.shuffle else None
+        try:
+            log.info("Loading list of HDF5 filenames from: %s", hp.source)
+            files = read_hdf5_list(hp.source)
+            log.info("Number of HDF5 files: %d", len(files))
+            loader = _HDF5Loader(files, names, [b.dtype for b in top], int(hp.batch_size), hp.shuffle, rng)
+        except CctError as e:
+            raise self.error(str(e)) from None
+        for blob, trailing in zip(top, loader.trailing):
+            blob.reshape((int(hp.batch_size),) + tuple(trailing))
+        self._start(loader, 4)

@@ -1,1 +1,264 @@
-"""(being written)"""
+"""Pooling layer (MAX, AVE, STOCHASTIC) with Caffe's exact window and output-size rules.
+
+* Output size ``ceil((H + 2p - k) / s) + 1``; with padding, a last window that would start at
+  or beyond ``H + p`` is dropped. Windows are clipped to the input.
+* MAX ignores padding; ties keep the first maximum in row-major window order (strict ``>``);
+  the optional second top is the flat index ``h * W + w`` of the max (as float).
+* AVE divides by the window area clipped to the *padded* input ``[-p, H + p)``.
+* STOCHASTIC (no CPU version in Caffe; its GPU semantics): TRAIN samples a position with
+  probability proportional to its value (cct's RNG) and routes the gradient there; TEST gives
+  ``sum(x^2) / sum(x)`` over the window (cct backpropagates that formula exactly).
+
+Everything is vectorized over the batch and channels; the loops run over kernel offsets.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .. import rng
+from ..blob import Blob
+from ..proto import caffe_pb2
+from .base import Layer, register
+
+log = logging.getLogger("cct")
+
+_PP = caffe_pb2.PoolingParameter
+_FLT_MAX = float(np.finfo(np.float32).max)
+_FLT_MIN = float(np.finfo(np.float32).tiny)
+
+
+def pooled_size(size: int, kernel: int, pad: int, stride: int, padded: bool | None = None) -> int:
+    """Caffe's pooled output size along one axis: ceil, then, if the layer has any padding
+    (``padded``; default ``pad > 0``), drop a last window that starts at or beyond ``size + pad``."""
+    out = int(math.ceil(float(size + 2 * pad - kernel) / stride)) + 1
+    if padded is None:
+        padded = pad > 0
+    if padded and (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
+
+
+@register("Pooling")
+class PoolingLayer(Layer):
+    """Caffe's Pooling layer on 4-D blobs ``(N, C, H, W)``."""
+
+    param_fields = ("pooling_param",)
+    exact_num_bottom = 1
+    min_num_top = 1
+    max_num_top = 2
+
+    def layer_setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        p = self.param.pooling_param
+        self.method = p.pool
+        if self.method not in (_PP.MAX, _PP.AVE, _PP.STOCHASTIC):
+            raise self.unsupported(f"pool = {self.method}")
+        if len(top) > 1 and self.method != _PP.MAX:
+            raise self.error(f"takes at most 1 top blob(s) with pool {_PP.PoolMethod.Name(self.method)}, "
+                             f"got {len(top)} (only MAX pooling has the mask top)")
+        has_k, has_kh, has_kw = p.HasField("kernel_size"), p.HasField("kernel_h"), p.HasField("kernel_w")
+        self.global_pooling = bool(p.global_pooling)
+        if self.global_pooling:
+            if has_k or has_kh or has_kw:
+                raise self.error("With Global_pooling: true Filter size cannot specified")
+        else:
+            if has_k == (has_kh and has_kw):
+                raise self.error("Filter size is kernel_size OR kernel_h and kernel_w; not both")
+            if not (has_k or (has_kh and has_kw)):
+                raise self.error("For non-square filters both kernel_h and kernel_w are required.")
+        has_p, has_ph, has_pw = p.HasField("pad"), p.HasField("pad_h"), p.HasField("pad_w")
+        if not ((not has_p and has_ph and has_pw) or (not has_ph and not has_pw)):
+            raise self.error("pad is pad OR pad_h and pad_w are required.")
+        has_s, has_sh, has_sw = p.HasField("stride"), p.HasField("stride_h"), p.HasField("stride_w")
+        if not ((not has_s and has_sh and has_sw) or (not has_sh and not has_sw)):
+            raise self.error("Stride is stride OR stride_h and stride_w are required.")
+        if self.global_pooling:
+            self._check_4d(bottom[0])
+            self.kernel = (bottom[0].shape[2], bottom[0].shape[3])
+        elif has_k:
+            self.kernel = (int(p.kernel_size), int(p.kernel_size))
+        else:
+            self.kernel = (int(p.kernel_h), int(p.kernel_w))
+        if min(self.kernel) <= 0:
+            raise self.error(f"Filter dimensions cannot be zero (kernel {list(self.kernel)}).")
+        self.pad = (int(p.pad_h), int(p.pad_w)) if has_ph else (int(p.pad), int(p.pad))
+        self.stride = (int(p.stride_h), int(p.stride_w)) if has_sh else (int(p.stride), int(p.stride))
+        if min(self.stride) <= 0:
+            raise self.error(f"stride must be > 0 (stride {list(self.stride)})")
+        if self.global_pooling and (self.pad != (0, 0) or self.stride != (1, 1)):
+            raise self.error("With Global_pooling: true; only pad = 0 and stride = 1")
+        if self.pad != (0, 0):
+            if self.method not in (_PP.AVE, _PP.MAX):
+                raise self.error("Padding implemented only for average and max pooling.")
+            if self.pad[0] >= self.kernel[0] or self.pad[1] >= self.kernel[1]:
+                raise self.error(f"pad {list(self.pad)} must be smaller than the kernel {list(self.kernel)}")
+        if p.engine == _PP.CUDNN:
+            log.warning("layer '%s' (type Pooling): engine CUDNN requested; cct uses its own implementation",
+                        self.name)
+        self.arg = None
+        self.pool_size = None
+
+    def _check_4d(self, blob: Blob) -> None:
+        if blob.num_axes != 4:
+            raise self.error("Input must have 4 axes, corresponding to (num, channels, height, width); "
+                             f"got shape {list(blob.shape)}")
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        self._check_4d(bottom[0])
+        n, c, h, w = bottom[0].shape
+        if self.global_pooling:
+            self.kernel = (h, w)
+        (kh, kw), (ph, pw), (sh, sw) = self.kernel, self.pad, self.stride
+        padded = (ph, pw) != (0, 0)  # Caffe applies the drop rule to both axes if either is padded
+        oh, ow = pooled_size(h, kh, ph, sh, padded), pooled_size(w, kw, pw, sw, padded)
+        if oh <= 0 or ow <= 0:
+            raise self.error(f"kernel {list(self.kernel)} too large for the input {h}x{w} (pad {list(self.pad)})")
+        self.in_hw = (h, w)
+        self.out_hw = (oh, ow)
+        for t in top:
+            t.reshape((n, c, oh, ow))
+        # Padded working extent: every window fits, and the input sits at offset pad.
+        self.ext = (max(h + ph, (oh - 1) * sh + kh), max(w + pw, (ow - 1) * sw + kw))
+        if self.method == _PP.AVE:
+            xp = bottom[0].xp
+            hs = np.arange(oh) * sh - ph
+            ws = np.arange(ow) * sw - pw
+            area_h = np.minimum(hs + kh, h + ph) - hs
+            area_w = np.minimum(ws + kw, w + pw) - ws
+            self.pool_size = xp.asarray(np.outer(area_h, area_w).astype(bottom[0].dtype))
+
+    # -- helpers -------------------------------------------------------------------
+    def _offsets(self):
+        kh, kw = self.kernel
+        for i in range(kh):
+            for j in range(kw):
+                yield i, j
+
+    def _win(self, i: int, j: int) -> tuple:
+        (oh, ow), (sh, sw) = self.out_hw, self.stride
+        return (Ellipsis, slice(i, i + (oh - 1) * sh + 1, sh), slice(j, j + (ow - 1) * sw + 1, sw))
+
+    def _padded(self, x, fill: float):
+        xp = self.xp
+        n, c, h, w = x.shape
+        (ph, pw), (eh, ew) = self.pad, self.ext
+        if (ph, pw) == (0, 0) and (eh, ew) == (h, w):
+            return x
+        buf = xp.full((n, c, eh, ew), fill, dtype=x.dtype)
+        buf[:, :, ph:ph + h, pw:pw + w] = x
+        return buf
+
+    def _crop(self, buf):
+        (ph, pw), (h, w) = self.pad, self.in_hw
+        return buf[:, :, ph:ph + h, pw:pw + w]
+
+    def _valid(self, i: int, j: int):
+        """Mask (OH, OW) of windows whose offset (i, j) lies inside the (unpadded) input."""
+        (oh, ow), (sh, sw), (ph, pw), (h, w) = self.out_hw, self.stride, self.pad, self.in_hw
+        rows = np.arange(oh) * sh - ph + i
+        cols = np.arange(ow) * sw - pw + j
+        return self.xp.asarray(((rows >= 0) & (rows < h))[:, None] & ((cols >= 0) & (cols < w))[None, :])
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        self.xp = bottom[0].xp
+        x = bottom[0].data
+        if self.method == _PP.MAX:
+            self._forward_max(x, top)
+        elif self.method == _PP.AVE:
+            xpad = self._padded(x, 0.0)
+            out = top[0].data
+            out[...] = 0
+            for i, j in self._offsets():
+                out += xpad[self._win(i, j)]
+            with np.errstate(divide="ignore", invalid="ignore"):  # empty windows (stride > kernel), as Caffe
+                out /= self.pool_size
+        elif self.phase == caffe_pb2.TRAIN:
+            self._forward_stochastic_train(x, top[0].data)
+        else:
+            xpad = self._padded(x, 0.0)
+            s1 = self.xp.full(top[0].shape, _FLT_MIN, dtype=x.dtype)
+            s2 = self.xp.zeros(top[0].shape, dtype=x.dtype)
+            for i, j in self._offsets():
+                v = xpad[self._win(i, j)]
+                s1 += v
+                s2 += v * v
+            self.test_sum = s1
+            top[0].data[...] = s2 / s1
+
+    def _forward_max(self, x, top) -> None:
+        xp = self.xp
+        xpad = self._padded(x, -np.inf)
+        best = top[0].data
+        best[...] = -_FLT_MAX
+        arg = xp.full(best.shape, -1, dtype=np.int32)
+        k = 0
+        for i, j in self._offsets():
+            v = xpad[self._win(i, j)]
+            better = v > best
+            xp.copyto(best, v, where=better)
+            xp.copyto(arg, np.int32(k), where=better)
+            k += 1
+        self.arg = arg
+        if len(top) > 1:
+            (oh, ow), (sh, sw), (ph, pw), kw = self.out_hw, self.stride, self.pad, self.kernel[1]
+            w = self.in_hw[1]
+            hs = xp.asarray(np.arange(oh) * sh - ph)[:, None]
+            ws = xp.asarray(np.arange(ow) * sw - pw)[None, :]
+            flat = (hs + arg // kw) * w + ws + arg % kw
+            top[1].data[...] = xp.where(arg >= 0, flat, -1)
+
+    def _forward_stochastic_train(self, x, out) -> None:
+        xp = self.xp
+        xpad = self._padded(x, 0.0)
+        total = xp.zeros(out.shape, dtype=x.dtype)
+        for i, j in self._offsets():
+            total += xpad[self._win(i, j)]
+        u = xp.asarray(rng.get_rng().random(out.shape).astype(x.dtype))
+        thres = u * total
+        cum = xp.zeros(out.shape, dtype=x.dtype)
+        arg = xp.full(out.shape, -1, dtype=np.int32)
+        out[...] = 0
+        k = 0
+        for i, j in self._offsets():
+            v = xpad[self._win(i, j)]
+            cum += v
+            take = (cum >= thres) & (arg < 0) & self._valid(i, j)
+            xp.copyto(out, v, where=take)
+            xp.copyto(arg, np.int32(k), where=take)
+            k += 1
+        self.arg = arg
+
+    # -- backward --------------------------------------------------------------------
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool], bottom: Sequence[Blob]) -> None:
+        if not propagate_down[0]:
+            return
+        self.xp = xp = bottom[0].xp
+        dy = top[0].diff
+        n, c, h, w = bottom[0].shape
+        acc = xp.zeros((n, c) + self.ext, dtype=dy.dtype)
+        if self.method == _PP.AVE:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                g = dy / self.pool_size
+            for i, j in self._offsets():
+                acc[self._win(i, j)] += g
+        elif self.method == _PP.MAX or self.phase == caffe_pb2.TRAIN:
+            if self.arg is None:
+                raise self.error("backward called before forward")
+            zero = xp.zeros((), dtype=dy.dtype)
+            k = 0
+            for i, j in self._offsets():
+                acc[self._win(i, j)] += xp.where(self.arg == k, dy, zero)
+                k += 1
+        else:  # STOCHASTIC, TEST: y = sum(x^2) / sum(x) -> dy/dx = (2x - y) / sum(x)
+            x = bottom[0].data
+            xpad = self._padded(x, 0.0)
+            g = dy / self.test_sum
+            y = top[0].data
+            for i, j in self._offsets():
+                v = xpad[self._win(i, j)]
+                acc[self._win(i, j)] += g * (2 * v - y)
+        bottom[0].diff[...] = self._crop(acc)

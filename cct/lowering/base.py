@@ -1,0 +1,73 @@
+"""The lowering-strategy interface the convolution layers call, and its registry.
+
+A lowering turns a convolution into matrix multiplication (CcT paper, section 2). Every
+strategy computes the same three products on whole batches:
+
+* ``forward(x, w, b, geom)``: ``y = conv(x, w) + b`` with ``x`` ``(N, C, *in)``, ``w``
+  ``geom.weight_shape``, ``b`` ``(M,)`` or None; returns ``(N, M, *out)``.
+* ``backward_data(dy, w, geom)``: gradient of the input, ``(N, C, *in)``.
+* ``backward_weights(dy, x, geom)``: ``(dw, db)``; ``db`` is None when ``geom.bias_term`` is False.
+  These are fresh arrays: the caller accumulates them into the parameter diffs.
+
+``cost(geom, batch, machine)`` lets a scheduler pick a strategy per layer (CcT's optimizer).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .geometry import ConvGeometry
+
+
+class LoweringStrategy:
+    """Base class of convolution lowerings (see module docstring)."""
+
+    name: str = ""
+
+    def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
+        """Convolution of the whole batch ``x`` with weights ``w`` plus bias ``b`` (or None)."""
+        raise NotImplementedError
+
+    def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
+        """Gradient w.r.t. the input (the transposed convolution of ``dy``)."""
+        raise NotImplementedError
+
+    def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
+        """Gradients w.r.t. the weights and the bias (None without bias)."""
+        raise NotImplementedError
+
+    def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:
+        """Estimated cost of one forward pass; default: the GEMM flop count ``2 N M K P``."""
+        return float(2 * batch * geom.channels_out * geom.kernel_dim * geom.out_size)
+
+    def __repr__(self) -> str:
+        return f"<lowering {self.name}>"
+
+
+_STRATEGIES: dict[str, Callable[[], LoweringStrategy]] = {}
+
+
+def register_strategy(name: str, factory: Callable[[], LoweringStrategy]) -> None:
+    """Register a lowering under ``name`` (a class or any zero-argument factory)."""
+    _STRATEGIES[name] = factory
+
+
+def strategy_names() -> list[str]:
+    """Names of the registered lowerings."""
+    _ensure_builtin()
+    return sorted(_STRATEGIES)
+
+
+def get_strategy(name: str) -> LoweringStrategy:
+    """A new instance of the lowering registered as ``name`` (KeyError naming the known ones)."""
+    _ensure_builtin()
+    try:
+        factory = _STRATEGIES[name]
+    except KeyError:
+        raise KeyError(f"unknown lowering '{name}' (known: {', '.join(sorted(_STRATEGIES))})") from None
+    return factory()
+
+
+def _ensure_builtin() -> None:
+    # Importing the built-in lowerings registers them (avoids an import cycle with this module).
+    from . import type1  # noqa: F401

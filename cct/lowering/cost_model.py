@@ -1,0 +1,314 @@
+"""Cost model of the lowerings (CcT paper Figure 6), in predicted seconds.
+
+:func:`figure6` gives the paper's analytic quantities for one convolution (lowered matrix
+sizes, GEMM flops, lifting flops, RAM read by the lifting), generalized to padding, stride,
+dilation, rectangular kernels, groups and batches. :func:`pass_ops` breaks one pass (``fwd``,
+``bwd_data``, ``bwd_weights``) of a lowering into the primitive operations the
+implementations actually run -- GEMMs of given ``(M, N, K)`` and element-wise copy / add /
+zero-fill sweeps -- and :func:`predict_seconds` prices them with the measured constants of a
+:class:`Machine` (see :mod:`cct.lowering.calibrate`).
+
+GEMM throughput is not one number: it depends on the matrix aspect. A Machine holds GFLOPS
+measured on two grids, "big N" (``(M, K)`` small/medium, N = the batch*pixel dimension,
+forward and data-gradient GEMMs) and "big K" (``(M, N)`` grid, K = batch*pixels, the weight
+gradient GEMM), interpolated bilinearly in log space, times a correction for a small "big"
+dimension (Caffe-style ``b_p = 1`` GEMMs).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .geometry import ConvGeometry
+
+PASSES = ("fwd", "bwd_data", "bwd_weights")
+KNOWN_TYPES = ("type1", "type2", "type3")
+
+
+# ----------------------------------------------------------------------------------------------
+# machine constants
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Machine:
+    """Measured constants of one machine/BLAS setup (see :mod:`cct.lowering.calibrate`).
+
+    ``grid_dims``: the small dimensions of the GEMM grids; ``gemm_bign[i][j]`` is GFLOPS of
+    ``(M=grid_dims[i], K=grid_dims[j])`` with a large N; ``gemm_bigk[i][j]`` of ``(M, N) =
+    (grid_dims[i], grid_dims[j])`` with a large K. ``big_curve``: ``[(big, factor)]``, the
+    throughput of a ``(256, big, 256)`` GEMM relative to the grid's big size.
+    ``*_ns``: nanoseconds per element of the element-wise sweeps (float32).
+    """
+
+    grid_dims: list[int]
+    gemm_bign: list[list[float]]
+    gemm_bigk: list[list[float]]
+    big_curve: list[tuple[int, float]] = field(default_factory=list)
+    copy_ns: float = 1.0
+    add_ns: float = 1.5
+    zero_ns: float = 0.3
+    gemm_overhead_s: float = 5e-6
+    threads: int = 1
+    backend: str = "openblas"
+    kernel: str = ""
+    key: str = ""
+    nominal: bool = False
+    info: dict = field(default_factory=dict)
+
+    # -- GEMM ---------------------------------------------------------------------------
+    def gemm_gflops(self, m: int, n: int, k: int) -> float:
+        """Predicted GFLOPS of one ``(m, k) @ (k, n)`` GEMM."""
+        if n >= k:
+            gf = _interp2(self.grid_dims, self.gemm_bign, m, k)
+            big = n
+        else:
+            gf = _interp2(self.grid_dims, self.gemm_bigk, m, n)
+            big = k
+        return gf * _interp1(self.big_curve, big)
+
+    def gemm_seconds(self, m: int, n: int, k: int) -> float:
+        """Predicted seconds of one GEMM (flops / interpolated throughput + call overhead)."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return self.gemm_overhead_s
+        return 2.0 * m * n * k / (self.gemm_gflops(m, n, k) * 1e9) + self.gemm_overhead_s
+
+    def elem_seconds(self, kind: str, elems: float) -> float:
+        """Predicted seconds of an element-wise sweep (``copy``, ``add`` or ``zero``)."""
+        ns = {"copy": self.copy_ns, "add": self.add_ns, "zero": self.zero_ns}[kind]
+        return elems * ns * 1e-9
+
+    # -- persistence ----------------------------------------------------------------------
+    def to_json(self) -> dict:
+        """JSON-serializable dict (inverse of :meth:`from_json`)."""
+        d = asdict(self)
+        d["big_curve"] = [list(p) for p in self.big_curve]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Machine:
+        """Rebuild a Machine from :meth:`to_json` output."""
+        d = dict(d)
+        d["big_curve"] = [tuple(p) for p in d.get("big_curve", [])]
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def nominal_machine(gflops: float = 100.0) -> Machine:
+    """An unmeasured machine: flat GEMM throughput, with the usual small-dimension falloff."""
+    dims = [4, 16, 64, 256, 1024, 4096]
+
+    def eff(a: int) -> float:
+        return a / (a + 24.0)
+
+    bign = [[gflops * eff(m) * eff(k) for k in dims] for m in dims]
+    return Machine(grid_dims=dims, gemm_bign=bign, gemm_bigk=[row[:] for row in bign],
+                   big_curve=[(16, 0.3), (128, 0.7), (1024, 0.95), (8192, 1.0)], nominal=True)
+
+
+def _interp1(curve, x: float) -> float:
+    if not curve:
+        return 1.0
+    pts = sorted(curve)
+    if x <= pts[0][0]:
+        return float(pts[0][1])
+    if x >= pts[-1][0]:
+        return float(pts[-1][1])
+    lx = math.log(x)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            t = (lx - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp((1 - t) * math.log(y0) + t * math.log(y1))
+    return float(pts[-1][1])  # pragma: no cover
+
+
+def _axis_pos(dims, v: float) -> tuple[int, int, float]:
+    lv = math.log(max(v, 1e-9))
+    if v <= dims[0]:
+        return 0, 0, 0.0
+    if v >= dims[-1]:
+        n = len(dims) - 1
+        return n, n, 0.0
+    for i in range(len(dims) - 1):
+        if dims[i] <= v <= dims[i + 1]:
+            t = (lv - math.log(dims[i])) / (math.log(dims[i + 1]) - math.log(dims[i]))
+            return i, i + 1, t
+    return len(dims) - 1, len(dims) - 1, 0.0  # pragma: no cover
+
+
+def _interp2(dims, grid, a: float, b: float) -> float:
+    """Bilinear interpolation of ``log(grid)`` over ``(log a, log b)``, clamped at the edges."""
+    i0, i1, ta = _axis_pos(dims, a)
+    j0, j1, tb = _axis_pos(dims, b)
+
+    def lg(i, j):
+        return math.log(max(grid[i][j], 1e-6))
+
+    v = ((1 - ta) * (1 - tb) * lg(i0, j0) + ta * (1 - tb) * lg(i1, j0)
+         + (1 - ta) * tb * lg(i0, j1) + ta * tb * lg(i1, j1))
+    return math.exp(v)
+
+
+# ----------------------------------------------------------------------------------------------
+# analytic model
+# ----------------------------------------------------------------------------------------------
+def lowered_axes(name: str, geom: ConvGeometry) -> tuple[int, ...]:
+    """Spatial axes a lowering replicates (type1: all, type2: the last, type3: none)."""
+    nd = geom.num_spatial
+    if name == "type1":
+        return tuple(range(nd))
+    if name == "type2":
+        return (nd - 1,) if nd else ()
+    if name == "type3":
+        return ()
+    from .base import get_strategy
+
+    strat = get_strategy(name)
+    if hasattr(strat, "lowered_axes"):
+        return tuple(strat.lowered_axes(geom))
+    raise KeyError(f"no cost model for lowering '{name}'")
+
+
+def _extents(geom: ConvGeometry) -> tuple[int, ...]:
+    return tuple(max(0, (o - 1) * s + (k - 1) * d + 1) if o > 0 else 0
+                 for o, s, k, d in zip(geom.out_shape, geom.stride, geom.kernel, geom.dilation))
+
+
+def _shape_terms(name: str, geom: ConvGeometry, batch: int) -> dict:
+    nd = geom.num_spatial
+    low = set(lowered_axes(name, geom))
+    ext = _extents(geom)
+    if name == "type1":
+        # type1 pads to max(in + 2p, ext) (im2col's padded copy)
+        ext = tuple(max(i + 2 * p, e) for i, p, e in zip(geom.in_shape, geom.pad, ext))
+    k_low = math.prod(geom.kernel[i] for i in range(nd) if i in low)
+    k_lift = math.prod(geom.kernel[i] for i in range(nd) if i not in low)
+    cols = batch * math.prod(geom.out_shape[i] if i in low else ext[i] for i in range(nd))
+    return {"g": geom.group, "cg": geom.channels_in // geom.group, "mg": geom.channels_out // geom.group,
+            "C": geom.channels_in, "M": geom.channels_out, "k_low": k_low, "k_lift": k_lift, "cols": cols,
+            "E": batch * math.prod(ext), "P": batch * geom.out_size, "I": batch * geom.in_size,
+            "lifted": len(low) < nd}
+
+
+def figure6(name: str, geom: ConvGeometry, batch: int = 1) -> dict:
+    """The paper's Figure 6 row for one lowering (per group sizes, totals over groups).
+
+    Keys: ``lowered_data`` (rows, cols), ``lowered_kernel`` (rows, cols), ``gemm_output``
+    (rows, cols), ``gemm_flops``, ``lifting_flops``, ``lifting_ram_read`` (elements),
+    ``lowering_elems`` (elements written by the lowering).
+    """
+    t = _shape_terms(name, geom, batch)
+    g, cg, mg, kl, kf, cols, P = t["g"], t["cg"], t["mg"], t["k_low"], t["k_lift"], t["cols"], t["P"]
+    lifting = (kf - 1) * geom.channels_out * P if t["lifted"] else 0
+    return {
+        "lowered_data": (cg * kl, cols),
+        "lowered_kernel": (mg * kf, cg * kl),
+        "gemm_output": (mg * kf, cols),
+        "gemm_flops": 2 * g * mg * kf * cg * kl * cols,
+        "lifting_flops": lifting,
+        "lifting_ram_read": g * mg * kf * cols if t["lifted"] else geom.channels_out * P,
+        "lowering_elems": t["C"] * kl * cols if kl > 1 or name == "type1" else 0,
+    }
+
+
+def pass_ops(name: str, geom: ConvGeometry, batch: int, pass_: str = "fwd") -> list[tuple]:
+    """Primitive operations of one pass: ``("gemm", m, n, k, count)`` and ``(kind, elems)``.
+
+    Mirrors the implementations in ``type1.py`` / ``type2.py`` (type 3 = no lowered axis).
+    """
+    t = _shape_terms(name, geom, batch)
+    g, cg, mg, C, M = t["g"], t["cg"], t["mg"], t["C"], t["M"]
+    kl, kf, cols, E, P, inp = t["k_low"], t["k_lift"], t["cols"], t["E"], t["P"], t["I"]
+    lowered = kl > 1 or name == "type1"
+    ops: list[tuple] = []
+
+    def lower():
+        ops.append(("zero", C * E))
+        ops.append(("copy", C * inp))
+        if lowered:
+            ops.append(("copy", C * kl * cols))
+
+    def scatter():
+        if t["lifted"]:
+            ops.append(("zero", g * mg * kf * cols))
+            ops.append(("copy", kf * M * P))
+        else:
+            ops.append(("copy", M * P))
+
+    if pass_ == "fwd":
+        lower()
+        ops.append(("gemm", mg * kf, cols, cg * kl, g))
+        if t["lifted"]:
+            ops.append(("copy", M * P))
+            ops.append(("add", (kf - 1) * M * P))
+        else:
+            ops.append(("copy", M * P))
+        ops.append(("add", M * P))  # bias
+    elif pass_ == "bwd_data":
+        scatter()
+        ops.append(("gemm", cg * kl, cols, mg * kf, g))
+        if lowered:
+            ops.append(("zero", C * E))
+            ops.append(("add", C * kl * cols))
+        ops.append(("zero", C * inp))
+        ops.append(("copy", C * inp))
+    elif pass_ == "bwd_weights":
+        lower()
+        scatter()
+        ops.append(("gemm", mg * kf, cg * kl, cols, g))
+        ops.append(("add", M * P))  # bias reduction
+    else:
+        raise ValueError(f"unknown pass {pass_!r}: expected one of {PASSES} or 'total'")
+    return ops
+
+
+def predict_breakdown(name: str, geom: ConvGeometry, batch: int, machine: Machine | None = None,
+                      pass_: str = "fwd") -> dict:
+    """Predicted seconds of one pass split into ``gemm``, ``lowering``/``lifting`` (element-wise)."""
+    if machine is None:
+        from .calibrate import load_machine
+
+        machine = load_machine(measure_if_missing=False)
+    passes = PASSES if pass_ == "total" else (pass_,)
+    gemm = elem = 0.0
+    for p in passes:
+        for op in pass_ops(name, geom, batch, p):
+            if op[0] == "gemm":
+                _, m, n, k, count = op
+                gemm += count * machine.gemm_seconds(m, n, k)
+            else:
+                elem += machine.elem_seconds(op[0], op[1])
+    return {"gemm": gemm, "elementwise": elem, "total": gemm + elem}
+
+
+def predict_seconds(name: str, geom: ConvGeometry, batch: int, machine: Machine | None = None,
+                    pass_: str = "fwd") -> float:
+    """Predicted seconds of ``pass_`` (``fwd``/``bwd_data``/``bwd_weights``/``total``) of a lowering."""
+    return predict_breakdown(name, geom, batch, machine, pass_)["total"]
+
+
+def workspace_bytes(name: str, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
+    """Peak temporary memory (bytes) of one pass of a lowering on ``batch`` images.
+
+    Counted: padded input, lowered data (all groups), one group's GEMM output, and for the
+    backward passes the scattered gradient; it grows linearly with ``batch``.
+    """
+    t = _shape_terms(name, geom, batch)
+    lowered = t["C"] * t["k_low"] * t["cols"] if (t["k_low"] > 1 or name == "type1") else 0
+    result = t["mg"] * t["k_lift"] * t["cols"]
+    return int(itemsize * (t["C"] * t["E"] + lowered + 2 * result + t["M"] * t["P"]))
+
+
+def describe_ops(name: str, geom: ConvGeometry, batch: int, pass_: str = "fwd") -> str:
+    """Human-readable list of the primitive operations (debugging aid)."""
+    parts = []
+    for op in pass_ops(name, geom, batch, pass_):
+        if op[0] == "gemm":
+            parts.append(f"{op[4]}x gemm({op[1]}x{op[3]} @ {op[3]}x{op[2]})")
+        else:
+            parts.append(f"{op[0]} {op[1]:.3g}")
+    return "; ".join(parts)
+
+
+def as_dict(machine: Machine | Any) -> dict:
+    """Machine -> dict (for benchmark JSON)."""
+    return machine.to_json() if isinstance(machine, Machine) else dict(machine)

@@ -1,0 +1,213 @@
+"""CcT's automatic lowering optimizer: pick the lowering with the least predicted time.
+
+For each convolution the optimizer prices every lowering that :meth:`supports` the geometry
+with :func:`cct.lowering.cost_model.predict_seconds` on the calibrated :class:`Machine`, and
+picks the cheapest -- per pass (forward, data gradient, weight gradient) when mixing saves
+more than ``min_gain`` of the total, else one lowering for all passes. All lowerings compute
+the same function, so mixing them is exact.
+
+Overrides: a ``{layer_name: lowering}`` mapping, or the ``CCT_LOWERING`` environment variable
+(``type1`` for every layer, or ``conv1=type3,conv5=type1``); an override wins over the model.
+
+Log line format (:func:`describe_choice`)::
+
+    conv5: lowering type 3 (predicted fwd 11.2 ms; type 1 13.0, type 2 12.1)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from . import type2, type3  # noqa: F401  (register "type2" / "type3")
+from .base import LoweringStrategy, get_strategy, strategy_names
+from .cost_model import KNOWN_TYPES, PASSES, Machine, predict_seconds
+from .geometry import ConvGeometry
+
+
+def supports(strategy: LoweringStrategy, geom: ConvGeometry) -> bool:
+    """``strategy.supports(geom)`` when the strategy defines it, else True."""
+    fn = getattr(strategy, "supports", None)
+    return True if fn is None else bool(fn(geom))
+
+
+def candidates(geom: ConvGeometry, names: list[str] | None = None) -> list[str]:
+    """Registered lowerings with a cost model that can compute ``geom``."""
+    pool = names if names is not None else [n for n in strategy_names() if n in KNOWN_TYPES]
+    return [n for n in pool if supports(get_strategy(n), geom)]
+
+
+def predictions(geom: ConvGeometry, batch: int, machine: Machine | None = None, pass_: str = "fwd",
+                names: list[str] | None = None) -> dict[str, float]:
+    """Predicted seconds of ``pass_`` for every candidate lowering."""
+    machine = _machine(machine)
+    return {n: predict_seconds(n, geom, batch, machine, pass_) for n in candidates(geom, names)}
+
+
+def choose_lowering(geom: ConvGeometry, batch: int, machine: Machine | None = None, pass_: str = "fwd",
+                    names: list[str] | None = None, override: str | None = None) -> tuple[str, dict[str, float]]:
+    """``(name, {name: predicted seconds})``: the cheapest lowering for ``pass_``.
+
+    ``pass_``: ``fwd``, ``bwd_data``, ``bwd_weights`` or ``total``. ``override`` (a lowering
+    name) is returned as is when it supports ``geom`` (ValueError otherwise).
+    """
+    preds = predictions(geom, batch, machine, pass_, names)
+    if override:
+        if not supports(get_strategy(override), geom):
+            raise ValueError(f"lowering '{override}' cannot compute this convolution")
+        return override, preds
+    if not preds:
+        raise ValueError("no lowering supports this convolution")
+    best = min(preds, key=lambda n: (preds[n], n))
+    return best, preds
+
+
+@dataclass
+class LoweringPlan:
+    """The chosen lowering per pass and the predictions behind the choice."""
+
+    fwd: str
+    bwd_data: str
+    bwd_weights: str
+    predictions: dict[str, dict[str, float]] = field(default_factory=dict)
+    overridden: bool = False
+
+    @property
+    def single(self) -> str | None:
+        """The lowering name when every pass uses the same one, else None."""
+        return self.fwd if self.fwd == self.bwd_data == self.bwd_weights else None
+
+    def strategy(self) -> LoweringStrategy:
+        """A strategy object implementing this plan (plain or :class:`PerPassLowering`)."""
+        if self.single is not None:
+            return get_strategy(self.single)
+        return PerPassLowering(get_strategy(self.fwd), get_strategy(self.bwd_data), get_strategy(self.bwd_weights))
+
+    def predicted(self, pass_: str) -> float:
+        """Predicted seconds of the chosen lowering for ``pass_`` (or ``total``)."""
+        if pass_ == "total":
+            return sum(self.predicted(p) for p in PASSES)
+        return self.predictions[pass_][getattr(self, pass_)]
+
+
+def choose_plan(geom: ConvGeometry, batch: int, machine: Machine | None = None, per_pass: bool = True,
+                min_gain: float = 0.05, override: str | None = None,
+                names: list[str] | None = None) -> LoweringPlan:
+    """Pick the lowering(s) for a layer: one for all passes, or one per pass if that saves
+    more than ``min_gain`` (fraction) of the predicted total."""
+    machine = _machine(machine)
+    preds = {p: predictions(geom, batch, machine, p, names) for p in PASSES}
+    if override:
+        if not supports(get_strategy(override), geom):
+            raise ValueError(f"lowering '{override}' cannot compute this convolution")
+        return LoweringPlan(override, override, override, preds, overridden=True)
+    common = [n for n in preds["fwd"] if all(n in preds[p] for p in PASSES)]
+    if not common:
+        raise ValueError("no lowering supports this convolution")
+    totals = {n: sum(preds[p][n] for p in PASSES) for n in common}
+    single = min(common, key=lambda n: (totals[n], n))
+    if per_pass:
+        best = {p: min(preds[p], key=lambda n, p=p: (preds[p][n], n)) for p in PASSES}
+        mixed = sum(preds[p][best[p]] for p in PASSES)
+        if mixed < (1.0 - min_gain) * totals[single]:
+            return LoweringPlan(best["fwd"], best["bwd_data"], best["bwd_weights"], preds)
+    return LoweringPlan(single, single, single, preds)
+
+
+class PerPassLowering(LoweringStrategy):
+    """A lowering that delegates each pass to a (possibly different) strategy."""
+
+    name = "per-pass"
+
+    def __init__(self, fwd: LoweringStrategy, bwd_data: LoweringStrategy, bwd_weights: LoweringStrategy):
+        self.fwd, self.bwd_data, self.bwd_weights = fwd, bwd_data, bwd_weights
+        self.name = f"per-pass({fwd.name},{bwd_data.name},{bwd_weights.name})"
+
+    def supports(self, geom: ConvGeometry) -> bool:
+        """True when all three delegates support ``geom``."""
+        return all(supports(s, geom) for s in (self.fwd, self.bwd_data, self.bwd_weights))
+
+    def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
+        return self.fwd.forward(x, w, b, geom)
+
+    def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
+        return self.bwd_data.backward_data(dy, w, geom)
+
+    def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
+        return self.bwd_weights.backward_weights(dy, x, geom)
+
+    def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:
+        return self.fwd.cost(geom, batch, machine)
+
+
+def _pretty(name: str) -> str:
+    return f"type {name[4:]}" if name.startswith("type") and name[4:].isdigit() else name
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def describe_choice(layer_name: str, name: str | LoweringPlan, preds: Mapping[str, float] | None = None,
+                    pass_: str = "fwd") -> str:
+    """The optimizer's log line, e.g.
+    ``conv5: lowering type 3 (predicted fwd 11.2 ms; type 1 13.0, type 2 12.1)``.
+
+    Accepts ``(layer, name, predictions, pass_)`` or ``(layer, plan)``; a per-pass plan adds
+    one clause per pass whose choice differs from the forward one.
+    """
+    if isinstance(name, LoweringPlan):
+        plan = name
+        line = describe_choice(layer_name, plan.fwd, plan.predictions.get("fwd", {}), "fwd")
+        extra = []
+        for p in ("bwd_data", "bwd_weights"):
+            chosen = getattr(plan, p)
+            if chosen != plan.fwd:
+                others = ", ".join(f"{_pretty(n)} {_ms(v)}" for n, v in sorted(plan.predictions[p].items())
+                                   if n != chosen)
+                extra.append(f"{p} {_pretty(chosen)} (predicted {_ms(plan.predictions[p][chosen])} ms; {others})")
+        if plan.overridden:
+            line += " [override]"
+        return line + ("; " + "; ".join(extra) if extra else "")
+    preds = dict(preds or {})
+    head = f"{layer_name}: lowering {_pretty(name)}"
+    if name not in preds:
+        return head
+    others = ", ".join(f"{_pretty(n)} {_ms(v)}" for n, v in sorted(preds.items()) if n != name)
+    return f"{head} (predicted {pass_} {_ms(preds[name])} ms" + (f"; {others})" if others else ")")
+
+
+def parse_overrides(spec: str | None = None) -> dict[str, str]:
+    """Parse ``CCT_LOWERING`` (or ``spec``): ``"type1"`` -> ``{"*": "type1"}``;
+    ``"conv1=type3,conv5=type1"`` -> per-layer mapping."""
+    spec = os.environ.get("CCT_LOWERING", "") if spec is None else spec
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if "=" in part:
+            k, v = part.split("=", 1)
+            out[k.strip()] = v.strip()
+        else:
+            out["*"] = part
+    for v in out.values():
+        get_strategy(v)  # KeyError naming the known lowerings
+    return out
+
+
+def lowering_for_layer(layer_name: str, geom: ConvGeometry, batch: int, machine: Machine | None = None,
+                       overrides: Mapping[str, str] | None = None, per_pass: bool = True,
+                       min_gain: float = 0.05) -> tuple[LoweringStrategy, LoweringPlan, str]:
+    """``(strategy, plan, log line)`` for one conv layer (what an engine calls at setup)."""
+    ov = dict(parse_overrides()) if overrides is None else dict(overrides)
+    override = ov.get(layer_name, ov.get("*"))
+    plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override)
+    return plan.strategy(), plan, describe_choice(layer_name, plan)
+
+
+def _machine(machine: Machine | None) -> Machine:
+    if machine is not None:
+        return machine
+    from .calibrate import load_machine
+
+    return load_machine(measure_if_missing=True)

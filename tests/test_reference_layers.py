@@ -1,0 +1,17 @@
+"""Every unit case of ../shared/reference (outputs of real BVLC Caffe), layer by layer, to 1e-4."""
+import pytest
+
+from refcase import list_cases, max_rel_err, reference_available, run_case_layerwise
+
+pytestmark = pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
+
+UNIT_CASES = list_cases("unit") if reference_available() else []
+
+
+@pytest.mark.parametrize("case", UNIT_CASES)
+def test_unit_case_matches_caffe(case):
+    results = run_case_layerwise(case)
+    assert results, f"{case}: nothing compared"
+    for what, ours, theirs in results:
+        err = max_rel_err(ours, theirs)
+        assert err <= 1e-4, f"{case}: {what} differs from Caffe by {err:.3g} (relative to its max)"
