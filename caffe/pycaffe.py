@@ -27,16 +27,16 @@ class Net:
         self._net = cct.Net(network_file, phase, weights=weights, level=level, stages=stages or None)
 
     @classmethod
-    def _wrap(cls, net: cct.Net) -> "Net":
+    def _wrap(cls, net: cct.Net) -> Net:
         return cls(None, _net=net)
 
     # -- pycaffe's attributes -------------------------------------------------------
     @property
-    def blobs(self) -> "OrderedDict[str, cct.Blob]":
+    def blobs(self) -> OrderedDict[str, cct.Blob]:
         return OrderedDict(self._net.blobs)
 
     @property
-    def blob_loss_weights(self) -> "OrderedDict[str, float]":
+    def blob_loss_weights(self) -> OrderedDict[str, float]:
         return OrderedDict((n, self._net.blob_loss_weights.get(n, 0.0)) for n in self._net.blobs)
 
     @property
@@ -44,11 +44,11 @@ class Net:
         return list(self._net.layers)
 
     @property
-    def layer_dict(self) -> "OrderedDict[str, object]":
+    def layer_dict(self) -> OrderedDict[str, object]:
         return OrderedDict(zip(self._net.layer_names, self._net.layers))
 
     @property
-    def params(self) -> "OrderedDict[str, list]":
+    def params(self) -> OrderedDict[str, list]:
         return self._net.layer_params
 
     @property
@@ -72,11 +72,11 @@ class Net:
         return list(self._net.output_blob_names)
 
     @property
-    def top_names(self) -> "OrderedDict[str, list[str]]":
+    def top_names(self) -> OrderedDict[str, list[str]]:
         return OrderedDict(zip(self._net.layer_names, [list(t) for t in self._net.top_names]))
 
     @property
-    def bottom_names(self) -> "OrderedDict[str, list[str]]":
+    def bottom_names(self) -> OrderedDict[str, list[str]]:
         return OrderedDict(zip(self._net.layer_names, [list(b) for b in self._net.bottom_names]))
 
     @property
@@ -196,7 +196,7 @@ class Net:
     def copy_from(self, filename: str) -> None:
         self._net.copy_from(filename)
 
-    def share_with(self, other: "Net") -> None:
+    def share_with(self, other: Net) -> None:
         self._net.share_weights_with(other._net)
 
     def save(self, filename: str) -> None:

@@ -32,8 +32,9 @@ import platform
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -496,7 +497,8 @@ def describe() -> str:
     """One line naming the backend, its kernel and thread count (for logs and benchmarks)."""
     info = blas_info()
     arch = info.get("architecture") or "-"
-    s = f"BLAS {info['backend']} ({info.get('internal_api', '?')}, kernel {arch}, {info.get('num_threads', '?')} threads)"
+    s = (f"BLAS {info['backend']} ({info.get('internal_api', '?')}, kernel {arch}, "
+         f"{info.get('num_threads', '?')} threads)")
     if info["env"]:
         s += " env " + " ".join(f"{k}={v}" for k, v in info["env"].items())
     return s

@@ -6,7 +6,7 @@ and ``share_*`` rebind the arrays.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -57,10 +57,10 @@ class Blob:
         self.data = self.xp.zeros(shape, dtype=self.dtype)
         self.diff = self.xp.zeros(shape, dtype=self.dtype)
 
-    def reshape_like(self, other: "Blob") -> None:
+    def reshape_like(self, other: Blob) -> None:
         self.reshape(other.shape)
 
-    def share_data(self, other: "Blob", shape: Sequence[int] | None = None) -> None:
+    def share_data(self, other: Blob, shape: Sequence[int] | None = None) -> None:
         """Make ``data`` a view of another blob's data (optionally with a new shape)."""
         shape = other.shape if shape is None else tuple(int(d) for d in shape)
         self._shape = shape
@@ -68,7 +68,7 @@ class Blob:
         if self.diff.shape != shape:
             self.diff = self.xp.zeros(shape, dtype=self.dtype)
 
-    def share_diff(self, other: "Blob", shape: Sequence[int] | None = None) -> None:
+    def share_diff(self, other: Blob, shape: Sequence[int] | None = None) -> None:
         """Make ``diff`` a view of another blob's diff (optionally with a new shape)."""
         shape = other.shape if shape is None else tuple(int(d) for d in shape)
         self.diff = other.diff.reshape(shape)

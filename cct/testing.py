@@ -7,7 +7,7 @@ layer allows (blobs created with ``dtype=np.float64``) for tight tolerances.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

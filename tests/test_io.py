@@ -20,7 +20,6 @@ from cct.io import (
     write_binaryproto,
 )
 from cct.io.caffemodel import (
-    array_to_blobproto_fast,
     legacy_shape_equals,
     read_caffemodel,
     read_weights,
@@ -357,7 +356,7 @@ def test_caffemodel_round_trip_is_byte_identical(tmp_path):
     l = net.layer.add(name="ip", type="InnerProduct", bottom=["x"], top=["y"])
     l.inner_product_param.num_output = 3
     l.blobs.append(array_to_blobproto(rng.standard_normal((3, 7))))
-    l.blobs.append(array_to_blobproto_fast(rng.standard_normal(3), diff=rng.standard_normal(3)))
+    l.blobs.append(array_to_blobproto(rng.standard_normal(3), diff=rng.standard_normal(3)))
     net.layer.add(name="r", type="ReLU", bottom=["y"], top=["y"])
     path = tmp_path / "n.caffemodel"
     write_caffemodel(path, net)
@@ -374,12 +373,19 @@ def test_caffemodel_round_trip_is_byte_identical(tmp_path):
     assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # as a plain open() would create it
 
 
-def test_fast_blobproto_matches_slow():
+def test_array_to_blobproto_matches_field_by_field_construction():
     rng = np.random.default_rng(2)
     a, d = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 4))
-    assert array_to_blobproto_fast(a, d) == array_to_blobproto(a, d)
-    assert array_to_blobproto_fast(a).SerializeToString() == array_to_blobproto(a).SerializeToString()
-    assert array_to_blobproto_fast(np.zeros((0,))) == array_to_blobproto(np.zeros((0,)))
+    expected = caffe_pb2.BlobProto()
+    expected.shape.dim.extend([2, 3, 4])
+    expected.data.extend(a.astype(np.float32).ravel().tolist())
+    expected.diff.extend(d.astype(np.float32).ravel().tolist())
+    assert array_to_blobproto(a, d) == expected
+    expected.ClearField("diff")
+    assert array_to_blobproto(a).SerializeToString() == expected.SerializeToString()
+    empty = caffe_pb2.BlobProto()
+    empty.shape.dim.append(0)
+    assert array_to_blobproto(np.zeros((0,))) == empty
 
 
 def test_reference_lenet_weights():
@@ -426,7 +432,7 @@ def test_caffemodel_errors(tmp_path):
 def test_caffemodel_larger_than_64mb(tmp_path):
     big = np.arange(17_000_000, dtype=np.float32)  # 68 MB of floats
     net = caffe_pb2.NetParameter(name="big")
-    net.layer.add(name="ip", type="InnerProduct").blobs.append(array_to_blobproto_fast(big.reshape(1000, 17000)))
+    net.layer.add(name="ip", type="InnerProduct").blobs.append(array_to_blobproto(big.reshape(1000, 17000)))
     path = tmp_path / "big.caffemodel"
     write_caffemodel(path, net)
     del net

@@ -1,6 +1,5 @@
 """Every unit case of ../shared/reference (outputs of real BVLC Caffe), layer by layer, to 1e-4."""
 import pytest
-
 from refcase import list_cases, max_rel_err, reference_available, run_case_layerwise
 
 pytestmark = pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")

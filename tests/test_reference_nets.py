@@ -4,11 +4,11 @@ import os
 
 import numpy as np
 import pytest
+from refcase import REFERENCE_DIR, list_cases, load_case, max_rel_err, reference_available
 
 import cct
 from cct.io.prototxt import read_net_prototxt
 from cct.proto import caffe_pb2
-from refcase import REFERENCE_DIR, list_cases, load_case, max_rel_err, reference_available
 
 pytestmark = pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
 

@@ -1,20 +1,32 @@
-"""Crash-safe file writes: write a temp file beside the target, fsync, then rename."""
+"""Crash-safe file writes: write a temp file beside the target, fsync, then rename over it."""
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that readers see the old or the new file, never a torn one."""
+def default_file_mode() -> int:
+    """0666 minus the umask: the mode ``open(path, "w")`` would give (mkstemp's temp files are 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Let ``write(tmp_path)`` create the file at a temp path beside ``path``, then rename it into place.
+
+    Readers see the old file or the new one, never a torn one; a crash leaves no partial target.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=directory)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -22,10 +34,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
-def atomic_tmp_path(path: str | os.PathLike) -> str:
-    """A temp path in the same directory as ``path`` (for writers such as h5py that need a filename)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=directory)
-    os.close(fd)
-    return tmp
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    atomic_write(path, write)

@@ -36,18 +36,39 @@ def blobproto_to_array(proto: caffe_pb2.BlobProto, return_diff: bool = False) ->
     return arr.reshape(shape)
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _packed_floats(field_tag: bytes, arr) -> bytes:
+    raw = np.ascontiguousarray(np.asarray(arr), dtype="<f4").tobytes()
+    return field_tag + _varint(len(raw)) + raw
+
+
 def array_to_blobproto(arr, diff=None, legacy_4d: bool = False) -> caffe_pb2.BlobProto:
-    """A BlobProto holding ``arr`` (and ``diff``); ``legacy_4d`` writes num/channels/height/width."""
+    """A BlobProto holding ``arr`` (and ``diff``); ``legacy_4d`` writes num/channels/height/width.
+
+    The packed float fields are built from the array's bytes (fast for large weights).
+    """
     arr = np.asarray(arr)
+    parts = [_packed_floats(b"\x2a", arr)]  # field 5: data
+    if diff is not None:
+        parts.append(_packed_floats(b"\x32", diff))  # field 6: diff
     proto = caffe_pb2.BlobProto()
+    proto.ParseFromString(b"".join(parts))
     if legacy_4d:
         dims = (1,) * (4 - arr.ndim) + arr.shape
         proto.num, proto.channels, proto.height, proto.width = dims
     else:
         proto.shape.dim.extend(int(d) for d in arr.shape)
-    proto.data.extend(arr.astype(np.float32).ravel().tolist())
-    if diff is not None:
-        proto.diff.extend(np.asarray(diff, dtype=np.float32).ravel().tolist())
     return proto
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..errors import CctError, ProtoParseError
-from .atomic import atomic_tmp_path
+from .atomic import atomic_write
 
 
 def _h5py():
@@ -35,29 +35,15 @@ def _h5py():
     return h5py
 
 
-def _default_file_mode() -> int:
-    """0666 minus the umask: the mode ``open(path, "w")`` would give (mkstemp's temp files are 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def _write_atomic(path: str | os.PathLike, fill) -> None:
     """Create an HDF5 file at a temp path beside ``path``, let ``fill(file)`` write it, then rename."""
     h5py = _h5py()
-    path = os.fspath(path)
-    tmp = atomic_tmp_path(path)
-    try:
+
+    def write(tmp: str) -> None:
         with h5py.File(tmp, "w") as f:
             fill(f)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, _default_file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    atomic_write(path, write)
 
 
 def _open_read(path: str | os.PathLike, what: str):

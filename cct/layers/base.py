@@ -17,7 +17,8 @@ the bottom data, so the same code runs on numpy (float32 or float64) and CuPy.
 from __future__ import annotations
 
 import logging
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from ..proto import caffe_pb2
 
 log = logging.getLogger("cct")
 
-_REGISTRY: dict[str, type["Layer"]] = {}
+_REGISTRY: dict[str, type[Layer]] = {}
 
 # LayerParameter fields that belong to the layer contract itself, not to one layer type.
 _GENERIC_FIELDS = {
@@ -50,7 +51,7 @@ def register(type_name: str):
     return deco
 
 
-def layer_class(type_name: str) -> type["Layer"]:
+def layer_class(type_name: str) -> type[Layer]:
     """The class registered for ``type_name`` (KeyError if none)."""
     return _REGISTRY[type_name]
 
@@ -60,7 +61,7 @@ def layer_type_list() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_layer(param: caffe_pb2.LayerParameter) -> "Layer":
+def create_layer(param: caffe_pb2.LayerParameter) -> Layer:
     """Instantiate the layer for ``param.type``; unknown types name the layer and list the known ones."""
     cls = _REGISTRY.get(param.type)
     if cls is None:
@@ -87,8 +88,6 @@ class Layer:
     equal_num_bottom_top: ClassVar[bool] = False
     # Loss layers give top[0] an implicit loss weight of 1.
     is_loss: ClassVar[bool] = False
-    # Parameter blobs that are running statistics (BatchNorm): the net pins their lr_mult to 0.
-    statistics_params: ClassVar[bool] = False
 
     def __init__(self, param: caffe_pb2.LayerParameter):
         self.param = param

@@ -195,7 +195,9 @@ class SoftmaxWithLossLayer(LossLayer):
         if not propagate_down[0]:
             return
         xp = bottom[0].xp
-        prob = self.prob  # from the forward pass, as Caffe's prob_
+        prob = getattr(self, "prob", None)  # from the forward pass, as Caffe's prob_
+        if prob is None or prob.shape != (self.outer, self.num_labels, self.inner):
+            prob = softmax(xp, bottom[0].data.reshape(self.outer, self.num_labels, self.inner), 1)
         lab, valid = self._labels(xp, bottom[1])
         onehot = xp.arange(self.num_labels)[None, :, None] == lab[:, None, :]
         grad = (prob - onehot) * valid[:, None, :]

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -198,7 +198,7 @@ def figure6(name: str, geom: ConvGeometry, batch: int = 1) -> dict:
     """
     t = _shape_terms(name, geom, batch)
     g, cg, mg, kl, kf, cols, P = t["g"], t["cg"], t["mg"], t["k_low"], t["k_lift"], t["cols"], t["P"]
-    lifting = (kf - 1) * geom.channels_out * P if t["lifted"] else 0
+    lifting = kf * geom.channels_out * P if t["lifted"] else 0  # the paper counts k (resp. k^2) adds per output
     return {
         "lowered_data": (cg * kl, cols),
         "lowered_kernel": (mg * kf, cg * kl),

@@ -16,8 +16,9 @@ Log line format (:func:`describe_choice`)::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from . import type2, type3  # noqa: F401  (register "type2" / "type3")
 from .base import LoweringStrategy, get_strategy, strategy_names

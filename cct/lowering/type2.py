@@ -135,7 +135,7 @@ class PartialLowering(LoweringStrategy):
     def _kernel_matrix(self, wg: Any, geom: ConvGeometry) -> Any:
         """``(Mg * k_lift, Cg * k_low)`` from the group's weights ``(Mg, Cg, *kernel)``."""
         nd, low, lift, _ = self._layout(geom)
-        mg, cg = wg.shape[0], wg.shape[1]
+        mg = wg.shape[0]
         perm = (0,) + tuple(2 + i for i in lift) + (1,) + tuple(2 + i for i in low)
         return wg.transpose(perm).reshape(mg * math.prod(geom.kernel[i] for i in lift), -1)
 

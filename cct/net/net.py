@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -13,6 +13,7 @@ from ..errors import CctError, LayerError, NetError
 from ..io.prototxt import read_net_prototxt
 from ..layers import create_layer
 from ..layers.base import Layer
+from ..layers.python_layer import extra_sys_path
 from ..proto import caffe_pb2
 from .graph import filter_net, insert_splits
 
@@ -118,7 +119,9 @@ class Net:
             if lp.propagate_down and len(lp.propagate_down) != len(lp.bottom):
                 raise LayerError(lp.name, lp.type, "propagate_down must be specified either 0 or bottom_size times")
             log.info("Creating Layer %s", lp.name)
-            layer = create_layer(lp)
+            # Python layers may live beside the prototxt.
+            with extra_sys_path([os.path.dirname(os.path.abspath(self.source))] if self.source else []):
+                layer = create_layer(lp)
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             bottoms, bottom_need = [], []
@@ -185,8 +188,6 @@ class Net:
                 memory += top.count
             # learnable parameters (Caffe's AppendParam and the need-backward rule)
             n_params = len(layer.blobs)
-            if layer.statistics_params:
-                _pin_statistics_lr(layer)
             if len(lp.param) > n_params:
                 raise LayerError(lp.name, lp.type,
                                  f"too many params specified: {len(lp.param)} param specs for {n_params} blob(s)")
@@ -332,7 +333,7 @@ class Net:
         return [self.blobs[n] for n in self.output_blob_names]
 
     @property
-    def layer_params(self) -> "OrderedDict[str, list[Blob]]":
+    def layer_params(self) -> OrderedDict[str, list[Blob]]:
         """Layer name -> its parameter blobs, for layers that have any (pycaffe's ``net.params``)."""
         return OrderedDict((n, l.blobs) for n, l in zip(self.layer_names, self.layers) if l.blobs)
 
@@ -417,8 +418,8 @@ class Net:
     # -- weights ------------------------------------------------------------------------
     def to_proto(self, write_diff: bool = False) -> caffe_pb2.NetParameter:
         """The net with its weights as a NetParameter (what a .caffemodel holds)."""
-        from ..io.blobproto import array_to_blobproto
         from ..backend import to_numpy
+        from ..io.blobproto import array_to_blobproto
 
         out = caffe_pb2.NetParameter()
         out.name = self.name
@@ -433,54 +434,65 @@ class Net:
 
     def save(self, path: str | os.PathLike, write_diff: bool = False) -> None:
         """Write the weights as a binary .caffemodel (atomically)."""
-        from ..io.atomic import atomic_write_bytes
+        from ..io.caffemodel import write_caffemodel
 
-        atomic_write_bytes(path, self.to_proto(write_diff).SerializeToString())
+        write_caffemodel(path, self.to_proto(write_diff))
 
     def save_hdf5(self, path: str | os.PathLike, write_diff: bool = False) -> None:
         """Write the weights in Caffe's HDF5 format."""
         from ..backend import to_numpy
         from ..io.hdf5 import write_hdf5_weights
 
-        layers = [(n, [to_numpy(b.data) for b in l.blobs]) for n, l in zip(self.layer_names, self.layers)]
+        # Caffe's ToHDF5 stores only owned params: a weight-shared layer writes nothing for its copy.
+        layers = [(n, [None if self.param_owners[self._net_param_id(i, j)] >= 0 else to_numpy(b.data)
+                       for j, b in enumerate(l.blobs)])
+                  for i, (n, l) in enumerate(zip(self.layer_names, self.layers))]
         diffs = None
         if write_diff:
             diffs = [(n, [to_numpy(b.diff) for b in l.blobs]) for n, l in zip(self.layer_names, self.layers)]
         write_hdf5_weights(path, layers, diffs)
 
     def copy_from(self, path_or_param: str | os.PathLike | caffe_pb2.NetParameter) -> None:
-        """Copy weights by layer name from a .caffemodel / .h5 file or NetParameter (CopyTrainedLayersFrom)."""
-        from ..io.blobproto import blobproto_shape, blobproto_to_array
+        """Copy weights by layer name from a .caffemodel / .h5 file or NetParameter (CopyTrainedLayersFrom).
+
+        Layers absent from the net are ignored (logged); a blob count or shape mismatch is an error.
+        """
+        from ..io.caffemodel import HDF5_EXTENSIONS, legacy_shape_equals, read_weights, weights_from_net_param
 
         if isinstance(path_or_param, caffe_pb2.NetParameter):
-            source = "<NetParameter>"
-            entries = [(lp.name, [(blobproto_shape(b), blobproto_to_array(b), b) for b in lp.blobs])
-                       for lp in path_or_param.layer]
+            source, is_h5 = "<NetParameter>", False
+            weights = weights_from_net_param(path_or_param)
         else:
             source = os.fspath(path_or_param)
-            from ..io.caffemodel import read_weights
-
-            entries = [(name, [(a.shape, a, None) for a in arrays]) for name, arrays in read_weights(source).items()]
-        for name, blobs in entries:
+            is_h5 = source.lower().endswith(HDF5_EXTENSIONS)
+            weights = read_weights(source)
+        for name, arrays in weights.items():
             if name not in self._layer_index:
                 log.info("Ignoring source layer %s", name)
                 continue
-            layer = self.layers[self._layer_index[name]]
+            lid = self._layer_index[name]
+            layer = self.layers[lid]
             log.info("Copying source layer %s", name)
-            if len(layer.blobs) != len(blobs):
+            # HDF5 files omit params a weight-shared layer does not own (Caffe allows fewer there).
+            too_many = len(arrays) > len(layer.blobs) if is_h5 else len(arrays) != len(layer.blobs)
+            if too_many:
                 raise NetError(f"{source}: Incompatible number of blobs for layer {name}: "
-                               f"the file has {len(blobs)}, the net has {len(layer.blobs)}")
-            for j, (shape, arr, proto) in enumerate(blobs):
-                target = layer.blobs[j]
-                if tuple(shape) != target.shape and not _legacy_shape_equal(tuple(shape), target.shape):
+                               f"the file has {len(arrays)}, the net has {len(layer.blobs)}")
+            for j, target in enumerate(layer.blobs):
+                arr = arrays[j] if j < len(arrays) else None
+                if arr is None:
+                    if self.param_owners[self._net_param_id(lid, j)] >= 0:
+                        continue
+                    raise NetError(f"{source}: Incompatible number of blobs for layer {name}")
+                if arr.shape != target.shape and (is_h5 or not legacy_shape_equals(arr.shape, target.shape)):
                     raise NetError(
                         f"{source}: Cannot copy param {j} weights from layer '{name}'; shape mismatch. "
-                        f"Source param shape is {' '.join(map(str, shape))}; target param shape is "
-                        f"{target.shape_string()}. To learn this layer's parameters from scratch rather than "
-                        f"copying from a saved net, rename the layer.")
+                        f"Source param shape is {' '.join(map(str, arr.shape))} ({arr.size}); target param "
+                        f"shape is {target.shape_string()}. To learn this layer's parameters from scratch "
+                        f"rather than copying from a saved net, rename the layer.")
                 target.data[...] = target.xp.asarray(arr.reshape(target.shape))
 
-    def share_weights_with(self, other: "Net") -> None:
+    def share_weights_with(self, other: Net) -> None:
         """Make this net's params views of ``other``'s by layer name (Caffe's ShareTrainedLayersWith)."""
         for name, layer in zip(other.layer_names, other.layers):
             if name not in self._layer_index:
@@ -530,25 +542,5 @@ class Net:
         return f"<cct.Net '{self.name}' phase={caffe_pb2.Phase.Name(self.phase)} layers={len(self.layers)}>"
 
 
-def _pin_statistics_lr(layer: Layer) -> None:
-    """Caffe masks BatchNorm's statistics from the solver: lr_mult 0 on each of its blobs."""
-    specs = layer.param.param
-    for i in range(len(layer.blobs)):
-        if i < len(specs):
-            if specs[i].lr_mult != 0:
-                raise LayerError(layer.name, layer.type,
-                                 "Cannot configure batch normalization statistics as layer parameters "
-                                 f"(param {i} has lr_mult {specs[i].lr_mult}; it must be 0)")
-        else:
-            specs.add().lr_mult = 0.0
-
-
 def _abs_mean(a) -> float:
     return float(abs(a).mean()) if a.size else 0.0
-
-
-def _legacy_shape_equal(a: tuple, b: tuple) -> bool:
-    """Caffe accepts a legacy 4-D blob whose (num, channels, height, width) pads the target's shape."""
-    if len(a) > 4 or len(b) > 4:
-        return False
-    return (1,) * (4 - len(a)) + a == (1,) * (4 - len(b)) + b

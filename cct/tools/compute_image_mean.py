@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Compute the mean image of a set of images given by a leveldb/lmdb")
     p.add_argument("input_db", metavar="INPUT_DB")
     p.add_argument("output_file", metavar="OUTPUT_FILE", nargs="?", default=None)
-    add_flag(p, "backend", default="lmdb", choices=["lmdb", "leveldb"], help="The backend {leveldb, lmdb} containing the images")
+    add_flag(p, "backend", default="lmdb", choices=["lmdb", "leveldb"],
+             help="The backend {leveldb, lmdb} containing the images")
     return p
 
 

@@ -43,16 +43,17 @@ def convert_cifar(input_folder: str, output_folder: str, db_type: str = "lmdb") 
     """Write the train and test databases; returns (train count, test count)."""
     os.makedirs(output_folder, exist_ok=True)
     log.info("Writing Training data")
-    imgs, labs = [], []
+    imgs, labs, ids = [], [], []
     for b in range(1, NUM_TRAIN_BATCHES + 1):
         log.info("Training Batch %d", b)
         x, y = read_cifar_batch(os.path.join(input_folder, f"data_batch_{b}.bin"))
         if x.shape[0] != BATCH_SIZE:
-            raise CctError(f"data_batch_{b}.bin holds {x.shape[0]} images, expected {BATCH_SIZE}")
+            log.warning("data_batch_%d.bin holds %d images (CIFAR-10 batches hold %d)", b, x.shape[0], BATCH_SIZE)
         imgs.append(x)
         labs.append(y)
+        ids.append((b - 1) * BATCH_SIZE + np.arange(x.shape[0]))
     n_train = write_images_db(os.path.join(output_folder, f"cifar10_train_{db_type}"),
-                              np.concatenate(imgs), np.concatenate(labs), db_type, "{:05d}")
+                              np.concatenate(imgs), np.concatenate(labs), db_type, "{:05d}", np.concatenate(ids))
     log.info("Writing Testing data")
     x, y = read_cifar_batch(os.path.join(input_folder, "test_batch.bin"))
     n_test = write_images_db(os.path.join(output_folder, f"cifar10_test_{db_type}"), x, y, db_type, "{:05d}")

@@ -52,8 +52,11 @@ def read_idx(image_file: str, label_file: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_images_db(db_name: str, images: np.ndarray, labels: np.ndarray, backend: str = "lmdb",
-                    key_format: str = "{:08d}") -> int:
-    """Write uint8 images (N, H, W) or (N, C, H, W) with labels as raw Datum records; returns N."""
+                    key_format: str = "{:08d}", key_ids: np.ndarray | None = None) -> int:
+    """Write uint8 images (N, H, W) or (N, C, H, W) with labels as raw Datum records; returns N.
+
+    Record i gets the key ``key_format.format(key_ids[i])`` (``key_ids`` defaults to 0..N-1).
+    """
     if images.ndim == 3:
         images = images[:, None]
     n, c, h, w = images.shape
@@ -64,7 +67,7 @@ def write_images_db(db_name: str, images: np.ndarray, labels: np.ndarray, backen
         for i in range(n):
             datum.data = images[i].tobytes()
             datum.label = int(labels[i])
-            writer.put(key_format.format(i), datum.SerializeToString())
+            writer.put(key_format.format(i if key_ids is None else int(key_ids[i])), datum.SerializeToString())
     return n
 
 

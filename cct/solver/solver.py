@@ -1,0 +1,703 @@
+"""Caffe's Solver and its six update rules (SGD, Nesterov, AdaGrad, RMSProp, AdaDelta, Adam).
+
+``get_solver("solver.prototxt")`` builds the solver the file's ``type`` (or deprecated
+``solver_type``) names: the train net, the test nets (sharing the train net's weights), the update
+history. ``step(n)`` runs n iterations exactly as Caffe's ``Solver::Step``:
+
+1. clear the param diffs; every ``test_interval`` iterations run the test nets first;
+2. ``iter_size`` forward/backward passes accumulate the gradient; their mean loss is the
+   iteration's loss (smoothed over ``average_loss`` iterations for the display);
+3. ``apply_update``: the lr policy gives the rate, gradients are clipped (``clip_gradients``,
+   global L2 norm), divided by ``iter_size``, regularised (``weight_decay * decay_mult``, L2/L1)
+   and turned into the update by the solver's rule (rate * ``lr_mult``); ``Net.update`` applies it;
+4. ``iter += 1``; snapshot every ``snapshot`` iterations, and on a SIGHUP/SIGINT request.
+
+A non-finite loss stops training with a :class:`SolverError` naming the iteration (after writing a
+snapshot when the solver has snapshots configured); Caffe itself would go on with NaN weights.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import ClassVar
+
+import numpy as np
+
+from .. import rng
+from ..backend import get_array_module
+from ..errors import CctError, SolverError
+from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
+from ..net import Net
+from ..proto import caffe_pb2
+from . import lr_policy, signals, snapshot, updates
+
+log = logging.getLogger("cct")
+
+_SOLVERS: dict[str, type[Solver]] = {}
+
+Callback = Callable[[], None]
+
+
+def register_solver(cls: type[Solver]) -> type[Solver]:
+    """Class decorator: make a Solver subclass available under its ``type`` name."""
+    _SOLVERS[cls.type] = cls
+    return cls
+
+
+def solver_type_list() -> list[str]:
+    """The registered solver type names (sorted)."""
+    return sorted(_SOLVERS)
+
+
+def read_solver_param(source: str | os.PathLike | caffe_pb2.SolverParameter) -> caffe_pb2.SolverParameter:
+    """A SolverParameter from a prototxt path (upgraded as Caffe's ReadSolverParamsFromTextFile) or a
+    copy of the given message (with the deprecated ``solver_type`` mapped to ``type``)."""
+    if isinstance(source, caffe_pb2.SolverParameter):
+        from ..io.upgrade import upgrade_solver
+
+        param = caffe_pb2.SolverParameter()
+        param.CopyFrom(source)
+        return upgrade_solver(param, source="<SolverParameter>")
+    return read_solver_prototxt(os.fspath(source))
+
+
+def get_solver(source: str | os.PathLike | caffe_pb2.SolverParameter, solver_type: str | None = None,
+               **kwargs) -> Solver:
+    """Build the solver a solver prototxt (path) or SolverParameter describes.
+
+    ``solver_type`` overrides the file's ``type`` (pycaffe's ``caffe.SGDSolver(path)`` et al.).
+    """
+    param = read_solver_param(source)
+    name = solver_type or param.type or "SGD"
+    if name not in _SOLVERS:
+        raise SolverError(f"Unknown solver type: {name} (known types: {', '.join(solver_type_list())})")
+    return _SOLVERS[name](param, _source=None if isinstance(source, caffe_pb2.SolverParameter)
+                          else os.fspath(source), **kwargs)
+
+
+def _fmt(x: float) -> str:
+    """C++ ostream formatting of a float (6 significant digits)."""
+    return f"{float(x):g}"
+
+
+class Solver:
+    """Caffe's Solver: owns the train net, the test nets and the iteration loop.
+
+    Attributes: ``param`` (SolverParameter), ``net``, ``test_nets``, ``iter``, ``current_step``,
+    ``lr`` (the rate used by the last update), ``history`` (the update-history arrays Caffe
+    snapshots). Subclasses implement :meth:`compute_update_value`.
+    """
+
+    type: ClassVar[str] = ""
+    #: number of history arrays per learnable parameter (AdaDelta and Adam keep two)
+    history_sets: ClassVar[int] = 1
+
+    def __init__(self, param: str | os.PathLike | caffe_pb2.SolverParameter, *,
+                 action_function: Callable[[], str] | None = None, _source: str | None = None):
+        if not isinstance(param, caffe_pb2.SolverParameter):
+            _source = os.fspath(param)
+            param = read_solver_param(param)
+        self.param = param
+        self.source = _source or "<SolverParameter>"
+        log.info("Initializing solver from parameters: \n%s", to_text(param))
+        if param.average_loss < 1:
+            raise SolverError(f"{self.source}: average_loss should be non-negative "
+                              f"(average_loss: {param.average_loss}; use 1 or more)")
+        if param.iter_size < 1:
+            raise SolverError(f"{self.source}: iter_size must be at least 1 (iter_size: {param.iter_size})")
+        if param.regularization_type not in ("L2", "L1"):
+            raise SolverError(f"{self.source}: Unknown regularization type: \"{param.regularization_type}\" "
+                              "(use L2 or L1)")
+        if param.snapshot_format not in (caffe_pb2.SolverParameter.BINARYPROTO, caffe_pb2.SolverParameter.HDF5):
+            raise SolverError(f"{self.source}: Unsupported snapshot format {param.snapshot_format}")
+        try:
+            lr_policy.validate(param)
+        except SolverError as e:
+            raise SolverError(f"{self.source}: {str(e).removeprefix('solver: ')}") from None
+        self.check_params()
+        self.iter = 0
+        self.current_step = 0
+        self._check_snapshot_write_permissions()
+        if param.random_seed >= 0:
+            rng.set_random_seed(param.random_seed)
+        self._log_mode()
+        self.net = self._init_train_net()
+        self.test_nets = self._init_test_nets()
+        log.info("Solver scaffolding done.")
+        self.iter = 0
+        self.current_step = 0
+        self.lr = 0.0
+        self.requested_early_exit = False
+        self.smoothed_loss = 0.0
+        self._losses: list[float] = []
+        self._callbacks: list[tuple[Callback | None, Callback | None]] = []
+        self._action_function = action_function
+        self._last_snapshot_iter: int | None = None
+        self.history: list = []
+        self.pre_solve()
+
+    # -- construction ----------------------------------------------------------------------
+    def check_params(self) -> None:
+        """Solver-type specific checks of the parameters (Caffe's constructor CHECKs)."""
+
+    def pre_solve(self) -> None:
+        """Allocate the zeroed history arrays (``history_sets`` per learnable parameter)."""
+        xp_zeros = [p.xp.zeros_like(p.data) for p in self.net.learnable_params]
+        self.history = list(xp_zeros)
+        for _ in range(self.history_sets - 1):
+            self.history.extend(p.xp.zeros_like(p.data) for p in self.net.learnable_params)
+
+    def _log_mode(self) -> None:
+        if self.param.solver_mode == caffe_pb2.SolverParameter.GPU:
+            from ..backend import cupy_available
+
+            if cupy_available():
+                log.info("solver_mode GPU (device_id %d): cct trains on the CPU for now; using CPU.",
+                         self.param.device_id)
+            else:
+                log.info("solver_mode GPU requested but no GPU/CuPy is available; using CPU.")
+
+    def _read_net_file(self, path: str) -> caffe_pb2.NetParameter:
+        try:
+            return read_net_prototxt(path)
+        except CctError as e:
+            msg = str(e)
+            if not os.path.exists(path):
+                msg = f"cannot read net '{path}': no such file"
+                if not os.path.isabs(path):
+                    msg += f" (relative paths are resolved from the working directory {os.getcwd()})"
+            raise type(e)(f"{self.source}: {msg}") from None
+
+    def _load_weights(self, net: Net) -> None:
+        for entry in self.param.weights:
+            for name in entry.split(","):
+                name = name.strip()
+                if name:
+                    log.info("Finetuning from %s", name)
+                    net.copy_from(name)
+
+    def _init_train_net(self) -> Net:
+        p = self.param
+        fields = "net, net_param, train_net, train_net_param"
+        n = p.HasField("net") + p.HasField("net_param") + p.HasField("train_net") + p.HasField("train_net_param")
+        if n < 1:
+            raise SolverError(f"{self.source}: SolverParameter must specify a train net using one of these "
+                              f"fields: {fields}")
+        if n > 1:
+            raise SolverError(f"{self.source}: SolverParameter must not contain more than one of these fields "
+                              f"specifying a train_net: {fields}")
+        net_param = caffe_pb2.NetParameter()
+        if p.HasField("train_net_param"):
+            log.info("Creating training net specified in train_net_param.")
+            net_param.CopyFrom(p.train_net_param)
+        elif p.HasField("train_net"):
+            log.info("Creating training net from train_net file: %s", p.train_net)
+            net_param = self._read_net_file(p.train_net)
+        if p.HasField("net_param"):
+            log.info("Creating training net specified in net_param.")
+            net_param.CopyFrom(p.net_param)
+        if p.HasField("net"):
+            log.info("Creating training net from net file: %s", p.net)
+            net_param = self._read_net_file(p.net)
+        state = caffe_pb2.NetState()
+        state.phase = caffe_pb2.TRAIN
+        state.MergeFrom(net_param.state)
+        state.MergeFrom(p.train_state)
+        net_param.state.CopyFrom(state)
+        net = Net(net_param)
+        self._load_weights(net)
+        return net
+
+    def _init_test_nets(self) -> list[Net]:
+        p = self.param
+        has_net_param, has_net_file = p.HasField("net_param"), p.HasField("net")
+        if has_net_param and has_net_file:
+            raise SolverError(f"{self.source}: Both net_param and net_file may not be specified.")
+        num_test_nets = len(p.test_net_param) + len(p.test_net)
+        if has_net_param or has_net_file:
+            if len(p.test_iter) < num_test_nets:
+                raise SolverError(f"{self.source}: test_iter must be specified for each test network "
+                                  f"({num_test_nets} test nets, {len(p.test_iter)} test_iter).")
+        elif len(p.test_iter) != num_test_nets:
+            raise SolverError(f"{self.source}: test_iter must be specified for each test network "
+                              f"({num_test_nets} test nets, {len(p.test_iter)} test_iter).")
+        num_instances = num_test_nets + (len(p.test_iter) - num_test_nets)
+        if len(p.test_state) and len(p.test_state) != num_instances:
+            raise SolverError(f"{self.source}: test_state must be unspecified or specified once per test net "
+                              f"({num_instances} test nets, {len(p.test_state)} test_state).")
+        if num_instances and p.test_interval <= 0:
+            raise SolverError(f"{self.source}: test_interval must be > 0 when test nets are given "
+                              f"(test_interval: {p.test_interval})")
+        sources: list[str] = []
+        params: list[caffe_pb2.NetParameter] = []
+        for tp in p.test_net_param:
+            sources.append("test_net_param")
+            q = caffe_pb2.NetParameter()
+            q.CopyFrom(tp)
+            params.append(q)
+        for path in p.test_net:
+            sources.append(f"test_net file: {path}")
+            params.append(self._read_net_file(path))
+        remaining = len(p.test_iter) - len(params)
+        for _ in range(remaining):
+            if has_net_param:
+                sources.append("net_param")
+                q = caffe_pb2.NetParameter()
+                q.CopyFrom(p.net_param)
+                params.append(q)
+            elif has_net_file:
+                sources.append(f"net file: {p.net}")
+                params.append(self._read_net_file(p.net))
+        nets = []
+        for i, (src, q) in enumerate(zip(sources, params)):
+            state = caffe_pb2.NetState()
+            state.phase = caffe_pb2.TEST
+            state.MergeFrom(q.state)
+            if len(p.test_state):
+                state.MergeFrom(p.test_state[i])
+            q.state.CopyFrom(state)
+            log.info("Creating test net (#%d) specified by %s", i, src)
+            net = Net(q)
+            net.debug_info = p.debug_info
+            self._load_weights(net)
+            net.share_weights_with(self.net)
+            nets.append(net)
+        return nets
+
+    def _check_snapshot_write_permissions(self) -> None:
+        if not self.param.snapshot:
+            return
+        if not self.param.HasField("snapshot_prefix"):
+            raise SolverError(f"{self.source}: In solver params, snapshot is specified but snapshot_prefix is not")
+        probe = snapshot.snapshot_filename(self.param.snapshot_prefix, self.iter, ".tempfile")
+        try:
+            self._make_snapshot_dir()
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as e:
+            raise SolverError(f"{self.source}: Cannot write to snapshot prefix '{self.param.snapshot_prefix}'. "
+                              f"Make sure that the directory exists and is writable ({e.strerror}).") from None
+
+    def _make_snapshot_dir(self) -> None:
+        d = os.path.dirname(self.param.snapshot_prefix)
+        if d and not os.path.isdir(d):
+            os.makedirs(d, exist_ok=True)
+            log.info("Created snapshot directory %s", d)
+
+    # -- public API ----------------------------------------------------------------------------
+    def add_callback(self, on_start: Callback | None = None, on_gradients_ready: Callback | None = None) -> None:
+        """Call ``on_start()`` before each iteration's forward passes and ``on_gradients_ready()``
+        before its update (pycaffe's ``solver.add_callback``)."""
+        self._callbacks.append((on_start, on_gradients_ready))
+
+    def set_action_function(self, fn: Callable[[], str] | None) -> None:
+        """A function returning 'none' / 'stop' / 'snapshot', polled between iterations (signals)."""
+        self._action_function = fn
+
+    def get_requested_action(self) -> str:
+        """The action requested by the action function (Caffe's GetRequestedAction)."""
+        return self._action_function() if self._action_function is not None else signals.NONE
+
+    @property
+    def learnable_params(self):
+        """The train net's learnable parameter blobs (the order of ``history``)."""
+        return self.net.learnable_params
+
+    def solve(self, resume_file: str | os.PathLike | None = None) -> None:
+        """Train up to ``max_iter`` (Caffe's Solver::Solve), optionally resuming from a solverstate."""
+        log.info("Solving %s", self.net.name)
+        log.info("Learning Rate Policy: %s", self.param.lr_policy)
+        self.requested_early_exit = False
+        if resume_file is not None:
+            log.info("Restoring previous solver status from %s", os.fspath(resume_file))
+            self.restore(resume_file)
+        start_iter = self.iter
+        self.step(self.param.max_iter - self.iter)
+        p = self.param
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            self.snapshot()
+        if self.requested_early_exit:
+            log.info("Optimization stopped early.")
+            return
+        if p.display and self.iter % p.display == 0:
+            loss = np.float32(self.net.forward())
+            self._update_smoothed_loss(loss, start_iter, p.average_loss)
+            log.info("Iteration %d, loss = %s", self.iter, _fmt(self.smoothed_loss))
+        if p.test_interval and self.iter % p.test_interval == 0:
+            self.test_all()
+        log.info("Optimization Done.")
+
+    def step(self, iters: int) -> None:
+        """Run ``iters`` training iterations (Caffe's Solver::Step)."""
+        p = self.param
+        start_iter = self.iter
+        stop_iter = self.iter + int(iters)
+        self._losses = []
+        self.smoothed_loss = 0.0
+        timer = time.perf_counter()
+        iterations_last = self.iter
+        while self.iter < stop_iter:
+            self.net.clear_param_diffs()
+            if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
+                self.test_all()
+                if self.requested_early_exit:
+                    break
+            for on_start, _ in self._callbacks:
+                if on_start is not None:
+                    on_start()
+            display = bool(p.display) and self.iter % p.display == 0
+            self.net.debug_info = display and p.debug_info
+            loss = np.float32(0)
+            for _ in range(p.iter_size):
+                loss += np.float32(self.net.forward_backward())
+            loss /= np.float32(p.iter_size)
+            self._update_smoothed_loss(loss, start_iter, p.average_loss)
+            if display:
+                lapse = time.perf_counter() - timer
+                per_s = (self.iter - iterations_last) / (lapse if lapse else 1.0)
+                log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter, _fmt(per_s), _fmt(lapse),
+                         p.display, _fmt(self.smoothed_loss))
+                timer = time.perf_counter()
+                iterations_last = self.iter
+                self._log_outputs(self.net, "Train")
+            if not math.isfinite(float(loss)):
+                self._stop_on_bad_loss(float(loss))
+            for _, on_grad in self._callbacks:
+                if on_grad is not None:
+                    on_grad()
+            self.apply_update()
+            self.iter += 1
+            request = self.get_requested_action()
+            if (p.snapshot and self.iter % p.snapshot == 0) or request == signals.SNAPSHOT:
+                self.snapshot()
+            if request == signals.STOP:
+                self.requested_early_exit = True
+                break
+
+    def _log_outputs(self, net: Net, what: str) -> None:
+        index = 0
+        for name in net.output_blob_names:
+            values = np.asarray(_to_numpy(net.blobs[name].data), dtype=np.float32).ravel()
+            w = net.blob_loss_weights.get(name, 0.0)
+            for v in values:
+                extra = f" (* {_fmt(w)} = {_fmt(np.float32(w) * v)} loss)" if w else ""
+                log.info("    %s net output #%d: %s = %s%s", what, index, name, _fmt(v), extra)
+                index += 1
+
+    def _update_smoothed_loss(self, loss, start_iter: int, average_loss: int) -> None:
+        loss = np.float32(loss)
+        if len(self._losses) < average_loss:
+            self._losses.append(loss)
+            size = len(self._losses)
+            self.smoothed_loss = float((np.float32(self.smoothed_loss) * np.float32(size - 1) + loss)
+                                       / np.float32(size))
+        else:
+            idx = (self.iter - start_iter) % average_loss
+            self.smoothed_loss = float(np.float32(self.smoothed_loss)
+                                       + (loss - self._losses[idx]) / np.float32(average_loss))
+            self._losses[idx] = loss
+
+    def _stop_on_bad_loss(self, loss: float) -> None:
+        p = self.param
+        what = "NaN" if math.isnan(loss) else "infinite"
+        log.error("Iteration %d, loss = %s: the loss is %s; stopping training.", self.iter, _fmt(loss), what)
+        wrote = ""
+        if (p.snapshot or p.snapshot_after_train) and p.snapshot_prefix and self._last_snapshot_iter != self.iter:
+            model = self.snapshot()
+            wrote = f"; the weights before this iteration were saved to {model}"
+        elif self._last_snapshot_iter == self.iter:
+            wrote = "; the last snapshot holds the weights before this iteration"
+        raise SolverError(f"Iteration {self.iter}: loss is {_fmt(loss)} ({what}); training stopped{wrote}. "
+                          "Lower base_lr, add clip_gradients, or check the input data.")
+
+    def test_all(self) -> None:
+        """Run every test net (Caffe's TestAll)."""
+        for i in range(len(self.test_nets)):
+            if self.requested_early_exit:
+                break
+            self.test(i)
+
+    def test(self, test_net_id: int = 0) -> list[float]:
+        """Run test net ``test_net_id`` for its ``test_iter`` batches and log the mean outputs."""
+        log.info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
+        net = self.test_nets[test_net_id]
+        net.share_weights_with(self.net)
+        p = self.param
+        n_iter = p.test_iter[test_net_id]
+        scores: list[np.float32] = []
+        score_names: list[str] = []
+        loss = np.float32(0)
+        for i in range(n_iter):
+            request = self.get_requested_action()
+            while request != signals.NONE:
+                if request == signals.SNAPSHOT:
+                    self.snapshot()
+                elif request == signals.STOP:
+                    self.requested_early_exit = True
+                request = self.get_requested_action()
+            if self.requested_early_exit:
+                break
+            iter_loss = net.forward()
+            if p.test_compute_loss:
+                loss += np.float32(iter_loss)
+            idx = 0
+            for name in net.output_blob_names:
+                for v in np.asarray(_to_numpy(net.blobs[name].data), dtype=np.float32).ravel():
+                    if i == 0:
+                        scores.append(np.float32(v))
+                        score_names.append(name)
+                    else:
+                        scores[idx] += np.float32(v)
+                    idx += 1
+        if self.requested_early_exit:
+            log.info("Test interrupted.")
+            return []
+        if p.test_compute_loss:
+            loss /= np.float32(n_iter)
+            log.info("Test loss: %s", _fmt(loss))
+        means = []
+        for i, (name, s) in enumerate(zip(score_names, scores)):
+            mean = np.float32(s) / np.float32(n_iter)
+            means.append(float(mean))
+            w = net.blob_loss_weights.get(name, 0.0)
+            extra = f" (* {_fmt(w)} = {_fmt(np.float32(w) * mean)} loss)" if w else ""
+            log.info("    Test net output #%d: %s = %s%s", i, name, _fmt(mean), extra)
+        return means
+
+    # -- update ----------------------------------------------------------------------------------
+    def get_learning_rate(self) -> float:
+        """The lr policy's rate for the current iteration (advances ``current_step`` for multistep)."""
+        rate, self.current_step = lr_policy.learning_rate(self.param, self.iter, self.current_step)
+        return rate
+
+    def apply_update(self) -> None:
+        """Turn the accumulated gradients into the update and apply it (Caffe's ApplyUpdate)."""
+        rate = self.get_learning_rate()
+        self.lr = rate
+        p = self.param
+        if p.display and self.iter % p.display == 0:
+            log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
+        params = self.net.learnable_params
+        updates.clip_gradients([b.diff for b in params], p.clip_gradients)
+        for pid in range(len(params)):
+            self.normalize(pid)
+            self.regularize(pid)
+            self.compute_update_value(pid, rate)
+        if self.net.debug_info:
+            self.net.update_debug_info()
+        self.net.update()
+
+    def normalize(self, param_id: int) -> None:
+        """Divide the accumulated gradient by ``iter_size``."""
+        updates.normalize(self.net.learnable_params[param_id].diff, self.param.iter_size)
+
+    def regularize(self, param_id: int) -> None:
+        """Add ``weight_decay * decay_mult`` times the L2 (w) or L1 (sign w) term to the gradient."""
+        blob = self.net.learnable_params[param_id]
+        dt = blob.diff.dtype.type
+        local_decay = dt(self.param.weight_decay) * dt(self.net.params_weight_decay[param_id])
+        updates.regularize(blob.data, blob.diff, local_decay, self.param.regularization_type)
+
+    def local_rate(self, param_id: int, rate: float):
+        """``rate * lr_mult`` in the parameter's dtype."""
+        dt = self.net.learnable_params[param_id].diff.dtype.type
+        return dt(rate) * dt(self.net.params_lr[param_id])
+
+    def compute_update_value(self, param_id: int, rate: float) -> None:
+        """Replace the param's diff by the update to subtract (the solver's rule)."""
+        raise NotImplementedError
+
+    # -- snapshots -------------------------------------------------------------------------------
+    def snapshot_filename(self, extension: str) -> str:
+        """``<snapshot_prefix>_iter_<iter><extension>``."""
+        return snapshot.snapshot_filename(self.param.snapshot_prefix, self.iter, extension)
+
+    def snapshot(self) -> str:
+        """Write the weights, the solver state and cct's ``.cctstate``; returns the weights' path."""
+        p = self.param
+        self._make_snapshot_dir()
+        hdf5 = p.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        if hdf5:
+            model = self.snapshot_filename(".caffemodel.h5")
+            log.info("Snapshotting to HDF5 file %s", model)
+            self.net.save_hdf5(model, write_diff=p.snapshot_diff)
+            state_file = self.snapshot_filename(".solverstate.h5")
+            log.info("Snapshotting solver state to HDF5 file %s", state_file)
+        else:
+            model = self.snapshot_filename(".caffemodel")
+            log.info("Snapshotting to binary proto file %s", model)
+            self.net.save(model, write_diff=p.snapshot_diff)
+            state_file = self.snapshot_filename(".solverstate")
+            log.info("Snapshotting solver state to binary proto file %s", state_file)
+        snapshot.write_solverstate(state_file, self.iter, model, self.current_step, self.history, hdf5=hdf5)
+        snapshot.write_cctstate(snapshot.cctstate_path(state_file), self._cct_state())
+        self._last_snapshot_iter = self.iter
+        return model
+
+    def _cct_state(self) -> dict:
+        def read_states(net: Net) -> dict:
+            out = {}
+            for name, layer in zip(net.layer_names, net.layers):
+                getter = getattr(layer, "get_read_state", None)
+                if getter is not None:
+                    s = getter()
+                    if s is not None:
+                        out[name] = s
+            return out
+
+        return {
+            "iter": self.iter,
+            "solver_type": self.type,
+            "rng": rng.get_state(),
+            "train_net": read_states(self.net),
+            "test_nets": [read_states(n) for n in self.test_nets],
+        }
+
+    def restore(self, state_file: str | os.PathLike) -> None:
+        """Resume from a ``.solverstate`` / ``.solverstate.h5`` (plus its ``.cctstate`` if present)."""
+        path = os.fspath(state_file)
+        state = snapshot.read_solverstate(path)
+        self.iter = state["iter"]
+        learned = state["learned_net"]
+        if learned:
+            if not os.path.exists(learned):
+                beside = os.path.join(os.path.dirname(path), os.path.basename(learned))
+                if os.path.exists(beside):
+                    learned = beside
+            self.net.copy_from(learned)
+        self.current_step = state["current_step"]
+        history = state["history"]
+        if len(history) != len(self.history):
+            raise SolverError(f"{path}: Incorrect length of history blobs: the file has {len(history)}, "
+                              f"the {self.type} solver for this net needs {len(self.history)}")
+        log.info("%sSolver: restoring history", self.type)
+        for i, (h, arr) in enumerate(zip(self.history, history)):
+            if h.size != arr.size:
+                raise SolverError(f"{path}: history blob {i} holds {arr.size} values, the parameter has {h.size}")
+            h[...] = get_array_module(h).asarray(arr.reshape(h.shape), dtype=h.dtype)
+        extra = snapshot.cctstate_path(path)
+        if os.path.exists(extra):
+            self._restore_cct_state(extra)
+        else:
+            log.info("No %s beside %s: the RNG and data-layer read positions start afresh (as in Caffe).",
+                     os.path.basename(extra), path)
+
+    def _restore_cct_state(self, path: str) -> None:
+        state = snapshot.read_cctstate(path)
+        if "rng" in state:
+            rng.set_state(state["rng"])
+
+        def set_states(net: Net, states: dict, what: str) -> None:
+            for name, s in states.items():
+                if not net.has_layer(name):
+                    log.warning("%s: layer '%s' of the %s is not in the net; its read state is ignored",
+                                path, name, what)
+                    continue
+                setter = getattr(net.layer_by_name(name), "set_read_state", None)
+                if setter is None:
+                    log.warning("%s: layer '%s' cannot restore a read state; ignored", path, name)
+                    continue
+                setter(s)
+
+        set_states(self.net, state.get("train_net", {}), "train net")
+        for i, (net, states) in enumerate(zip(self.test_nets, state.get("test_nets", []))):
+            set_states(net, states, f"test net #{i}")
+        log.info("Restored RNG state and data read positions from %s", path)
+
+    def __repr__(self) -> str:
+        return f"<cct {self.type}Solver iter={self.iter} net='{self.net.name}'>"
+
+
+def _to_numpy(a):
+    from ..backend import to_numpy
+
+    return to_numpy(a)
+
+
+@register_solver
+class SGDSolver(Solver):
+    """Stochastic gradient descent with momentum."""
+
+    type = "SGD"
+
+    def compute_update_value(self, param_id: int, rate: float) -> None:
+        blob = self.net.learnable_params[param_id]
+        updates.sgd(blob.diff, self.history[param_id], self.local_rate(param_id, rate), self.param.momentum)
+
+
+@register_solver
+class NesterovSolver(SGDSolver):
+    """Nesterov's accelerated gradient."""
+
+    type = "Nesterov"
+
+    def compute_update_value(self, param_id: int, rate: float) -> None:
+        blob = self.net.learnable_params[param_id]
+        updates.nesterov(blob.diff, self.history[param_id], self.local_rate(param_id, rate), self.param.momentum)
+
+
+@register_solver
+class AdaGradSolver(SGDSolver):
+    """AdaGrad (momentum must be 0)."""
+
+    type = "AdaGrad"
+
+    def check_params(self) -> None:
+        if self.param.momentum != 0:
+            raise SolverError(f"{self.source}: Momentum cannot be used with AdaGrad.")
+
+    def compute_update_value(self, param_id: int, rate: float) -> None:
+        blob = self.net.learnable_params[param_id]
+        updates.adagrad(blob.diff, self.history[param_id], self.local_rate(param_id, rate), self.param.delta)
+
+
+@register_solver
+class RMSPropSolver(SGDSolver):
+    """RMSProp (momentum must be 0; 0 <= rms_decay < 1)."""
+
+    type = "RMSProp"
+
+    def check_params(self) -> None:
+        if self.param.momentum != 0:
+            raise SolverError(f"{self.source}: Momentum cannot be used with RMSProp.")
+        if not 0 <= self.param.rms_decay < 1:
+            raise SolverError(f"{self.source}: rms_decay should lie between 0 and 1 "
+                              f"(rms_decay: {self.param.rms_decay:g})")
+
+    def compute_update_value(self, param_id: int, rate: float) -> None:
+        blob = self.net.learnable_params[param_id]
+        updates.rmsprop(blob.diff, self.history[param_id], self.local_rate(param_id, rate), self.param.delta,
+                        self.param.rms_decay)
+
+
+@register_solver
+class AdaDeltaSolver(SGDSolver):
+    """AdaDelta (``momentum`` is the decay; history holds the gradient then the update averages)."""
+
+    type = "AdaDelta"
+    history_sets = 2
+
+    def compute_update_value(self, param_id: int, rate: float) -> None:
+        blob = self.net.learnable_params[param_id]
+        n = len(self.net.learnable_params)
+        updates.adadelta(blob.diff, self.history[param_id], self.history[n + param_id],
+                         self.local_rate(param_id, rate), self.param.delta, self.param.momentum)
+
+
+@register_solver
+class AdamSolver(SGDSolver):
+    """Adam (``momentum`` = beta1, ``momentum2`` = beta2, ``delta`` = epsilon)."""
+
+    type = "Adam"
+    history_sets = 2
+
+    def compute_update_value(self, param_id: int, rate: float) -> None:
+        blob = self.net.learnable_params[param_id]
+        n = len(self.net.learnable_params)
+        p = self.param
+        updates.adam(blob.diff, self.history[param_id], self.history[n + param_id],
+                     self.local_rate(param_id, rate), p.momentum, p.momentum2, p.delta, self.iter)
