@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator
 
 from ..errors import CctError
@@ -146,25 +147,53 @@ class LMDBCursor(Cursor):
             self._txn = None
 
 
+# py-lmdb refuses to open one environment twice in a process, while a TRAIN and a TEST net (or
+# two layers) may read the same database: share one read-only environment per path, refcounted.
+_ENVS: dict[str, list] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(key: str, subdir: bool, shown: str):
+    import lmdb
+
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is None:
+            try:
+                env = lmdb.open(key, readonly=True, lock=False, subdir=subdir, readahead=False, max_readers=512)
+            except lmdb.Error as e:
+                raise CctError(f"cannot open LMDB '{shown}': {e}") from None
+            entry = _ENVS[key] = [env, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_env(key: str) -> None:
+    with _ENVS_LOCK:
+        entry = _ENVS.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _ENVS[key]
+            entry[0].close()
+
+
 class LMDB(DB):
     """Read-only LMDB database (a directory holding data.mdb, or a single file)."""
 
     backend = "lmdb"
 
     def __init__(self, path: str | os.PathLike):
-        import lmdb
-
         self.path = os.fspath(path)
+        self._env = None
         if not os.path.exists(self.path):
             raise CctError(f"LMDB '{self.path}' does not exist")
         subdir = os.path.isdir(self.path)
         if subdir and not os.path.isfile(os.path.join(self.path, "data.mdb")):
             raise CctError(f"'{self.path}' is not an LMDB (no data.mdb inside)")
-        try:
-            self._env = lmdb.open(self.path, readonly=True, lock=False, subdir=subdir,
-                                  readahead=False, max_readers=512)
-        except lmdb.Error as e:
-            raise CctError(f"cannot open LMDB '{self.path}': {e}") from None
+        self._key = os.path.realpath(self.path)
+        self._env = _acquire_env(self._key, subdir, self.path)
         self._entries = int(self._env.stat()["entries"])
 
     def __len__(self) -> int:
@@ -175,8 +204,8 @@ class LMDB(DB):
 
     def close(self) -> None:
         if self._env is not None:
-            self._env.close()
             self._env = None
+            _release_env(self._key)
 
 
 class LevelDBCursor(Cursor):

@@ -112,6 +112,11 @@ class Prefetcher:
             self._thread.join(timeout)
 
     @property
+    def thread_alive(self) -> bool:
+        """True while the background thread runs."""
+        return self._thread.is_alive()
+
+    @property
     def closed(self) -> bool:
         """True once ``close()`` was called."""
         return self._stop.is_set()

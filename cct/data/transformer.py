@@ -101,7 +101,7 @@ def _open_pil(fp, what: str, mode: str):
             im.draft("L", im.size)  # libjpeg decodes straight to luma, as OpenCV's IMREAD_GRAYSCALE
         im.load()
         if mode != "native":  # cv::imread/imdecode apply the EXIF orientation except for IMREAD_UNCHANGED
-            im = ImageOps.exif_transpose(im)
+            im = ImageOps.exif_transpose(im, in_place=True) or im
     except CctError:
         raise
     except Exception as e:

@@ -60,6 +60,12 @@ def _resolve_listed(path: str, list_file: str) -> str:
     return alt if os.path.exists(alt) else path
 
 
+def _shutdown(prefetcher: Prefetcher, loader: Any) -> None:
+    prefetcher.close()
+    if not prefetcher.thread_alive and hasattr(loader, "close"):
+        loader.close()
+
+
 class _PrefetchingDataLayer(Layer):
     """Shared machinery: prefetch thread, top copy, no backward."""
 
@@ -82,7 +88,7 @@ class _PrefetchingDataLayer(Layer):
     def _start(self, loader: Any, depth: int) -> None:
         self._loader = loader
         self._prefetcher = Prefetcher(loader.load, depth=max(1, int(depth)), name=f"cct-data-{self.name}")
-        self._finalizer = weakref.finalize(self, self._prefetcher.close)
+        self._finalizer = weakref.finalize(self, _shutdown, self._prefetcher, loader)
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         """Tops are shaped at setup and by each forward (to the batch loaded)."""
@@ -109,9 +115,9 @@ class _PrefetchingDataLayer(Layer):
         return False
 
     def close(self) -> None:
-        """Stop the prefetch thread (also done when the layer is garbage collected)."""
+        """Stop the prefetch thread and release the source (also done when the layer is garbage collected)."""
         if self._prefetcher is not None:
-            self._prefetcher.close()
+            self._finalizer()
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,8 +133,12 @@ class _DBLoader:
         self.transformer = transformer
         self.batch_size = batch_size
         self.dtypes = dtypes
-        for _ in range(skip):
+        for _ in range(skip % max(1, len(db))):  # wrapping past the end = starting over
             self.next()
+
+    def close(self) -> None:
+        self.cursor.close()
+        self.db.close()
 
     def next(self) -> None:
         self.cursor.next()
@@ -192,7 +202,6 @@ class Data(_PrefetchingDataLayer):
             db = open_db(dp.source, dp.backend)
         except CctError as e:
             raise self.error(str(e)) from None
-        self._db = db
         skip = 0
         if dp.rand_skip:
             skip = int(rng.integers(dp.rand_skip))
@@ -203,16 +212,13 @@ class Data(_PrefetchingDataLayer):
             _, first, _ = loader.current()
             shape = (int(dp.batch_size),) + transformer.infer_shape(first)
         except CctError as e:
+            loader.close()
             raise self.error(str(e)) from None
         top[0].reshape(shape)
         log.info("output data size: %s", ",".join(str(d) for d in shape))
         if len(top) > 1:
             top[1].reshape((int(dp.batch_size),))
         self._start(loader, dp.prefetch)
-
-    def close(self) -> None:
-        """Stop the prefetch thread; the database stays open for a daemon thread still finishing."""
-        super().close()
 
 
 # --------------------------------------------------------------------------------------------

@@ -132,10 +132,12 @@ class ConvGeometry:
     # -- derived -------------------------------------------------------------
     @property
     def num_spatial(self) -> int:
+        """Number of spatial axes."""
         return len(self.in_shape)
 
     @property
     def kernel_extent(self) -> tuple[int, ...]:
+        """Dilated kernel size per axis: ``d * (k - 1) + 1``."""
         return tuple(d * (k - 1) + 1 for k, d in zip(self.kernel, self.dilation))
 
     @property
@@ -150,14 +152,17 @@ class ConvGeometry:
 
     @property
     def in_size(self) -> int:
+        """Input pixels per channel (product of ``in_shape``)."""
         return math.prod(self.in_shape)
 
     @property
     def out_size(self) -> int:
+        """Output pixels per channel (product of ``out_shape``)."""
         return math.prod(self.out_shape)
 
     @property
     def weight_shape(self) -> tuple[int, ...]:
+        """``(channels_out, channels_in // group, *kernel)``."""
         return (self.channels_out, self.channels_in // self.group) + tuple(self.kernel)
 
     @property

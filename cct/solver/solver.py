@@ -72,10 +72,13 @@ def get_solver(source: str | os.PathLike | caffe_pb2.SolverParameter, solver_typ
     """
     param = read_solver_param(source)
     name = solver_type or param.type or "SGD"
+    src = kwargs.pop("_source", None)
+    if src is None and not isinstance(source, caffe_pb2.SolverParameter):
+        src = os.fspath(source)
     if name not in _SOLVERS:
-        raise SolverError(f"Unknown solver type: {name} (known types: {', '.join(solver_type_list())})")
-    return _SOLVERS[name](param, _source=None if isinstance(source, caffe_pb2.SolverParameter)
-                          else os.fspath(source), **kwargs)
+        where = f"{src}: " if src else ""
+        raise SolverError(f"{where}Unknown solver type: {name} (known types: {', '.join(solver_type_list())})")
+    return _SOLVERS[name](param, _source=src, **kwargs)
 
 
 def _fmt(x: float) -> str:

@@ -1,0 +1,119 @@
+"""Figure 8 of the CcT paper: lowering types 1/2/3 as the input (d) and output (o) channels vary.
+
+For each point of two sweeps -- (a) d varies at fixed o, (b) o varies at fixed d, with n, k,
+batch fixed -- this measures each lowering's time per pass, predicts it with the calibrated
+cost model, and records the optimizer's pick. It reports the fraction of points where the
+pick is the measured-fastest type (target >= 90%) and the worst slowdown of the pick over the
+measured-fastest (target <= 10%), plus the same with a 5% tie tolerance.
+
+    python benchmarks/bench_lowering.py --quick        # smoke run (~1 min on 2 cores)
+    python benchmarks/bench_lowering.py                # full sweep (quiet machine)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small smoke sweep")
+    ap.add_argument("--n", type=int, default=13, help="input size n (n x n)")
+    ap.add_argument("--k", type=int, default=3, help="kernel size k")
+    ap.add_argument("--pad", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=None, help="images per batch (default 32, quick 8)")
+    ap.add_argument("--fixed", type=int, default=None, help="the channel count held fixed (default 256, quick 128)")
+    ap.add_argument("--values", default=None, help="comma-separated channel counts to sweep")
+    ap.add_argument("--passes", default="fwd", help="fwd,bwd_data,bwd_weights or 'all'")
+    ap.add_argument("--threads", type=int, default=None, help="BLAS threads (default: library default)")
+    ap.add_argument("--blas", choices=("auto", "openblas", "mkl"), default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--keep-env", action="store_true", help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
+    ap.add_argument("--recalibrate", action="store_true", help="re-measure the cost-model constants")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/lowering[_quick].json)")
+    args = ap.parse_args(argv)
+    removed = common.reexec_clean(keep_env=args.keep_env)
+
+    import numpy as np
+
+    from cct import blas
+    from cct.lowering import get_strategy
+    from cct.lowering import calibrate as cal
+    from cct.lowering import optimizer as opt
+    from cct.lowering.cost_model import predict_seconds
+
+    if args.blas:
+        blas.set_backend(args.blas)
+    common.set_threads(args.threads)
+    rep = common.environment_report(removed)
+    common.print_environment(rep)
+
+    batch = args.batch or (8 if args.quick else 32)
+    fixed = args.fixed or (128 if args.quick else 256)
+    values = ([int(v) for v in args.values.split(",")] if args.values
+              else ([16, 64, 256, 1024] if args.quick else [16, 32, 64, 128, 256, 512, 1024, 2048]))
+    passes = ["fwd", "bwd_data", "bwd_weights"] if args.passes == "all" else args.passes.split(",")
+    repeats = args.repeats or (2 if args.quick else 5)
+    machine = cal.calibrate() if args.recalibrate else cal.load_machine()
+    print(f"# cost model: machine {machine.key} threads {machine.threads} "
+          f"({'nominal' if machine.nominal else 'calibrated'})")
+    types = ["type1", "type2", "type3"]
+    rng = np.random.default_rng(0)
+    points = []
+    for sweep, var in (("a: vary d", "d"), ("b: vary o", "o")):
+        for v in values:
+            d, o = (v, fixed) if var == "d" else (fixed, v)
+            geom = common.conv_geom(args.n, args.k, d, o, pad=args.pad)
+            x = rng.standard_normal((batch, d, args.n, args.n), dtype=np.float32)
+            w = (rng.standard_normal(geom.weight_shape, dtype=np.float32) * 0.01).astype(np.float32)
+            b = np.zeros(o, np.float32)
+            dy = rng.standard_normal((batch, o) + geom.out_shape, dtype=np.float32)
+            for p in passes:
+                meas, pred = {}, {}
+                for t in types:
+                    s = get_strategy(t)
+                    fn = {"fwd": lambda s=s: s.forward(x, w, b, geom),
+                          "bwd_data": lambda s=s: s.backward_data(dy, w, geom),
+                          "bwd_weights": lambda s=s: s.backward_weights(dy, x, geom)}[p]
+                    meas[t] = common.time_call(fn, repeats=repeats)["best"]
+                    pred[t] = predict_seconds(t, geom, batch, machine, p)
+                pick, _ = opt.choose_lowering(geom, batch, machine, pass_=p)
+                fastest = min(meas, key=meas.get)
+                points.append({"sweep": sweep, "d": d, "o": o, "pass": p, "measured": meas, "predicted": pred,
+                               "pick": pick, "fastest": fastest, "slowdown": meas[pick] / meas[fastest] - 1.0})
+
+    rows = []
+    for pt in points:
+        rows.append([pt["sweep"][0], pt["d"], pt["o"], f"{pt['d'] / pt['o']:.3g}", pt["pass"]]
+                    + [f"{pt['measured'][t] * 1e3:.2f}/{pt['predicted'][t] * 1e3:.2f}" for t in types]
+                    + [pt["pick"], pt["fastest"], f"{pt['slowdown'] * 100:.1f}%"])
+    print(f"\nFigure 8: n={args.n} k={args.k} pad={args.pad} batch={batch} fixed={fixed}; "
+          "times in ms, measured/predicted")
+    common.print_table(["fig", "d", "o", "d/o", "pass"] + [f"{t} ms" for t in types]
+                       + ["pick", "fastest", "slowdown"], rows)
+    n = len(points)
+    hits = sum(pt["pick"] == pt["fastest"] for pt in points)
+    near = sum(pt["slowdown"] <= 0.05 for pt in points)
+    worst = max((pt["slowdown"] for pt in points), default=0.0)
+    summary = {"points": n, "pick_is_fastest": hits / n if n else 1.0,
+               "pick_within_5pct": near / n if n else 1.0, "worst_slowdown": worst,
+               "targets": {"pick_is_fastest": 0.9, "worst_slowdown": 0.10}}
+    summary["meets_targets"] = summary["pick_is_fastest"] >= 0.9 and worst <= 0.10
+    print(f"\npick == measured fastest: {hits}/{n} = {summary['pick_is_fastest']:.0%} (target >= 90%); "
+          f"within 5%: {summary['pick_within_5pct']:.0%}; worst slowdown {worst:.1%} (target <= 10%)")
+    path = common.write_json("lowering_quick" if args.quick else "lowering",
+                             {"config": {"n": args.n, "k": args.k, "pad": args.pad, "batch": batch, "fixed": fixed,
+                                         "values": values, "passes": passes, "repeats": repeats},
+                              "environment": rep, "machine": machine.to_json(), "points": points,
+                              "summary": summary}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,477 @@
+"""The ``cct`` command (also ``python -m cct``): Caffe's ``caffe`` tool plus the dataset tools.
+
+    cct train --solver=S [--weights=W1,W2 | --snapshot=S.solverstate] [--iterations=N] [--gpu=0|all]
+              [--sigint_effect=stop|snapshot|none] [--sighup_effect=...] [--level=L] [--stage=a,b]
+    cct test  --model=M --weights=W [--iterations=50] [--phase=TEST]
+    cct time  --model=M [--iterations=50] [--phase=TRAIN]
+    cct device_query
+    cct convert_imageset | compute_image_mean | convert_mnist | convert_cifar | make_digits | calibrate ...
+
+Flags may be written as in Caffe (``-solver S``, ``-solver=S``) or GNU style (``--solver S``,
+``--solver=S``); ``cct train S`` also works. Logging goes to stderr in glog format; errors exit with
+status 1 and a one-line message (no traceback).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from .errors import CctError
+
+log = logging.getLogger("cct")
+
+TOOLS = {
+    "convert_imageset": ("cct.tools.convert_imageset", "convert a list of images into an LMDB/LevelDB"),
+    "compute_image_mean": ("cct.tools.compute_image_mean", "compute the mean image of a database"),
+    "convert_mnist": ("cct.tools.convert_mnist", "convert the MNIST files into LMDBs"),
+    "convert_cifar": ("cct.tools.convert_cifar", "convert the CIFAR-10 binaries into LMDBs"),
+    "make_digits": ("cct.tools.make_digits", "generate the synthetic digit dataset (LMDBs)"),
+    "calibrate": ("cct.lowering.calibrate", "calibrate the CcT lowering cost model for this machine"),
+}
+
+USAGE = """usage: cct <command> <args>
+
+commands:
+  train           train or finetune a model
+  test            score a model
+  time            benchmark model execution time
+  device_query    show CPU/BLAS/GPU information
+{tools}
+Run 'cct <command> --help' for the flags of a command.
+"""
+
+
+def _usage() -> str:
+    tools = "".join(f"  {name:<15} {desc}\n" for name, (_, desc) in TOOLS.items())
+    return USAGE.format(tools=tools)
+
+
+_SINGLE_DASH_LONG = re.compile(r"^-[A-Za-z_][A-Za-z0-9_]+(=.*)?$")
+
+
+def _gnu_flags(argv: Sequence[str]) -> list[str]:
+    """Accept Caffe/gflags single-dash long flags: ``-solver S`` / ``-solver=S`` -> ``--solver ...``."""
+    return ["-" + a if _SINGLE_DASH_LONG.match(a) else a for a in argv]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # noqa: D102 - argparse hook
+        raise CctError(f"{message} (see 'cct {self.prog.split()[-1]} --help')")
+
+
+def _parser(cmd: str, description: str) -> _Parser:
+    return _Parser(prog=f"cct {cmd}", description=description, allow_abbrev=False)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu", default=None,
+                   help="GPU device id(s) ('0', '0,1' or 'all'); an error when no GPU is available")
+    p.add_argument("--level", type=int, default=0, help="net state level (NetState.level)")
+    p.add_argument("--stage", default="", help="comma-separated net state stages")
+    p.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only")
+
+
+def _stages(s: str) -> list[str]:
+    return [x for x in (t.strip() for t in s.split(",")) if x]
+
+
+def _phase(s: str) -> int:
+    from .proto import caffe_pb2
+
+    u = s.upper()
+    if u not in ("TRAIN", "TEST"):
+        raise CctError(f"phase must be TRAIN or TEST, not '{s}'")
+    return caffe_pb2.TRAIN if u == "TRAIN" else caffe_pb2.TEST
+
+
+def _select_gpus(flag: str | None) -> list[int]:
+    """Caffe's get_gpus: '' -> CPU; 'all' or a comma list -> those devices (which must exist)."""
+    if flag is None or flag == "":
+        return []
+    from .backend import cupy_available
+
+    if not cupy_available():
+        raise CctError(f"--gpu={flag} given but no GPU is available (CuPy is not installed or sees no CUDA device); "
+                       "leave out --gpu to run on the CPU")
+    import cupy  # type: ignore
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if flag == "all":
+        return list(range(count))
+    try:
+        ids = [int(x) for x in flag.split(",") if x.strip()]
+    except ValueError:
+        raise CctError(f"--gpu must be 'all' or comma-separated device ids, not '{flag}'") from None
+    for i in ids:
+        if not 0 <= i < count:
+            raise CctError(f"--gpu: there is no GPU {i} (this machine has {count})")
+    return ids
+
+
+def _use_device(gpus: list[int]) -> None:
+    if not gpus:
+        log.info("Use CPU.")
+    else:
+        log.info("GPU(s) %s requested: cct trains on the CPU for now; using CPU.", ",".join(map(str, gpus)))
+
+
+# -- progress bar ------------------------------------------------------------------------------
+class _Progress:
+    """A one-line progress bar on a TTY stream; log records clear and redraw it."""
+
+    def __init__(self, stream, total: int):
+        self.stream = stream
+        self.total = max(int(total), 1)
+        self.current = 0
+        self.line = ""
+        self.start = time.perf_counter()
+
+    def write(self, s: str) -> int:
+        if self.line:
+            self.stream.write("\r\033[K")
+        n = self.stream.write(s)
+        if self.line and s.endswith("\n"):
+            self.stream.write(self.line)
+        return n
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def update(self, current: int) -> None:
+        self.current = current
+        frac = min(current / self.total, 1.0)
+        width = 30
+        filled = int(frac * width)
+        elapsed = time.perf_counter() - self.start
+        self.line = f"[{'#' * filled}{'.' * (width - filled)}] {current}/{self.total} {elapsed:.0f}s"
+        self.stream.write("\r\033[K" + self.line)
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.line:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.line = ""
+
+
+def _init_logging(quiet: bool, stream=None) -> None:
+    from .log import init_log
+
+    init_log(logging.WARNING if quiet else logging.INFO, stream=stream)
+
+
+# -- train -------------------------------------------------------------------------------------
+def cmd_train(argv: Sequence[str]) -> int:
+    """``cct train``: train a model from a solver prototxt (Caffe's ``caffe train``)."""
+    p = _parser("train", "Train or finetune a model.")
+    p.add_argument("solver_pos", nargs="?", metavar="SOLVER", help="the solver prototxt (same as --solver)")
+    p.add_argument("--solver", default=None, help="the solver definition prototxt")
+    p.add_argument("--weights", default=None,
+                   help="comma-separated .caffemodel/.h5 files to initialise (finetune) from")
+    p.add_argument("--snapshot", default=None, help="a .solverstate to resume training from")
+    p.add_argument("--iterations", type=int, default=None, help="override the solver's max_iter")
+    p.add_argument("--sigint_effect", default="stop", help="what SIGINT does: stop, snapshot or none")
+    p.add_argument("--sighup_effect", default="snapshot", help="what SIGHUP does: stop, snapshot or none")
+    _add_common(p)
+    args = p.parse_args(_gnu_flags(argv))
+    if args.solver and args.solver_pos and args.solver != args.solver_pos:
+        raise CctError("give the solver once (either --solver=S or a positional S)")
+    solver_path = args.solver or args.solver_pos
+    if not solver_path:
+        raise CctError("Need a solver definition to train (cct train --solver=solver.prototxt).")
+    if args.snapshot and args.weights:
+        raise CctError("Give a snapshot to resume training or weights to finetune but not both.")
+    from .solver import signals
+
+    signals.check_effect(args.sigint_effect)
+    signals.check_effect(args.sighup_effect)
+    progress = _Progress(sys.stderr, 1) if sys.stderr.isatty() and not args.quiet else None
+    _init_logging(args.quiet, stream=progress)
+
+    from .proto import caffe_pb2
+    from .solver import get_solver, read_solver_param
+
+    param = read_solver_param(solver_path)
+    param.train_state.level = args.level
+    param.train_state.stage.extend(_stages(args.stage))
+    gpu_flag = args.gpu
+    if gpu_flag is None and param.HasField("solver_mode") and param.solver_mode == caffe_pb2.SolverParameter.GPU:
+        # Caffe: with no --gpu, solver_mode GPU selects device_id; cct falls back to the CPU when there is none.
+        from .backend import cupy_available
+
+        if cupy_available():
+            gpu_flag = str(param.device_id)
+        else:
+            log.info("solver_mode GPU requested but no GPU/CuPy is available; using CPU.")
+    gpus = _select_gpus(gpu_flag)
+    _use_device(gpus)
+    # The solver itself must not log the GPU fallback a second time.
+    param.solver_mode = caffe_pb2.SolverParameter.CPU
+    if args.iterations is not None:
+        if args.iterations < 0:
+            raise CctError(f"--iterations must be >= 0, not {args.iterations}")
+        param.max_iter = args.iterations
+    if args.snapshot:
+        param.ClearField("weights")
+    elif args.weights:
+        param.ClearField("weights")
+        param.weights.append(args.weights)
+
+    handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
+    solver = get_solver(param, _source=solver_path)
+    solver.set_action_function(handler.get_action_function())
+    if progress is not None:
+        progress.total = max(param.max_iter, 1)
+        solver.add_callback(on_start=lambda: progress.update(solver.iter))
+    with handler:
+        if args.snapshot:
+            log.info("Resuming from %s", args.snapshot)
+            solver.restore(args.snapshot)
+        log.info("Starting Optimization")
+        try:
+            solver.solve()
+        finally:
+            if progress is not None:
+                progress.close()
+    return 0
+
+
+# -- test --------------------------------------------------------------------------------------
+def _load_weights(net, weights: str) -> None:
+    for w in (x.strip() for x in weights.split(",")):
+        if w:
+            net.copy_from(w)
+
+
+def cmd_test(argv: Sequence[str]) -> int:
+    """``cct test``: run a model's TEST phase for N batches and report each output's mean."""
+    import numpy as np
+
+    from .backend import to_numpy
+    from .net import Net
+
+    p = _parser("test", "Score a model: run N batches and print per-batch and mean outputs.")
+    p.add_argument("--model", default=None, help="the model definition prototxt")
+    p.add_argument("--weights", default=None, help="the trained weights (.caffemodel or .h5; comma-separated)")
+    p.add_argument("--iterations", type=int, default=50, help="the number of batches to run")
+    p.add_argument("--phase", default="TEST", help="net phase (TEST or TRAIN)")
+    _add_common(p)
+    args = p.parse_args(_gnu_flags(argv))
+    if not args.model:
+        raise CctError("Need a model definition to score (--model).")
+    if not args.weights:
+        raise CctError("Need model weights to score (--weights).")
+    if args.iterations < 1:
+        raise CctError(f"--iterations must be >= 1, not {args.iterations}")
+    _init_logging(args.quiet)
+    _use_device(_select_gpus(args.gpu))
+    net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage))
+    _load_weights(net, args.weights)
+    log.info("Running for %d iterations.", args.iterations)
+    scores: list[np.float32] = []
+    names: list[str] = []
+    loss = np.float32(0)
+    for i in range(args.iterations):
+        loss += np.float32(net.forward())
+        idx = 0
+        for name in net.output_blob_names:
+            for v in np.asarray(to_numpy(net.blobs[name].data), dtype=np.float32).ravel():
+                if i == 0:
+                    scores.append(np.float32(v))
+                    names.append(name)
+                else:
+                    scores[idx] += v
+                idx += 1
+                log.info("Batch %d, %s = %g", i, name, v)
+    loss /= np.float32(args.iterations)
+    log.info("Loss: %g", loss)
+    for name, s in zip(names, scores):
+        mean = np.float32(s) / np.float32(args.iterations)
+        w = net.blob_loss_weights.get(name, 0.0)
+        extra = f" (* {w:g} = {np.float32(w) * mean:g} loss)" if w else ""
+        log.info("%s = %g%s", name, mean, extra)
+    return 0
+
+
+# -- time --------------------------------------------------------------------------------------
+def cmd_time(argv: Sequence[str]) -> int:
+    """``cct time``: per-layer forward/backward timings (Caffe's ``caffe time``)."""
+    from .net import Net
+
+    p = _parser("time", "Benchmark the execution time of a model, layer by layer.")
+    p.add_argument("--model", default=None, help="the model definition prototxt")
+    p.add_argument("--iterations", type=int, default=50, help="the number of forward-backward passes to time")
+    p.add_argument("--phase", default="TRAIN", help="net phase (TRAIN or TEST)")
+    p.add_argument("--weights", default=None, help="optional weights to load first")
+    _add_common(p)
+    args = p.parse_args(_gnu_flags(argv))
+    if not args.model:
+        raise CctError("Need a model definition to time (--model).")
+    if args.iterations < 1:
+        raise CctError(f"--iterations must be >= 1, not {args.iterations}")
+    _init_logging(args.quiet)
+    _use_device(_select_gpus(args.gpu))
+    net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage))
+    if args.weights:
+        _load_weights(net, args.weights)
+    log.info("Performing Forward")
+    initial_loss = net.forward()
+    log.info("Initial loss: %g", initial_loss)
+    log.info("Performing Backward")
+    net.backward()
+    n_layers = len(net.layers)
+    fwd = [0.0] * n_layers
+    bwd = [0.0] * n_layers
+    forward_time = backward_time = 0.0
+    log.info("*** Benchmark begins ***")
+    log.info("Testing for %d iterations.", args.iterations)
+    clock = time.perf_counter
+    total_start = clock()
+    for j in range(args.iterations):
+        iter_start = clock()
+        for i, layer in enumerate(net.layers):
+            t = clock()
+            layer.reshape(net.bottom_vecs[i], net.top_vecs[i])
+            layer.forward(net.bottom_vecs[i], net.top_vecs[i])
+            fwd[i] += clock() - t
+        f_end = clock()
+        forward_time += f_end - iter_start
+        for i in range(n_layers - 1, -1, -1):
+            if not net.layer_need_backward[i]:
+                continue
+            t = clock()
+            net.layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i], net.bottom_vecs[i])
+            bwd[i] += clock() - t
+        backward_time += clock() - f_end
+        log.info("Iteration: %d forward-backward time: %g ms.", j + 1, (clock() - iter_start) * 1e3)
+    total = clock() - total_start
+    n = args.iterations
+    log.info("Average time per layer: ")
+    for i, name in enumerate(net.layer_names):
+        log.info("%10s\tforward: %g ms.", name, fwd[i] * 1e3 / n)
+        log.info("%10s\tbackward: %g ms.", name, bwd[i] * 1e3 / n)
+    log.info("Average Forward pass: %g ms.", forward_time * 1e3 / n)
+    log.info("Average Backward pass: %g ms.", backward_time * 1e3 / n)
+    log.info("Average Forward-Backward: %g ms.", total * 1e3 / n)
+    log.info("Total Time: %g ms.", total * 1e3)
+    log.info("*** Benchmark ends ***")
+    return 0
+
+
+# -- device_query ------------------------------------------------------------------------------
+def cmd_device_query(argv: Sequence[str]) -> int:
+    """``cct device_query``: CPU, BLAS backend and (when CuPy sees any) GPU information."""
+    import platform
+
+    import numpy as np
+
+    p = _parser("device_query", "Show the CPU, the BLAS backend and any GPUs.")
+    p.add_argument("--gpu", default=None, help="only query these GPU ids ('all' or a comma list)")
+    args = p.parse_args(_gnu_flags(argv))
+    out = sys.stdout
+    from . import blas
+
+    try:
+        cpu = blas._cpu_model()
+    except Exception:  # pragma: no cover - informational only
+        cpu = platform.processor() or "unknown"
+    print(f"CPU: {cpu}", file=out)
+    print(f"CPU cores: {os.cpu_count()}", file=out)
+    print(f"Platform: {platform.platform()}", file=out)
+    print(f"Python: {platform.python_version()}; numpy {np.__version__}", file=out)
+    try:
+        backend = blas.get_backend()
+    except CctError as e:
+        backend = f"unavailable ({e})"
+    print(f"BLAS backend: {backend}", file=out)
+    try:
+        print(f"BLAS threads: {blas.get_num_threads()}", file=out)
+    except Exception:  # pragma: no cover - informational only
+        pass
+    from .backend import cupy_available
+
+    if not cupy_available():
+        if args.gpu:
+            raise CctError(f"--gpu={args.gpu} given but no GPU is available (CuPy not installed or no CUDA device)")
+        print("GPUs: none (CuPy not installed or no CUDA device visible)", file=out)
+        return 0
+    import cupy  # type: ignore
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    ids = _select_gpus(args.gpu) if args.gpu else list(range(count))
+    print(f"GPUs: {count} (CuPy {cupy.__version__})", file=out)
+    for i in ids:
+        props = cupy.cuda.runtime.getDeviceProperties(i)
+        name = props.get("name", b"?")
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        print(f"Device id: {i}", file=out)
+        print(f"  Name: {name}", file=out)
+        print(f"  Compute capability: {props.get('major')}.{props.get('minor')}", file=out)
+        print(f"  Total global memory: {props.get('totalGlobalMem')}", file=out)
+        print(f"  Multiprocessors: {props.get('multiProcessorCount')}", file=out)
+    return 0
+
+
+# -- dispatch ----------------------------------------------------------------------------------
+def _tool(module_name: str) -> Callable[[Sequence[str]], int]:
+    def run(argv: Sequence[str]) -> int:
+        import importlib
+
+        try:
+            mod = importlib.import_module(module_name)
+        except ImportError as e:
+            raise CctError(f"this command is not available: cannot import {module_name} ({e})") from None
+        _init_logging(False)
+        rc = mod.main(list(argv))
+        return int(rc or 0)
+
+    return run
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "train": cmd_train,
+    "test": cmd_test,
+    "time": cmd_time,
+    "device_query": cmd_device_query,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``cct`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(_usage()) if argv else sys.stderr.write(_usage())
+        return 0 if argv else 1
+    if argv[0] in ("--version", "-version", "version"):
+        from . import __version__
+
+        print(f"cct {__version__}")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    handler = COMMANDS.get(cmd)
+    if handler is None and cmd in TOOLS:
+        handler = _tool(TOOLS[cmd][0])
+    if handler is None:
+        sys.stderr.write(f"cct: unknown command '{cmd}'\n\n{_usage()}")
+        return 1
+    try:
+        return handler(rest)
+    except CctError as e:
+        sys.stderr.write(f"cct {cmd}: error: {e}\n")
+        return 1
+    except OSError as e:
+        where = f" '{e.filename}'" if getattr(e, "filename", None) else ""
+        sys.stderr.write(f"cct {cmd}: error:{where} {e.strerror or e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write(f"cct {cmd}: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

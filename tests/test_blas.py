@@ -1,0 +1,149 @@
+"""cct.blas: backend selection, GEMM correctness on both backends, caching, thread control."""
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from cct import blas
+from cct.errors import CctError
+
+BACKENDS = ["openblas"] + (["mkl"] if blas.mkl_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(blas, "_explicit", None)
+    monkeypatch.setattr(blas, "_resolved_auto", None)
+    monkeypatch.delenv("CCT_BLAS", raising=False)
+    yield
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+def test_gemm_matches_numpy(backend, dtype, ta, tb):
+    rng = np.random.default_rng(0)
+    m, n, k = 7, 9, 5
+    a = rng.standard_normal((k, m) if ta else (m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if tb else (k, n)).astype(dtype)
+    c0 = rng.standard_normal((m, n)).astype(dtype)
+    expect = 1.5 * ((a.T if ta else a) @ (b.T if tb else b)) + 0.5 * c0
+    out = c0.copy()
+    res = blas.gemm(a, b, out=out, trans_a=ta, trans_b=tb, alpha=1.5, beta=0.5, backend=backend)
+    assert res is out
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(out, expect, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gemm_strided_operands_and_output(backend):
+    rng = np.random.default_rng(1)
+    big = rng.standard_normal((12, 20)).astype(np.float32)
+    a = big[1:7, 2:10]  # row-major with a leading dimension
+    b = np.asfortranarray(rng.standard_normal((8, 5)).astype(np.float32))  # column-major
+    c = rng.standard_normal((6, 30)).astype(np.float32)[:, ::3][:, :5]  # non-contiguous output
+    ref = a @ b
+    blas.gemm(a, b, out=c, backend=backend)
+    np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(CctError):
+        blas.gemm(a, b, out=np.empty((5, 5), np.float32), backend=backend)
+    with pytest.raises(CctError):
+        blas.gemm(a, a, backend=backend)
+
+
+def test_sgemm_uses_selected_backend(monkeypatch):
+    calls = []
+    monkeypatch.setattr(blas, "_mkl_gemm", lambda *a: calls.append(1) or a[2])
+    blas.set_backend("openblas")
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_allclose(blas.sgemm(x, x, trans_b=True), np.full((2, 2), 3.0))
+    assert calls == []
+    if blas.mkl_available():
+        blas.set_backend("mkl")
+        blas.sgemm(x, x, trans_b=True)
+        assert calls == [1]
+
+
+def test_selection_precedence(monkeypatch):
+    monkeypatch.setenv("CCT_BLAS", "openblas")
+    assert blas.get_backend() == "openblas"
+    monkeypatch.setenv("CCT_BLAS", "bogus")
+    with pytest.raises(CctError, match="CCT_BLAS"):
+        blas.get_backend()
+    blas.set_backend("openblas")  # explicit choice wins over the environment
+    assert blas.get_backend() == "openblas"
+    with pytest.raises(CctError, match="unknown BLAS backend"):
+        blas.set_backend("atlas")
+
+
+def test_auto_benchmarks_once_and_caches(monkeypatch, tmp_path):
+    speeds = {"openblas": 100.0, "mkl": 250.0}
+    seen = []
+
+    def fake(name, *a, **k):
+        seen.append(name)
+        return speeds[name]
+
+    monkeypatch.setattr(blas, "_time_backend", fake)
+    monkeypatch.setattr(blas, "mkl_available", lambda: True)
+    monkeypatch.setenv("CCT_BLAS", "auto")
+    assert blas.choose_backend() == "mkl"
+    files = list(tmp_path.glob("blas-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["best"] == "mkl"
+    n = len(seen)
+    monkeypatch.setattr(blas, "_resolved_auto", None)
+    assert blas.choose_backend() == "mkl" and len(seen) == n  # from the cache, no re-measurement
+    speeds["openblas"] = 900.0
+    assert blas.calibrate(force=True)["best"] == "openblas" and len(seen) > n
+
+
+def test_missing_mkl_gives_clean_error(monkeypatch):
+    monkeypatch.setattr(blas, "_mkl", None)
+    monkeypatch.setattr(blas, "_mkl_error", None)
+    monkeypatch.setattr(blas, "_find_mkl_rt", lambda: None)
+    with pytest.raises(blas.BlasUnavailable, match="pip install mkl"):
+        blas.set_backend("mkl")
+    assert not blas.mkl_available()
+
+
+def test_openblas_thread_limit_is_scoped():
+    blas.set_backend("openblas")
+    before = blas.get_num_threads()
+    with blas.blas_threads(1):
+        assert blas.get_num_threads() == 1
+    assert blas.get_num_threads() == before
+    assert not blas.supports_thread_local_limits("openblas")
+
+
+@pytest.mark.skipif(not blas.mkl_available(), reason="MKL not installed")
+def test_mkl_thread_limit_is_thread_local():
+    blas.set_backend("mkl")
+    assert blas.supports_thread_local_limits()
+    before = blas.get_num_threads()
+    inner = []
+    with blas.blas_threads(1):
+        inner.append(blas.get_num_threads())
+        t = threading.Thread(target=lambda: inner.append(blas.get_num_threads()))
+        t.start()
+        t.join()
+    assert inner == [1, before]
+    assert blas.get_num_threads() == before
+
+
+def test_blas_info_reports_kernel():
+    blas.set_backend("openblas")
+    info = blas.blas_info()
+    assert info["backend"] == "openblas" and info["internal_api"] == "openblas"
+    assert "architecture" in info and info["num_threads"] >= 1
+    assert "kernel" in blas.describe()
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    assert blas.cache_dir() == tmp_path
+    monkeypatch.delenv("CCT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert blas.cache_dir() == tmp_path / "xdg" / "cct"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert blas.cache_dir().parts[-2:] == (".cache", "cct")

@@ -1,0 +1,149 @@
+"""Lowering cost model (Figure 6), calibration cache and the automatic optimizer."""
+import numpy as np
+import pytest
+
+from cct.lowering import ConvGeometry, get_strategy
+from cct.lowering import calibrate as cal
+from cct.lowering import cost_model as cm
+from cct.lowering import optimizer as opt
+
+
+def square(n, k, d, o, pad=0, stride=1, group=1):
+    m = (n + 2 * pad - k) // stride + 1
+    return ConvGeometry(d, o, group, (n, n), (k, k), (pad, pad), (stride, stride), (1, 1), (m, m), True)
+
+
+def flat_machine(gflops=100.0, copy_ns=1.0, add_ns=1.0):
+    dims = [1, 100000]
+    return cm.Machine(grid_dims=dims, gemm_bign=[[gflops] * 2] * 2, gemm_bigk=[[gflops] * 2] * 2,
+                      big_curve=[], copy_ns=copy_ns, add_ns=add_ns, zero_ns=0.0, gemm_overhead_s=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "_memo", {})
+
+
+def test_figure6_formulas():
+    n, k, d, o = 13, 3, 384, 256
+    m = n - k + 1
+    g = square(n, k, d, o)
+    f1, f2, f3 = (cm.figure6(t, g) for t in ("type1", "type2", "type3"))
+    assert f1["lowered_data"] == (k * k * d, m * m) and f1["lowered_kernel"] == (o, k * k * d)
+    assert f2["lowered_data"] == (k * d, m * n) and f2["lowered_kernel"] == (o * k, k * d)
+    assert f3["lowered_data"] == (d, n * n) and f3["lowered_kernel"] == (o * k * k, d)
+    assert f1["gemm_flops"] == 2 * o * k * k * d * m * m
+    assert f2["gemm_flops"] == 2 * o * k * k * d * m * n
+    assert f3["gemm_flops"] == 2 * o * k * k * d * n * n
+    assert (f1["lifting_flops"], f2["lifting_flops"], f3["lifting_flops"]) == (0, m * m * k * o, m * m * k * k * o)
+    assert (f1["lifting_ram_read"], f2["lifting_ram_read"], f3["lifting_ram_read"]) == (
+        o * m * m, o * k * m * n, o * k * k * n * n)
+    # batches and groups scale the columns / split the matrices
+    gg = square(n, k, d, o, group=2)
+    assert cm.figure6("type1", gg, 4)["lowered_data"] == (k * k * d // 2, 4 * m * m)
+    assert cm.figure6("type1", gg, 4)["gemm_flops"] == 4 * f1["gemm_flops"] // 2
+
+
+def test_ratio_d_over_o_decides_type1_vs_type3():
+    mach = flat_machine()
+    many_in = square(13, 3, 512, 16)
+    many_out = square(13, 3, 16, 512)
+    assert opt.choose_lowering(many_in, 8, mach)[0] == "type3"
+    assert opt.choose_lowering(many_out, 8, mach)[0] == "type1"
+    p_in = opt.predictions(many_in, 8, mach)
+    assert p_in["type3"] < p_in["type1"]
+
+
+def test_predictions_scale_with_batch_and_machine():
+    g = square(27, 5, 96, 256, pad=2)
+    fast, slow = flat_machine(200.0), flat_machine(100.0)
+    for t in ("type1", "type2", "type3"):
+        for p in ("fwd", "bwd_data", "bwd_weights"):
+            a = cm.predict_seconds(t, g, 4, slow, p)
+            assert a > 0
+            assert cm.predict_seconds(t, g, 8, slow, p) == pytest.approx(2 * a, rel=1e-6)
+            assert cm.predict_seconds(t, g, 4, fast, p) < a
+        assert cm.predict_seconds(t, g, 4, slow, "total") == pytest.approx(
+            sum(cm.predict_seconds(t, g, 4, slow, p) for p in cm.PASSES))
+
+
+def test_gemm_interpolation():
+    mach = cm.Machine(grid_dims=[4, 64, 1024], gemm_bign=[[10, 20, 40], [20, 40, 80], [40, 80, 160]],
+                      gemm_bigk=[[1, 1, 1]] * 3, big_curve=[(16, 0.5), (4096, 1.0)])
+    assert mach.gemm_gflops(64, 10**6, 64) == pytest.approx(40)
+    assert mach.gemm_gflops(16, 10**6, 64) == pytest.approx(np.sqrt(20 * 40))  # log-midpoint
+    assert mach.gemm_gflops(1, 10**6, 10**6 - 1) == pytest.approx(40)  # clamped
+    # n=16 >= k=8: big-N grid at (64, 8) (log-interpolated), times the small-N factor 0.5
+    assert mach.gemm_gflops(64, 16, 8) == pytest.approx(20 * 2 ** 0.25 * 0.5)
+    assert mach.gemm_gflops(64, 10**6, 64) > mach.gemm_gflops(64, 16, 10**6)
+
+
+def test_workspace_linear_in_batch():
+    g = square(13, 3, 64, 64, pad=1)
+    for t in ("type1", "type2", "type3"):
+        assert cm.workspace_bytes(t, g, 8) == 8 * cm.workspace_bytes(t, g, 1)
+
+
+def test_describe_choice_format():
+    preds = {"type1": 0.0130, "type2": 0.0121, "type3": 0.0112}
+    assert opt.describe_choice("conv5", "type3", preds) == \
+        "conv5: lowering type 3 (predicted fwd 11.2 ms; type 1 13.0, type 2 12.1)"
+    g = square(13, 3, 384, 256, pad=1)
+    name, p = opt.choose_lowering(g, 16, flat_machine())
+    assert name == min(p, key=p.get)
+    assert opt.describe_choice("conv5", name, p).startswith(f"conv5: lowering type {name[-1]} (predicted fwd ")
+
+
+def test_overrides_and_per_pass_plans():
+    g = square(13, 3, 384, 256, pad=1)
+    mach = flat_machine()
+    name, _ = opt.choose_lowering(g, 4, mach, override="type2")
+    assert name == "type2"
+    assert opt.parse_overrides("type3") == {"*": "type3"}
+    assert opt.parse_overrides("conv1=type3, conv5=type1") == {"conv1": "type3", "conv5": "type1"}
+    with pytest.raises(KeyError):
+        opt.parse_overrides("conv1=type9")
+    strat, plan, line = opt.lowering_for_layer("conv1", g, 4, mach, overrides={"conv1": "type3"})
+    assert strat.name == "type3" and plan.single == "type3" and line.endswith("[override]")
+    strat, plan, line = opt.lowering_for_layer("conv2", g, 4, mach, overrides={})
+    assert line.startswith("conv2: lowering type ")
+    mixed = opt.LoweringPlan("type3", "type1", "type2", plan.predictions)
+    s = mixed.strategy()
+    assert isinstance(s, opt.PerPassLowering) and s.fwd.name == "type3" and s.bwd_weights.name == "type2"
+    assert "bwd_data type 1" in opt.describe_choice("convX", mixed)
+    # per-pass only when it pays more than min_gain
+    single = opt.choose_plan(g, 4, mach, per_pass=True, min_gain=1.0)
+    assert single.single is not None
+
+
+def test_strategy_cost_uses_model():
+    g = square(13, 3, 64, 64, pad=1)
+    s = get_strategy("type3")
+    assert s.cost(g, 4, flat_machine()) == pytest.approx(cm.predict_seconds("type3", g, 4, flat_machine()))
+
+
+def test_machine_cache_roundtrip(tmp_path):
+    m = cal.calibrate(quick=True, save=False)
+    assert all(v > 0 for row in m.gemm_bign for v in row) and m.copy_ns > 0 and m.threads >= 1
+    m2 = cm.Machine.from_json(m.to_json())
+    assert m2.gemm_bign == m.gemm_bign and m2.big_curve == m.big_curve
+    # a cached file is what load_machine returns, without measuring
+    from cct import blas
+
+    fake = flat_machine(123.0)
+    fake.threads = m.threads
+    blas.write_cache(cal._cache_name(blas.get_num_threads(), blas.get_backend()), fake.to_json())
+    cal._memo.clear()
+    loaded = cal.load_machine(measure_if_missing=False)
+    assert loaded.gemm_bign[0][0] == 123.0
+    cal._memo.clear()
+    for f in tmp_path.glob("machine-*.json"):
+        f.unlink()
+    assert cal.load_machine(measure_if_missing=False).nominal
+
+
+def test_calibrate_cli_quick(capsys):
+    assert cal.main(["--quick", "--blas", "openblas"]) == 0
+    out = capsys.readouterr().out
+    assert "GEMM GFLOPS" in out and "kernel" in out
