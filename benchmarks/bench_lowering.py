@@ -12,12 +12,22 @@ measured-fastest (target <= 10%), plus the same with a 5% tie tolerance.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+
+
+def run_pass(strategy, pass_, x, w, b, dy, geom):
+    """One pass of a lowering on fixed inputs."""
+    if pass_ == "fwd":
+        return strategy.forward(x, w, b, geom)
+    if pass_ == "bwd_data":
+        return strategy.backward_data(dy, w, geom)
+    return strategy.backward_weights(dy, x, geom)
 
 
 def main(argv=None) -> int:
@@ -30,7 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed", type=int, default=None, help="the channel count held fixed (default 256, quick 128)")
     ap.add_argument("--values", default=None, help="comma-separated channel counts to sweep")
     ap.add_argument("--passes", default="fwd", help="fwd,bwd_data,bwd_weights or 'all'")
-    ap.add_argument("--threads", type=int, default=None, help="BLAS threads (default: library default)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="BLAS threads (default: the library default; 1 with --quick)")
     ap.add_argument("--blas", choices=("auto", "openblas", "mkl"), default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep-env", action="store_true", help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
@@ -42,14 +53,16 @@ def main(argv=None) -> int:
     import numpy as np
 
     from cct import blas
-    from cct.lowering import get_strategy
     from cct.lowering import calibrate as cal
+    from cct.lowering import get_strategy
     from cct.lowering import optimizer as opt
     from cct.lowering.cost_model import predict_seconds
 
     if args.blas:
         blas.set_backend(args.blas)
-    common.set_threads(args.threads)
+    # quick runs are smoke tests on possibly shared machines: one BLAS thread is far less
+    # sensitive to other processes (spinning OpenBLAS threads collapse under oversubscription)
+    common.set_threads(args.threads or (1 if args.quick else None))
     rep = common.environment_report(removed)
     common.print_environment(rep)
 
@@ -58,7 +71,7 @@ def main(argv=None) -> int:
     values = ([int(v) for v in args.values.split(",")] if args.values
               else ([16, 64, 256, 1024] if args.quick else [16, 32, 64, 128, 256, 512, 1024, 2048]))
     passes = ["fwd", "bwd_data", "bwd_weights"] if args.passes == "all" else args.passes.split(",")
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (3 if args.quick else 7)
     machine = cal.calibrate() if args.recalibrate else cal.load_machine()
     print(f"# cost model: machine {machine.key} threads {machine.threads} "
           f"({'nominal' if machine.nominal else 'calibrated'})")
@@ -74,14 +87,15 @@ def main(argv=None) -> int:
             b = np.zeros(o, np.float32)
             dy = rng.standard_normal((batch, o) + geom.out_shape, dtype=np.float32)
             for p in passes:
-                meas, pred = {}, {}
-                for t in types:
-                    s = get_strategy(t)
-                    fn = {"fwd": lambda s=s: s.forward(x, w, b, geom),
-                          "bwd_data": lambda s=s: s.backward_data(dy, w, geom),
-                          "bwd_weights": lambda s=s: s.backward_weights(dy, x, geom)}[p]
-                    meas[t] = common.time_call(fn, repeats=repeats)["best"]
-                    pred[t] = predict_seconds(t, geom, batch, machine, p)
+                fns = {t: functools.partial(run_pass, get_strategy(t), p, x, w, b, dy, geom) for t in types}
+                for fn in fns.values():  # warm-up
+                    fn()
+                # round-robin repeats, best of each: load bursts from other processes hit all types alike
+                meas = {t: float("inf") for t in types}
+                for _ in range(repeats):
+                    for t in types:
+                        meas[t] = min(meas[t], common.time_call(fns[t], repeats=1, warmup=0)["best"])
+                pred = {t: predict_seconds(t, geom, batch, machine, p) for t in types}
                 pick, _ = opt.choose_lowering(geom, batch, machine, pass_=p)
                 fastest = min(meas, key=meas.get)
                 points.append({"sweep": sweep, "d": d, "o": o, "pass": p, "measured": meas, "predicted": pred,

@@ -56,6 +56,7 @@ def coord_map(fn):
         return None, 1, 0
     if fn.type_name == "Crop":
         axis, offset = crop_params(fn)
+        axis -= 1  # coordinate maps count the axis before the first mapped one (1 for N, C, H, W)
         return axis, 1, -offset
     raise UndefinedMapException
 

@@ -87,7 +87,7 @@ def get_layer_label(layer: caffe_pb2.LayerParameter, rankdir: str, display_lrm: 
         if any([lrm0, lrm1]):
             descriptors.append(f"lr mult: {lrm0:.1f}, {lrm1:.1f}")
     # outer double quotes, or graphviz does not parse the colons
-    return '"%s"' % separator.join(descriptors)
+    return "\"" + separator.join(descriptors) + "\""
 
 
 def choose_color_by_layertype(layertype: str) -> str:

@@ -64,7 +64,7 @@ def array_to_datum(arr, label=None) -> caffe_pb2.Datum:
 def datum_to_array(datum) -> np.ndarray:
     """The C x H x W array of a (non-encoded) Datum."""
     if len(datum.data):
-        return np.frombuffer(datum.data, dtype=np.uint8).reshape(datum.channels, datum.height, datum.width)
+        return np.frombuffer(datum.data, dtype=np.uint8).reshape(datum.channels, datum.height, datum.width).copy()
     return np.array(datum.float_data).astype(float).reshape(datum.channels, datum.height, datum.width)
 
 
@@ -90,15 +90,21 @@ def load_image(filename: str, color: bool = True) -> np.ndarray:
 
 
 def resize_image(im: np.ndarray, new_dims, interp_order: int = 1) -> np.ndarray:
-    """Resize an H x W x K image to ``new_dims`` (H', W') with spline order ``interp_order``."""
+    """Resize an H x W x K image to ``new_dims`` (H', W') with spline order ``interp_order``.
+
+    As pycaffe: 1- and 3-channel images are resampled at pixel centers (scikit-image's resize),
+    other channel counts with ``scipy.ndimage.zoom``'s corner-aligned grid.
+    """
     im = np.asarray(im)
     new_dims = tuple(int(d) for d in new_dims)
+    scale = tuple(np.array(new_dims, dtype=float) / np.array(im.shape[:2]))
+    if im.shape[-1] not in (1, 3):
+        return zoom(im, scale + (1,), order=interp_order).astype(np.float32)
     im_min, im_max = im.min(), im.max()
     if im_max <= im_min:
         ret = np.empty((new_dims[0], new_dims[1], im.shape[-1]), dtype=np.float32)
         ret.fill(im_min)
         return ret
-    scale = tuple(np.array(new_dims, dtype=float) / np.array(im.shape[:2]))
     resized = zoom(im.astype(np.float64), scale + (1,), order=interp_order, mode="nearest", grid_mode=True)
     return resized.astype(np.float32)
 

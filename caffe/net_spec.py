@@ -47,7 +47,7 @@ def param_name_dict() -> dict[str, str]:
     return out
 
 
-def to_proto(*tops: "Top") -> caffe_pb2.NetParameter:
+def to_proto(*tops: Top) -> caffe_pb2.NetParameter:
     """A NetParameter with every layer needed to compute ``tops`` (all tops auto-named)."""
     layers_: OrderedDict = OrderedDict()
     autonames: Counter = Counter()
@@ -85,7 +85,7 @@ def assign_proto(proto: Any, name: str, val: Any) -> None:
 class Top:
     """One output blob of a layer (``fn`` is the layer's Function, ``n`` the top index)."""
 
-    def __init__(self, fn: "Function", n: int):
+    def __init__(self, fn: Function, n: int):
         self.fn = fn
         self.n = n
 

@@ -97,8 +97,8 @@ class Net:
             blob = self._net.blobs[name]
             arr = np.asarray(arr)
             if arr.ndim == 0 or blob.num_axes == 0 or arr.shape[0] != blob.shape[0]:
-                raise Exception(f"Input is not batch sized: blob '{name}' has shape {list(blob.shape)}, "
-                                f"the array has shape {list(arr.shape)}")
+                raise Exception(f"{'Input' if field == 'data' else 'Diff'} is not batch sized: blob '{name}' "
+                                f"has shape {list(blob.shape)}, the array has shape {list(arr.shape)}")
             if arr.shape != blob.shape:
                 raise ValueError(f"blob '{name}' has shape {list(blob.shape)}; the array has shape "
                                  f"{list(arr.shape)} (reshape the blob and call net.reshape() first)")
@@ -311,4 +311,5 @@ def get_solver(filename) -> _SolverBase:
     from cct.solver import get_solver as _get
 
     s = _get(filename)
-    return _SolverBase(_solver=s)
+    cls = {c._type: c for c in _SolverBase.__subclasses__()}.get(s.type, _SolverBase)
+    return cls(_solver=s)

@@ -1,4 +1,5 @@
 """Data pipeline: databases, DataTransformer (Caffe's semantics), Data / ImageData / HDF5Data layers."""
+import sys
 import threading
 
 import h5py
@@ -109,8 +110,11 @@ def test_convert_imageset_then_data_layer_gives_original_pixels(tmp_path, encode
     assert [k.decode() for k, _ in items] == [f"{i:08d}_im{i}.png" for i in range(5)]
     assert all(parse_datum(v).encoded == encoded for _, v in items)
     layer, top = make_layer(Data, data_layer_text(db, 5), TEST)
+    other, other_top = make_layer(Data, data_layer_text(db, 5), TRAIN)  # same LMDB opened twice
     assert top[0].shape == (5, 3, 6, 7) and top[1].shape == (5,)
     (data, label), = batches(layer, top, 1)
+    np.testing.assert_array_equal(batches(other, other_top, 1)[0][0], data)
+    other.close()
     expect = np.stack([im.transpose(2, 0, 1) for im in imgs]).astype(np.float32)
     np.testing.assert_array_equal(data, expect)
     np.testing.assert_array_equal(label, labels)
@@ -370,17 +374,29 @@ def test_corrupt_record_names_the_key(tmp_path):
         parse_datum(caffe_pb2.Datum(channels=1, height=2, width=2, data=b"\0").SerializeToString(), b"00000002")
 
 
-def test_leveldb_backend_without_plyvel_says_how_to_install(tmp_path):
-    pytest.importorskip("lmdb")
-    try:
-        import plyvel  # noqa: F401
-        pytest.skip("plyvel installed")
-    except ImportError:
-        pass
+def test_leveldb_backend_without_plyvel_says_how_to_install(tmp_path, monkeypatch):
     db = write_lmdb(tmp_path / "db", [np.zeros((1, 1, 1), np.uint8)])
-    text = f'name: "d" type: "Data" top: "data" data_param {{ source: "{db}" batch_size: 1 }}'
+    monkeypatch.setitem(sys.modules, "plyvel", None)  # import plyvel -> ImportError
+    text = f'name: "d" type: "Data" top: "data" data_param {{ source: "{db}" batch_size: 1 }}'  # LEVELDB default
     with pytest.raises(CctError, match=r"cct\[leveldb\].*LMDB"):
         make_layer(Data, text, TEST, ntop=1)
+
+
+def test_leveldb_roundtrip(tmp_path):
+    pytest.importorskip("plyvel")
+    root, listfile, imgs, labels = write_images(tmp_path)
+    db = str(tmp_path / "ldb")
+    convert_imageset(root, listfile, db, backend="leveldb")
+    text = data_layer_text(db, 5).replace("backend: LMDB", "backend: LEVELDB")
+    layer, top = make_layer(Data, text, TEST)
+    layer2, top2 = make_layer(Data, text, TRAIN)  # a TRAIN and a TEST net may read one database
+    (data, label), = batches(layer, top, 1)
+    np.testing.assert_array_equal(batches(layer2, top2, 1)[0][0], data)
+    layer.close()
+    layer2.close()
+    np.testing.assert_array_equal(data, np.stack([im.transpose(2, 0, 1) for im in imgs]))
+    np.testing.assert_array_equal(label, labels)
+    np.testing.assert_allclose(compute_image_mean(db, backend="leveldb")[0], data.mean(axis=0), rtol=1e-6)
 
 
 def test_lmdb_writer_grows_the_map(tmp_path):

@@ -96,6 +96,10 @@ class DB:
     def close(self) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def is_empty(self) -> bool:
+        """True when the database holds no record."""
+        return len(self) == 0
+
     def items(self) -> Iterator[tuple[bytes, bytes]]:
         """Every (key, value) in key order."""
         cur = self.cursor()
@@ -149,33 +153,28 @@ class LMDBCursor(Cursor):
 
 # py-lmdb refuses to open one environment twice in a process, while a TRAIN and a TEST net (or
 # two layers) may read the same database: share one read-only environment per path, refcounted.
-_ENVS: dict[str, list] = {}
+_ENVS: dict[tuple[str, str], list] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire_env(key: str, subdir: bool, shown: str):
-    import lmdb
-
+def _acquire_env(backend: str, key: str, opener):
+    """The shared handle of database ``key`` (opened with ``opener()`` the first time), refcounted."""
     with _ENVS_LOCK:
-        entry = _ENVS.get(key)
+        entry = _ENVS.get((backend, key))
         if entry is None:
-            try:
-                env = lmdb.open(key, readonly=True, lock=False, subdir=subdir, readahead=False, max_readers=512)
-            except lmdb.Error as e:
-                raise CctError(f"cannot open LMDB '{shown}': {e}") from None
-            entry = _ENVS[key] = [env, 0]
+            entry = _ENVS[(backend, key)] = [opener(), 0]
         entry[1] += 1
         return entry[0]
 
 
-def _release_env(key: str) -> None:
+def _release_env(backend: str, key: str) -> None:
     with _ENVS_LOCK:
-        entry = _ENVS.get(key)
+        entry = _ENVS.get((backend, key))
         if entry is None:
             return
         entry[1] -= 1
         if entry[1] <= 0:
-            del _ENVS[key]
+            del _ENVS[(backend, key)]
             entry[0].close()
 
 
@@ -193,7 +192,17 @@ class LMDB(DB):
         if subdir and not os.path.isfile(os.path.join(self.path, "data.mdb")):
             raise CctError(f"'{self.path}' is not an LMDB (no data.mdb inside)")
         self._key = os.path.realpath(self.path)
-        self._env = _acquire_env(self._key, subdir, self.path)
+
+        def opener():
+            import lmdb
+
+            try:
+                return lmdb.open(self._key, readonly=True, lock=False, subdir=subdir, readahead=False,
+                                 max_readers=512)
+            except lmdb.Error as e:
+                raise CctError(f"cannot open LMDB '{self.path}': {e}") from None
+
+        self._env = _acquire_env("lmdb", self._key, opener)
         self._entries = int(self._env.stat()["entries"])
 
     def __len__(self) -> int:
@@ -205,7 +214,7 @@ class LMDB(DB):
     def close(self) -> None:
         if self._env is not None:
             self._env = None
-            _release_env(self._key)
+            _release_env("lmdb", self._key)
 
 
 class LevelDBCursor(Cursor):
@@ -252,32 +261,44 @@ class LevelDB(DB):
         if not os.path.exists(self.path):
             raise CctError(f"LevelDB '{self.path}' does not exist")
         plyvel = _import_plyvel(self.path)
-        try:
-            self._db = plyvel.DB(self.path, create_if_missing=False)
-        except Exception as e:  # plyvel.Error, IOError
-            raise CctError(f"cannot open LevelDB '{self.path}': {e}") from None
-        n = 0
-        for _ in self._db.iterator(include_value=False):
-            n += 1
-        self._entries = n
+        self._key = os.path.realpath(self.path)
+
+        def opener():
+            try:
+                return plyvel.DB(self._key, create_if_missing=False)
+            except Exception as e:  # plyvel.Error, IOError
+                raise CctError(f"cannot open LevelDB '{self.path}': {e}") from None
+
+        # LevelDB allows one open handle per process: TRAIN and TEST nets share it.
+        self._db = _acquire_env("leveldb", self._key, opener)
+        self._entries: int | None = None
 
     def __len__(self) -> int:
+        if self._entries is None:  # LevelDB keeps no count: walk the keys once
+            self._entries = sum(1 for _ in self._db.iterator(include_value=False))
         return self._entries
+
+    def is_empty(self) -> bool:
+        it = self._db.iterator(include_value=False)
+        try:
+            return next(it, None) is None
+        finally:
+            it.close()
 
     def cursor(self) -> LevelDBCursor:
         return LevelDBCursor(self._db, self.path)
 
     def close(self) -> None:
         if self._db is not None:
-            self._db.close()
             self._db = None
+            _release_env("leveldb", self._key)
 
 
 def open_db(path: str | os.PathLike, backend: str | int = "lmdb", allow_empty: bool = False) -> DB:
     """Open a database read-only; a missing or (unless ``allow_empty``) empty one is an error naming it."""
     name = backend_name(backend)
     db: DB = LMDB(path) if name == "lmdb" else LevelDB(path)
-    if not allow_empty and len(db) == 0:
+    if not allow_empty and db.is_empty():
         db.close()
         raise CctError(f"{name.upper()} '{os.fspath(path)}' is empty")
     return db

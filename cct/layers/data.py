@@ -5,9 +5,14 @@ depth ``data_param.prefetch``, default 4) so loading and transforming overlap co
 ``forward`` copies the next ready batch into the tops. Like Caffe's data layers they have no
 bottoms, no backward, and never take a gradient.
 
-Randomness (crops, mirrors, shuffles, ``rand_skip``) comes from a generator private to the
-layer, seeded once from :func:`cct.rng.get_rng` at setup (only when the layer needs it), so a
-run with a fixed ``random_seed`` is reproducible whatever the thread timing.
+Randomness (crops, mirrors, shuffles, ``rand_skip``) comes from two generators private to the
+layer (one for the transforms, one for the record order, like Caffe's transformer and prefetch
+RNGs), seeded by one draw of :func:`cct.rng.get_rng` at setup (only when the layer needs any), so
+a run with a fixed ``random_seed`` is reproducible whatever the thread timing. As in Caffe,
+``mirror: true`` flips at random in the TEST phase too; only the crop is centred in TEST.
+
+Decoding of encoded records (JPEG/PNG) and image files runs on a small shared thread pool
+(deterministic work, order kept); the transforms stay in record order on the prefetch thread.
 
 Order of records (Caffe's): ``Data`` walks the database in key order and restarts from the
 first key at the end ("Restarting data prefetching from start."); ``ImageData`` walks the list
@@ -18,8 +23,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -48,8 +55,17 @@ def _copy_to_blob(blob: Blob, arr: np.ndarray) -> None:
         blob.data.set(np.ascontiguousarray(arr, dtype=blob.dtype))
 
 
-def _child_rng() -> np.random.Generator:
-    return np.random.default_rng(int(get_rng().integers(0, 2**63 - 1)))
+def _child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Generator | None]:
+    """(transform generator, order generator) for a layer, seeded by one draw of cct's global rng.
+
+    Two streams, as Caffe's transformer RNG and prefetch (shuffle) RNG: the record order does not
+    depend on how many draws the transforms make. No draw at all when the layer needs none.
+    """
+    if not needed:
+        return None, None
+    ss = np.random.SeedSequence(int(get_rng().integers(0, 2**63 - 1)))
+    a, b = ss.spawn(2)
+    return np.random.default_rng(a), np.random.default_rng(b)
 
 
 def _resolve_listed(path: str, list_file: str) -> str:
@@ -58,6 +74,22 @@ def _resolve_listed(path: str, list_file: str) -> str:
         return path
     alt = os.path.join(os.path.dirname(os.path.abspath(list_file)), path)
     return alt if os.path.exists(alt) else path
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _map_ordered(fn, items: list, parallel: bool = True) -> list:
+    """``[fn(x) for x in items]``, on a shared thread pool for image decoding (order and errors kept)."""
+    global _POOL
+    workers = min(8, os.cpu_count() or 1)
+    if not parallel or len(items) < 2 or workers < 2:
+        return [fn(x) for x in items]
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cct-decode")
+    return list(_POOL.map(fn, items))
 
 
 def _shutdown(prefetcher: Prefetcher, loader: Any) -> None:
@@ -146,33 +178,40 @@ class _DBLoader:
             log.info(_RESTART_MSG)
             self.cursor.seek_to_first()
 
-    def current(self) -> tuple[bytes, np.ndarray, int]:
-        key = self.cursor.key
-        datum = parse_datum(self.cursor.value, key, self.path)
+    def _array(self, key: bytes, datum: caffe_pb2.Datum) -> np.ndarray:
         try:
-            arr = self.transformer.datum_array(datum)
+            return self.transformer.datum_array(datum)
         except CctError as e:
             raise CctError(f"record '{key.decode('utf-8', 'replace')}' in '{self.path}': {e}") from None
-        return key, arr, datum.label
+
+    def current(self) -> tuple[bytes, np.ndarray, int]:
+        """The record under the cursor: (key, CxHxW pixels, label)."""
+        key = self.cursor.key
+        datum = parse_datum(self.cursor.value, key, self.path)
+        return key, self._array(key, datum), datum.label
 
     def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
         bs = self.batch_size
-        data = None
-        labels = None
-        for i in range(bs):
-            key, arr, label = self.current()
+        records = []
+        for _ in range(bs):  # read the batch's records in key order
+            key = self.cursor.key
+            records.append((key, parse_datum(self.cursor.value, key, self.path)))
+            self.next()
+        # decoding (JPEG/PNG) is deterministic and releases the GIL: spread it over threads
+        arrays = _map_ordered(lambda kd: self._array(*kd), records, parallel=records[0][1].encoded)
+        data = labels = None
+        for i, ((key, datum), arr) in enumerate(zip(records, arrays)):
             try:
                 if i == 0:  # the first record of each batch sets its shape (Caffe)
                     shape = (bs,) + self.transformer.infer_shape(arr)
                     data = buf[0] if buf is not None and buf[0].shape == shape else np.empty(shape, self.dtypes[0])
                     if len(self.dtypes) > 1:
                         labels = buf[1] if buf is not None else np.empty((bs,), self.dtypes[1])
-                self.transformer.transform(arr, data[i])
+                self.transformer.transform(arr, data[i])  # random draws stay in record order
             except CctError as e:
                 raise CctError(f"record '{key.decode('utf-8', 'replace')}' in '{self.path}': {e}") from None
             if labels is not None:
-                labels[i] = label
-            self.next()
+                labels[i] = datum.label
         return [data] if labels is None else [data, labels]
 
 
@@ -196,9 +235,9 @@ class Data(_PrefetchingDataLayer):
         if tp.force_color and tp.force_gray:
             raise self.error("cannot set both force_color and force_gray")
         needs_rng = bool(dp.rand_skip) or tp.mirror or (self.phase == caffe_pb2.TRAIN and tp.crop_size > 0)
-        rng = _child_rng() if needs_rng else None
+        t_rng, rng = _child_rngs(needs_rng)
         try:
-            transformer = DataTransformer(tp, self.phase, rng=rng)
+            transformer = DataTransformer(tp, self.phase, rng=t_rng)
             db = open_db(dp.source, dp.backend)
         except CctError as e:
             raise self.error(str(e)) from None
@@ -244,9 +283,19 @@ class _ImageListLoader:
 
     def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
         bs = self.batch_size
+        picked = []
+        for _ in range(bs):
+            picked.append(self.lines[self.pos])
+            self.pos += 1
+            if self.pos >= len(self.lines):
+                log.info(_RESTART_MSG)
+                self.pos = 0
+                if self.shuffle:
+                    self.rng.shuffle(self.lines)
+        images = _map_ordered(
+            lambda item: read_image(self.root + item[0], self.new_h, self.new_w, self.is_color), picked)
         data = labels = None
-        for i in range(bs):
-            img = self.image(self.pos)
+        for i, ((name, label), img) in enumerate(zip(picked, images)):
             chw = img.transpose(2, 0, 1)
             try:
                 if i == 0:
@@ -255,14 +304,8 @@ class _ImageListLoader:
                     labels = buf[1] if buf is not None else np.empty((bs,), self.dtypes[1])
                 self.transformer.transform(chw, data[i])
             except CctError as e:
-                raise CctError(f"image '{self.root + self.lines[self.pos][0]}': {e}") from None
-            labels[i] = self.lines[self.pos][1]
-            self.pos += 1
-            if self.pos >= len(self.lines):
-                log.info(_RESTART_MSG)
-                self.pos = 0
-                if self.shuffle:
-                    self.rng.shuffle(self.lines)
+                raise CctError(f"image '{self.root + name}': {e}") from None
+            labels[i] = label
         return [data, labels]
 
 
@@ -291,9 +334,9 @@ class ImageData(_PrefetchingDataLayer):
         tp = self._transform_param(ip, "image_data_param")
         needs_rng = ip.shuffle or bool(ip.rand_skip) or tp.mirror or \
             (self.phase == caffe_pb2.TRAIN and tp.crop_size > 0)
-        rng = _child_rng() if needs_rng else None
+        t_rng, rng = _child_rngs(needs_rng)
         try:
-            transformer = DataTransformer(tp, self.phase, rng=rng)
+            transformer = DataTransformer(tp, self.phase, rng=t_rng)
             log.info("Opening file %s", ip.source)
             lines = read_image_list(ip.source)
         except CctError as e:
@@ -445,7 +488,7 @@ class HDF5Data(_PrefetchingDataLayer):
         names = list(self.param.top)
         if len(names) != len(top):
             names = [b.name for b in top]
-        rng = _child_rng() if hp.shuffle else None
+        rng = _child_rngs(hp.shuffle)[1]
         try:
             log.info("Loading list of HDF5 filenames from: %s", hp.source)
             files = read_hdf5_list(hp.source)

@@ -56,29 +56,36 @@ def _big(m: int, k: int, budget: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, budget / (2.0 * m * k))))
 
 
-def measure_elementwise(elems: int = 1 << 22, repeats: int = 3) -> dict:
-    """ns/element of a strided window copy, a strided accumulate and a zero fill (float32)."""
-    side = 32
-    c = max(1, elems // (4 * side * side))
-    src = np.random.default_rng(0).standard_normal((c, 4, side + 2, side + 2), dtype=np.float32)
-    dst = np.empty((c, 4, side, side), np.float32)
-    acc = np.zeros((4, c, side, side), np.float32).transpose(1, 0, 2, 3)
-    n = dst.size
+def measure_elementwise(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24), repeats: int = 3) -> dict:
+    """ns/element of the sweeps the lowerings run, per sweep size (elements, float32).
 
-    def copy():
-        dst[...] = src[:, :, 1:1 + side, 2:2 + side]
+    ``copy``: a window of 13-wide rows read from 15-wide rows and written through a transposed
+    view (as the lowerings and the lifting copy do); ``add``: the same window accumulated into
+    a transposed view (lifting); ``zero``: a fill. Returns ``{kind: [(elements, ns), ...]}``.
+    """
+    curves: dict[str, list[tuple[int, float]]] = {"copy": [], "add": [], "zero": []}
+    rng = np.random.default_rng(0)
+    for size in sizes:
+        planes = max(4, size // 169)
+        a, b = 4, max(1, planes // 4)
+        src = rng.standard_normal((a, b, 15, 15), dtype=np.float32)
+        dst = np.empty((b, a, 13, 13), np.float32).transpose(1, 0, 2, 3)
+        acc = np.zeros((b, a, 13, 13), np.float32).transpose(1, 0, 2, 3)
+        flat = np.empty(a * b * 169, np.float32)
+        n = a * b * 169
 
-    def add():
-        acc[...] += src[:, :, 2:2 + side, 1:1 + side]
+        def copy(dst=dst, src=src):
+            dst[...] = src[:, :, 1:14, 2:15]
 
-    big = np.empty(n, np.float32)
+        def add(acc=acc, src=src):
+            acc += src[:, :, 2:15, 1:14]
 
-    def zero():
-        big.fill(0)
+        def zero(flat=flat):
+            flat.fill(0)
 
-    return {"copy_ns": _best_time(copy, repeats) / n * 1e9,
-            "add_ns": _best_time(add, repeats) / n * 1e9,
-            "zero_ns": _best_time(zero, repeats) / n * 1e9}
+        for kind, fn in (("copy", copy), ("add", add), ("zero", zero)):
+            curves[kind].append((n, _best_time(fn, repeats) / n * 1e9))
+    return curves
 
 
 def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True,
@@ -106,10 +113,12 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
             curve.append((int(big), min(1.0, _gemm_gflops(256, big, 256, repeats, rng) / ref)))
         small = np.ones((2, 2), np.float32)
         overhead = _best_time(lambda: blas.gemm(small, small), 20)
-    ew = measure_elementwise(1 << (18 if quick else 24), repeats)
+    ew = measure_elementwise((1 << 14, 1 << 18) if quick else (1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25),
+                             repeats)
     info = blas.blas_info()
     machine = Machine(grid_dims=list(dims), gemm_bign=bign, gemm_bigk=bigk, big_curve=curve,
-                      copy_ns=ew["copy_ns"], add_ns=ew["add_ns"], zero_ns=ew["zero_ns"],
+                      copy_ns=ew["copy"][-1][1], add_ns=ew["add"][-1][1], zero_ns=ew["zero"][-1][1],
+                      elem_curves=ew,
                       gemm_overhead_s=overhead, threads=int(nthreads), backend=backend,
                       kernel=str(info.get("architecture") or ""), key=blas.machine_key(),
                       info={"quick": quick, "seconds": time.perf_counter() - t0, "measured_at": time.time(),
@@ -160,8 +169,10 @@ def summary(machine: Machine) -> str:
     for d, row in zip(dims, machine.gemm_bigk):
         lines.append(f"  M={d:<6}" + " ".join(f"{v:6.1f}" for v in row))
     lines.append("small-N factor: " + ", ".join(f"{b}:{f:.2f}" for b, f in machine.big_curve))
-    lines.append(f"element-wise ns/elem: copy {machine.copy_ns:.3f} add {machine.add_ns:.3f} "
-                 f"zero {machine.zero_ns:.3f}; GEMM call overhead {machine.gemm_overhead_s * 1e6:.1f} us")
+    for kind in ("copy", "add", "zero"):
+        curve = machine.elem_curves.get(kind) or [(0, getattr(machine, kind + "_ns"))]
+        lines.append(f"{kind:>4} ns/elem by sweep size: " + ", ".join(f"{n:.3g}:{v:.3f}" for n, v in curve))
+    lines.append(f"GEMM call overhead {machine.gemm_overhead_s * 1e6:.1f} us")
     return "\n".join(lines)
 
 

@@ -47,6 +47,7 @@ class Machine:
     copy_ns: float = 1.0
     add_ns: float = 1.5
     zero_ns: float = 0.3
+    elem_curves: dict = field(default_factory=dict)  # kind -> [(elements, ns/element)], by sweep size
     gemm_overhead_s: float = 5e-6
     threads: int = 1
     backend: str = "openblas"
@@ -74,7 +75,11 @@ class Machine:
 
     def elem_seconds(self, kind: str, elems: float) -> float:
         """Predicted seconds of an element-wise sweep (``copy``, ``add`` or ``zero``)."""
-        ns = {"copy": self.copy_ns, "add": self.add_ns, "zero": self.zero_ns}[kind]
+        curve = self.elem_curves.get(kind)
+        if curve:
+            ns = _interp1(curve, max(float(elems), 1.0))
+        else:
+            ns = {"copy": self.copy_ns, "add": self.add_ns, "zero": self.zero_ns}[kind]
         return elems * ns * 1e-9
 
     # -- persistence ----------------------------------------------------------------------
@@ -82,6 +87,7 @@ class Machine:
         """JSON-serializable dict (inverse of :meth:`from_json`)."""
         d = asdict(self)
         d["big_curve"] = [list(p) for p in self.big_curve]
+        d["elem_curves"] = {k: [list(p) for p in v] for k, v in self.elem_curves.items()}
         return d
 
     @classmethod
@@ -89,6 +95,7 @@ class Machine:
         """Rebuild a Machine from :meth:`to_json` output."""
         d = dict(d)
         d["big_curve"] = [tuple(p) for p in d.get("big_curve", [])]
+        d["elem_curves"] = {k: [tuple(p) for p in v] for k, v in d.get("elem_curves", {}).items()}
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -508,6 +508,13 @@ class Net:
                                    f"{t.shape_string()}")
                 t.share_data(s)
 
+    def close(self) -> None:
+        """Stop background work (data prefetch threads) of every layer that has any."""
+        for layer in self.layers:
+            close = getattr(layer, "close", None)
+            if close is not None:
+                close()
+
     # -- debug info ---------------------------------------------------------------------
     def _forward_debug_info(self, i: int) -> None:
         for tname, t in zip(self.top_names[i], self.top_vecs[i]):

@@ -27,7 +27,8 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

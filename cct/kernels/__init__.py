@@ -1,0 +1,172 @@
+"""Compiled CPU kernels (numba) for the non-GEMM hot loops: pooling, im2col/col2im, LRN.
+
+The layers keep their array-module (numpy/cupy) code as the general path and as the reference;
+for numpy ``float32``/``float64`` arrays they dispatch here when the kernels are enabled.
+Every kernel gives the same results as the numpy path: bitwise for copies, maxima and argmax
+indices, and for sums too wherever the numpy path's summation order can be reproduced (it is,
+in every kernel here; LRN's ``pow`` is computed by numpy itself, so LRN is bitwise as well).
+
+* Selection: ``CCT_KERNELS=numpy`` (or ``off``/``0``/``none``) forces the numpy path; anything
+  else (default ``auto``) uses the kernels when numba imports. :func:`set_mode` overrides the
+  environment variable from code (``None`` gives it back). If numba is missing or fails to
+  import, the numpy path runs and a debug message is logged once.
+* Compilation is lazy: importing :mod:`cct` imports neither numba nor the kernels; the first
+  use of a kernel compiles it (``cache=True``: once per machine, later processes load the
+  cached machine code from ``__pycache__`` or numba's user cache dir).
+* Threads: the kernels are parallel over batch x channels (numba ``prange``). The count is
+  numba's, which is per calling thread: :func:`set_num_threads` / :func:`num_threads` (a
+  context manager) set it for the calling thread (default: all cores, ``NUMBA_NUM_THREADS``).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("cct")
+
+ENV_VAR = "CCT_KERNELS"
+_OFF = ("numpy", "off", "0", "none", "false", "no")
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+_lock = threading.Lock()
+_numba_state: bool | None = None  # None: not tried yet
+_numba_error: str | None = None
+_modules: dict[str, ModuleType] = {}
+_forced: str | None = None
+
+
+def set_mode(mode: str | None) -> None:
+    """Force ``"numpy"`` or ``"auto"`` for this process (``None``: follow ``CCT_KERNELS`` again)."""
+    global _forced
+    if mode is not None and mode.lower() not in _OFF + ("auto", "numba", "on", "1"):
+        raise ValueError(f"kernel mode must be 'numpy' or 'auto', got {mode!r}")
+    _forced = None if mode is None else mode.lower()
+
+
+def mode() -> str:
+    """``"numpy"`` when the kernels are switched off (``CCT_KERNELS`` or :func:`set_mode`), else ``"auto"``."""
+    m = _forced if _forced is not None else os.environ.get(ENV_VAR, "auto").strip().lower()
+    return "numpy" if m in _OFF else "auto"
+
+
+@contextlib.contextmanager
+def forced_mode(m: str) -> Iterator[None]:
+    """Temporarily :func:`set_mode` (for tests and benchmarks)."""
+    global _forced
+    old = _forced
+    set_mode(m)
+    try:
+        yield
+    finally:
+        _forced = old
+
+
+def numba_available() -> bool:
+    """Whether numba imports (tried once; a failure is logged at debug level and remembered)."""
+    global _numba_state, _numba_error
+    if _numba_state is None:
+        with _lock:
+            if _numba_state is None:
+                try:
+                    import numba  # noqa: F401
+                    _numba_state = True
+                except Exception as e:  # ImportError, or a broken llvmlite/numpy combination
+                    _numba_error = f"{type(e).__name__}: {e}"
+                    log.debug("cct.kernels: numba unavailable (%s); using the numpy code paths", _numba_error)
+                    _numba_state = False
+    return _numba_state
+
+
+def enabled() -> bool:
+    """Whether the compiled kernels are in use (mode ``auto`` and numba importable)."""
+    return mode() != "numpy" and numba_available()
+
+
+def usable(*arrays: Any) -> bool:
+    """True when the kernels are enabled and every array is a numpy float32/float64 ndarray of one dtype."""
+    if not arrays or not enabled():
+        return False
+    dt = None
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.dtype not in _FLOATS:
+            return False
+        if dt is None:
+            dt = a.dtype
+        elif a.dtype != dt:
+            return False
+    return True
+
+
+def get(name: str) -> ModuleType | None:
+    """The kernel module ``cct.kernels.<name>`` (imported on first use), or None without numba."""
+    mod = _modules.get(name)
+    if mod is not None:
+        return mod
+    if not numba_available():
+        return None
+    mod = importlib.import_module(f"{__name__}.{name}")
+    _modules[name] = mod
+    return mod
+
+
+def set_num_threads(n: int | None) -> int:
+    """Set the calling thread's kernel thread count (clipped to [1, NUMBA_NUM_THREADS]); returns it.
+
+    ``None`` or ``0`` means all of numba's threads. Without numba this is a no-op returning 1.
+    """
+    if not numba_available():
+        return 1
+    import numba
+
+    top = int(numba.config.NUMBA_NUM_THREADS)
+    k = top if not n else max(1, min(int(n), top))
+    numba.set_num_threads(k)
+    return k
+
+
+def get_num_threads() -> int:
+    """The calling thread's kernel thread count (1 without numba)."""
+    if not numba_available():
+        return 1
+    import numba
+
+    return int(numba.get_num_threads())
+
+
+@contextlib.contextmanager
+def num_threads(n: int | None) -> Iterator[int]:
+    """Context manager: run the kernels of the calling thread on ``n`` threads, then restore."""
+    if not numba_available():
+        yield 1
+        return
+    old = get_num_threads()
+    k = set_num_threads(n)
+    try:
+        yield k
+    finally:
+        set_num_threads(old)
+
+
+def info() -> dict:
+    """Mode, numba version/threading layer/threads (for benchmark reports)."""
+    d: dict[str, Any] = {"mode": mode(), "numba": None, "enabled": enabled()}
+    if numba_available():
+        import numba
+
+        d["numba"] = numba.__version__
+        d["threads"] = get_num_threads()
+        try:
+            d["threading_layer"] = numba.threading_layer()
+        except ValueError:  # no parallel function has run yet
+            d["threading_layer"] = None
+    else:
+        d["error"] = _numba_error
+    return d

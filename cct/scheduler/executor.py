@@ -1,0 +1,327 @@
+"""The Net executor that splits each batch-separable layer across devices (CcT's data parallelism).
+
+Installed as ``net.executor`` (see :func:`cct.scheduler.attach`), it receives every layer's
+forward/backward from :class:`cct.Net`:
+
+* forward of a "split" layer: each device gets a contiguous slice ``[s0, s1)`` of the batch
+  (images per device from the :class:`~cct.scheduler.split.ShareTable`) and runs a *shadow*
+  instance of the layer (same LayerParameter; its param blobs share the master's data arrays on
+  CPU devices, are copies uploaded each forward on GPUs) on slice blobs whose arrays are views
+  ``blob.data[s0:s1]`` / ``blob.diff[s0:s1]`` of the net's blobs (GPU: device buffers copied
+  in and out). The slices run at the same time on the devices' worker threads. "serial" layers
+  (those drawing from the global RNG) run their slices one device after the other, in device
+  order, so the random stream is exactly the single-device one. "host" layers run whole on the
+  calling thread.
+* backward of a split layer: the shadows backpropagate their slices in parallel, each
+  accumulating its parameter gradient into its own buffer (zeroed first). As soon as all
+  devices are done, one job on the host aggregation thread adds the partial gradients into the
+  master param diffs (in device order) while the caller continues with the backward of the
+  layers below: aggregation overlaps backward (Le et al., "Involving CPUs into Multi-GPU Deep
+  Learning"). :meth:`finish_backward` (called by ``Net.backward``) waits for what is pending.
+
+The master layer still runs ``reshape`` (called by the net) so top shapes are set before the split.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..blob import Blob
+from ..errors import CctError
+from ..layers import create_layer
+from ..layers.base import Layer
+from ..proto import caffe_pb2
+from .devices import Device, ThreadBudget
+from .split import ShareTable, layer_mode
+
+log = logging.getLogger("cct")
+
+
+class _Arrays:
+    """Duck-typed source for ``Blob.share_data`` / ``share_diff`` (a slice of a blob)."""
+
+    __slots__ = ("data", "diff", "shape")
+
+    def __init__(self, data: Any, diff: Any):
+        self.data = data
+        self.diff = diff
+        self.shape = tuple(data.shape)
+
+
+@dataclass
+class ExecutorStats:
+    """Timings accumulated since the last :meth:`DataParallelExecutor.reset_stats` (seconds)."""
+
+    forward_s: float = 0.0          # time inside executor.forward (all layers)
+    backward_s: float = 0.0         # time inside executor.backward (all layers)
+    aggregation_s: float = 0.0      # time the aggregation thread spent summing gradients
+    aggregation_wait_s: float = 0.0  # time finish_backward waited for it (the part not hidden)
+    aggregations: int = 0
+    iterations: int = 0             # finish_backward calls
+    layer_forward_s: dict = field(default_factory=dict)
+    layer_backward_s: dict = field(default_factory=dict)
+    images: dict = field(default_factory=dict)  # device name -> images processed in split layers (forward)
+
+    @property
+    def aggregation_hidden_s(self) -> float:
+        """Aggregation time that overlapped backward."""
+        return max(0.0, self.aggregation_s - self.aggregation_wait_s)
+
+    def as_dict(self) -> dict:
+        return {"forward_s": self.forward_s, "backward_s": self.backward_s, "aggregation_s": self.aggregation_s,
+                "aggregation_wait_s": self.aggregation_wait_s, "aggregation_hidden_s": self.aggregation_hidden_s,
+                "aggregations": self.aggregations, "iterations": self.iterations, "images": dict(self.images)}
+
+
+class DataParallelExecutor:
+    """Runs a Net's layers split by batch over ``devices`` (see module docstring)."""
+
+    def __init__(self, net: Any, devices: Sequence[Device], shares: ShareTable,
+                 budget: ThreadBudget | None = None, overlap: bool = True, strict: bool = True):
+        if not devices:
+            raise CctError("the executor needs at least one device")
+        if len(shares.default) != len(devices):
+            raise CctError(f"{len(shares.default)} share(s) for {len(devices)} device(s)")
+        for name in shares.layers:
+            if strict and not net.has_layer(name):
+                raise CctError(f"per-layer shares name layer '{name}', which net '{net.name}' does not have "
+                               f"(layers: {', '.join(net.layer_names)})")
+        self.net = net
+        self.devices = list(devices)
+        self.shares = shares
+        self.budget = budget
+        self.overlap = overlap
+        self.stats = ExecutorStats()
+        self._shadows: dict[tuple[int, int], Layer] = {}
+        self._bound: dict[tuple[int, int], list[Any]] = {}      # master param arrays each shadow is bound to
+        self._staging: dict[tuple[int, int], list[np.ndarray]] = {}  # host copies of GPU param diffs
+        self._views: list[dict[int, Blob]] = [{} for _ in self.devices]
+        self._ranges: dict[int, list[tuple[int, int, int]]] = {}  # layer -> [(device, s0, s1)] of last forward
+        self._modes: dict[int, str] = {}
+        self._agg = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cct-agg")
+        self._pending: dict[int, cf.Future] = {}
+        self._agg_lock = threading.Lock()
+        self.owned_config: Any = None  # set by attach() when it built the devices itself
+
+    # -- public --------------------------------------------------------------------------
+    def mode(self, layer_index: int) -> str | None:
+        """The mode ("split", "serial", "host") the layer ran in at its last forward."""
+        return self._modes.get(layer_index)
+
+    def ranges(self, layer_index: int) -> list[tuple[int, int, int]]:
+        """``[(device index, start, stop)]`` of the layer's last split forward ([] if it ran on the host)."""
+        return list(self._ranges.get(layer_index, []))
+
+    def reset_stats(self) -> None:
+        self.stats = ExecutorStats()
+
+    def close(self) -> None:
+        """Wait for pending aggregation and stop the aggregation thread."""
+        self.finish_backward()
+        self._agg.shutdown(wait=True)
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(self, i: int, layer: Layer, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        t0 = time.perf_counter()
+        mode = layer_mode(layer, bottom, top)
+        self._modes[i] = mode
+        if mode == "host":
+            self._ranges.pop(i, None)
+            layer.forward(bottom, top)
+        else:
+            self._wait_layer(i)  # its shadows' diff buffers may still be read by an aggregation
+            n = bottom[0].shape[0]
+            counts = self.shares.counts(layer.name, n)
+            ranges, s0 = [], 0
+            for d, c in enumerate(counts):
+                if c > 0:
+                    ranges.append((d, s0, s0 + c))
+                s0 += c
+            self._ranges[i] = ranges
+            for d, a, b in ranges:
+                name = self.devices[d].name
+                self.stats.images[name] = self.stats.images.get(name, 0) + (b - a)
+            jobs = [(self.devices[d], (self._forward_slice, i, layer, d, a, b, bottom, top)) for d, a, b in ranges]
+            self._run(jobs, serial=(mode == "serial"))
+        dt = time.perf_counter() - t0
+        self.stats.forward_s += dt
+        self.stats.layer_forward_s[layer.name] = self.stats.layer_forward_s.get(layer.name, 0.0) + dt
+
+    def _forward_slice(self, i: int, layer: Layer, d: int, s0: int, s1: int, bottom: Sequence[Blob],
+                       top: Sequence[Blob]) -> None:
+        dev = self.devices[d]
+        sb = [self._view(d, b, s0, s1, upload_data=True) for b in bottom]
+        st = [self._view(d, t, s0, s1) for t in top]
+        shadow = self._shadow(i, layer, d, sb, st)
+        self._sync_params(i, layer, d, shadow)
+        shapes = [t.shape for t in st]
+        shadow.reshape(sb, st)
+        if [t.shape for t in st] != shapes:
+            raise CctError(f"layer '{layer.name}': a batch slice reshaped its tops to {[t.shape for t in st]} "
+                           f"instead of {shapes}; the layer is not batch-separable")
+        shadow.forward(sb, st)
+        if not dev.host_memory:
+            for t, v in zip(top, st):
+                dev.to_host(v.data, out=t.data[s0:s1])
+            dev.synchronize()
+
+    # -- backward ------------------------------------------------------------------------
+    def backward(self, i: int, layer: Layer, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        t0 = time.perf_counter()
+        ranges = self._ranges.get(i)
+        if ranges is None:
+            if any(layer.param_propagate_down[: len(layer.blobs)]):
+                self.drain()  # its param diffs may be shared with a pending aggregation
+            layer.backward(top, propagate_down, bottom)
+        else:
+            self._wait_layer(i)
+            jobs = [(self.devices[d], (self._backward_slice, i, layer, d, a, b, top, list(propagate_down), bottom))
+                    for d, a, b in ranges]
+            parts = self._run(jobs, serial=False)
+            wanted = [j for j, p in enumerate(layer.param_propagate_down[: len(layer.blobs)]) if p]
+            if wanted:
+                job = (self._aggregate, layer, wanted, parts)
+                if self.overlap:
+                    self._pending[i] = self._agg.submit(*job)
+                else:
+                    job[0](*job[1:])
+        dt = time.perf_counter() - t0
+        self.stats.backward_s += dt
+        self.stats.layer_backward_s[layer.name] = self.stats.layer_backward_s.get(layer.name, 0.0) + dt
+
+    def _backward_slice(self, i: int, layer: Layer, d: int, s0: int, s1: int, top: Sequence[Blob],
+                        propagate_down: list[bool], bottom: Sequence[Blob]) -> list[Any]:
+        dev = self.devices[d]
+        shadow = self._shadows.get((i, d))
+        if shadow is None:
+            raise CctError(f"layer '{layer.name}': backward on {dev.name} before its forward")
+        st = [self._view(d, t, s0, s1, upload_data=True, upload_diff=True) for t in top]
+        sb = [self._view(d, b, s0, s1, upload_data=True) for b in bottom]
+        shadow.param_propagate_down = list(layer.param_propagate_down)
+        for j, pb in enumerate(shadow.blobs):
+            if shadow.param_propagate_down[j]:
+                pb.diff[...] = 0
+        shadow.backward(st, propagate_down, sb)
+        if dev.host_memory:
+            return [pb.diff for pb in shadow.blobs]
+        for b, v, pd in zip(bottom, sb, propagate_down):
+            if pd:
+                dev.to_host(v.diff, out=b.diff[s0:s1])
+        staging = self._staging.setdefault((i, d), [np.empty(pb.shape, dtype=pb.dtype) for pb in shadow.blobs])
+        for j, pb in enumerate(shadow.blobs):
+            if shadow.param_propagate_down[j]:
+                dev.to_host(pb.diff, out=staging[j])
+        dev.synchronize()
+        return staging
+
+    def _aggregate(self, layer: Layer, wanted: list[int], parts: list[list[Any]]) -> None:
+        """master.diff += each device's partial gradient, in device order (aggregation thread)."""
+        t0 = time.perf_counter()
+        for j in wanted:
+            acc = layer.blobs[j].diff
+            for p in parts:
+                acc += p[j].reshape(acc.shape)
+        with self._agg_lock:
+            self.stats.aggregation_s += time.perf_counter() - t0
+            self.stats.aggregations += 1
+
+    def _wait_layer(self, i: int) -> None:
+        f = self._pending.pop(i, None)
+        if f is not None:
+            f.result()
+
+    def drain(self) -> float:
+        """Wait for every pending aggregation; returns the seconds waited."""
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, {}
+        errors = []
+        for f in pending.values():
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return time.perf_counter() - t0
+
+    def finish_backward(self) -> None:
+        """Called by ``Net.backward``: wait until all partial gradients are in the master diffs."""
+        waited = self.drain()
+        self.stats.aggregation_wait_s += waited
+        self.stats.iterations += 1
+
+    # -- helpers -------------------------------------------------------------------------
+    def _run(self, jobs: list[tuple[Device, tuple]], serial: bool) -> list[Any]:
+        """Run each ``(device, (fn, *args))``; parallel unless ``serial``; re-raise the first error."""
+        if serial:
+            return [dev.run(*job) for dev, job in jobs]
+        if len(jobs) == 1:  # still on the device's thread: its BLAS settings apply there
+            dev, job = jobs[0]
+            return [dev.run(*job)]
+        futs = [dev.submit(*job) for dev, job in jobs]
+        cf.wait(futs)
+        return [f.result() for f in futs]
+
+    def _view(self, d: int, master: Blob, s0: int, s1: int, upload_data: bool = False,
+              upload_diff: bool = False) -> Blob:
+        """The device-``d`` blob for rows ``[s0, s1)`` of ``master`` (one object per master blob)."""
+        dev = self.devices[d]
+        cache = self._views[d]
+        v = cache.get(id(master))
+        if v is None:
+            v = Blob((), dtype=master.dtype, xp=dev.xp, name=master.name)
+            cache[id(master)] = v
+        if dev.host_memory:
+            src = _Arrays(master.data[s0:s1], master.diff[s0:s1])
+            v.share_data(src)
+            v.share_diff(src)
+        else:
+            v.reshape((s1 - s0,) + tuple(master.shape[1:]))
+            if upload_data:
+                v.data.set(np.ascontiguousarray(master.data[s0:s1]))
+            if upload_diff:
+                v.diff.set(np.ascontiguousarray(master.diff[s0:s1]))
+        return v
+
+    def _shadow(self, i: int, layer: Layer, d: int, sb: list[Blob], st: list[Blob]) -> Layer:
+        key = (i, d)
+        shadow = self._shadows.get(key)
+        if shadow is None:
+            lp = caffe_pb2.LayerParameter()
+            lp.CopyFrom(layer.param)
+            del lp.blobs[:]
+            shadow = create_layer(lp)
+            shadow.phase = layer.phase
+            dev = self.devices[d]
+            # Param blobs given up front: setup validates them and draws nothing from the RNG.
+            shadow.blobs = [Blob(mb.shape, dtype=mb.dtype, xp=dev.xp, name=mb.name) for mb in layer.blobs]
+            self._bound[key] = [None] * len(layer.blobs)
+            self._sync_params(i, layer, d, shadow)
+            shadow.setup(sb, st)
+            self._shadows[key] = shadow
+        if hasattr(layer, "lowering") and type(getattr(shadow, "lowering", None)) is not type(layer.lowering):
+            shadow.lowering = copy.copy(layer.lowering)
+        return shadow
+
+    def _sync_params(self, i: int, layer: Layer, d: int, shadow: Layer) -> None:
+        """CPU: bind the shadow's param data to the master arrays; GPU: upload them."""
+        dev = self.devices[d]
+        bound = self._bound[(i, d)]
+        for j, (mb, pb) in enumerate(zip(layer.blobs, shadow.blobs)):
+            if dev.host_memory:
+                if bound[j] is not mb.data:
+                    pb.share_data(mb)  # a view: master updates are seen without copies (own diff)
+                    bound[j] = mb.data
+            else:
+                if pb.shape != mb.shape:
+                    pb.reshape(mb.shape)
+                pb.data.set(np.ascontiguousarray(mb.data))
