@@ -25,6 +25,8 @@ def set_mode_gpu() -> None:
         raise CctError("caffe.set_mode_gpu(): no GPU available (CuPy missing or no CUDA device); "
                        "install cct[gpu] on a machine with a GPU, or use caffe.set_mode_cpu()")
     _state["mode"] = "gpu"
+    logging.getLogger("cct").warning("caffe.set_mode_gpu(): GPU %d requested: cct runs nets on the CPU for now; "
+                                     "using CPU (as `cct train --gpu`).", _state["device"])
 
 
 def set_device(device_id: int) -> None:

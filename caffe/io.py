@@ -39,6 +39,9 @@ def arraylist_to_blobprotovector_str(arraylist) -> bytes:
     return vec.SerializeToString()
 
 
+arraylist_to_blobprotovecor_str = arraylist_to_blobprotovector_str  # pycaffe's (misspelled) name
+
+
 def blobprotovector_str_to_arraylist(s: bytes) -> list[np.ndarray]:
     vec = caffe_pb2.BlobProtoVector()
     vec.ParseFromString(s)
@@ -171,7 +174,7 @@ class Transformer:
             caffe_in = caffe_in - mean
         if input_scale is not None:
             caffe_in = caffe_in * input_scale
-        return caffe_in
+        return caffe_in.astype(np.float32, copy=False)  # float32 as pycaffe's (in-place) arithmetic keeps it
 
     def deprocess(self, in_, data) -> np.ndarray:
         """Invert preprocess (except the resize)."""

@@ -9,6 +9,13 @@ import cct
 from cct.errors import CctError
 
 
+def _py_layer(layer):
+    """The user's PythonLayer object behind a ``type: "Python"`` layer, any other layer as is."""
+    from cct.layers.python_layer import PythonLayerWrapper
+
+    return layer.user if isinstance(layer, PythonLayerWrapper) else layer
+
+
 class Net:
     """pycaffe's ``caffe.Net``: ``Net(prototxt, phase)``, ``Net(prototxt, weights, phase)`` or keywords."""
 
@@ -41,11 +48,12 @@ class Net:
 
     @property
     def layers(self) -> list:
-        return list(self._net.layers)
+        """The layers; a Python layer is the user's own object, as in pycaffe (``net.layers[0].set_roidb(...)``)."""
+        return [_py_layer(layer) for layer in self._net.layers]
 
     @property
     def layer_dict(self) -> OrderedDict[str, object]:
-        return OrderedDict(zip(self._net.layer_names, self._net.layers))
+        return OrderedDict(zip(self._net.layer_names, self.layers))
 
     @property
     def params(self) -> OrderedDict[str, list]:
@@ -131,7 +139,7 @@ class Net:
             outputs = set(self.inputs + diffs)
         if kwargs:
             self._set_arrays(kwargs, self.outputs, "diff", "Top diff")
-        self._net.backward_from_to(start_ind, end_ind)
+        self._net.backward(start_ind, end_ind)  # cct.Net.backward also completes a device scheduler's pass
         return {out: self._net.blob_by_name(out).diff for out in outputs}
 
     def _batch(self, blobs):
@@ -188,7 +196,7 @@ class Net:
         return self._net.forward_from_to(start, end)
 
     def _backward(self, start: int, end: int) -> None:
-        self._net.backward_from_to(start, end)
+        self._net.backward(start, end)
 
     def reshape(self) -> None:
         self._net.reshape()

@@ -71,12 +71,14 @@ def test_predictions_scale_with_batch_and_machine():
 def test_gemm_interpolation():
     mach = cm.Machine(grid_dims=[4, 64, 1024], gemm_bign=[[10, 20, 40], [20, 40, 80], [40, 80, 160]],
                       gemm_bigk=[[1, 1, 1]] * 3, big_curve=[(16, 0.5), (4096, 1.0)])
-    assert mach.gemm_gflops(64, 10**6, 64) == pytest.approx(40)
+    assert mach.gemm_gflops(64, 10**6, 64) == pytest.approx(40)  # n >> k: the big-N grid
     assert mach.gemm_gflops(16, 10**6, 64) == pytest.approx(np.sqrt(20 * 40))  # log-midpoint
-    assert mach.gemm_gflops(1, 10**6, 10**6 - 1) == pytest.approx(40)  # clamped
-    # n=16 >= k=8: big-N grid at (64, 8) (log-interpolated), times the small-N factor 0.5
-    assert mach.gemm_gflops(64, 16, 8) == pytest.approx(20 * 2 ** 0.25 * 0.5)
-    assert mach.gemm_gflops(64, 10**6, 64) > mach.gemm_gflops(64, 16, 10**6)
+    assert mach.gemm_gflops(1, 10**6, 1) == pytest.approx(10)  # clamped to the grid
+    assert mach.gemm_gflops(64, 10**6, 16) == pytest.approx(np.sqrt(20 * 40))  # k=16: log-midpoint of 4 and 64
+    assert mach.gemm_gflops(64, 16, 10**6) == pytest.approx(1.0)  # k >> n: the big-K grid
+    assert mach.gemm_gflops(64, 4096, 4096) == pytest.approx(np.sqrt(80 * 1.0))  # both large: blend
+    assert mach.gemm_gflops(64, 10**6, 4) == pytest.approx(20)
+    assert mach.gemm_gflops(4, 16, 1) == pytest.approx(10 * 0.5)  # n >= 8k, small n: the small-N factor
 
 
 def test_workspace_linear_in_batch():

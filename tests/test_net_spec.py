@@ -110,8 +110,6 @@ def test_netspec_and_anonymous_lenet_build(tmp_path):
     assert len(net.layers) == 9
 
 
-@pytest.mark.xfail(reason="cct rejects transform_param on DummyData; Caffe ignores it (pycaffe's own "
-                          "test_net_spec.lenet sets it). Needs DummyData to accept the field.", strict=False)
 def test_pycaffe_test_net_spec_lenet_with_transform_param_loads(tmp_path):
     net = load_net(tmp_path, anon_lenet(50))
     assert len(net.layers) == 9

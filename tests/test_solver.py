@@ -23,7 +23,6 @@ _TABLE_Y = np.random.RandomState(1).uniform(-1, 1, (10, 2)).astype(np.float32)
 BATCH = 4
 
 
-@register("CctTestSeqData")
 class SeqData(Layer):
     """Rows of a fixed table, BATCH per forward, wrapping row by row (like HDF5Data, shuffle off)."""
 
@@ -54,6 +53,16 @@ class SeqData(Layer):
 
     def set_read_state(self, state):
         self.cursor = int(state["cursor"])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _seq_data_registered():
+    """Register the test layer only while this module runs (other tests may enumerate layer types)."""
+    from cct.layers import base
+
+    register("CctTestSeqData")(SeqData)
+    yield
+    base._REGISTRY.pop("CctTestSeqData", None)
 
 
 def batch(k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -257,7 +266,7 @@ def test_lr_policies(cfg):
 
 def test_sigmoid_needs_nonnegative_gamma_like_caffe():
     with pytest.raises(SolverError, match="gamma"):
-        get_solver(make_param('base_lr: 0.1 lr_policy: "sigmoid" gamma: -0.5 stepsize: 3'))
+        get_solver(make_param('base_lr: 0.1 lr_policy: "sigmoid" gamma: -0.5 stepsize: 3')).step(1)
 
 
 def test_lr_values_float32_like_caffe():
@@ -432,7 +441,16 @@ def test_parameter_errors(text, msg):
     if "lr_policy" not in text:
         text += ' lr_policy: "fixed"'
     with pytest.raises(SolverError, match=msg):
-        get_solver(make_param("base_lr: 0.1 " + text))
+        get_solver(make_param("base_lr: 0.1 " + text)).step(1)
+
+
+def test_bad_lr_policy_fails_before_any_iteration():
+    s = get_solver(make_param("base_lr: 0.1 max_iter: 5"))  # no lr_policy: constructing is fine (pycaffe nets)
+    w = s.net.learnable_params[0].data.copy()
+    with pytest.raises(SolverError, match='Unknown learning rate policy: ""'):
+        s.solve()
+    assert s.iter == 0 and s.net.layer_by_name("data").cursor == 0
+    np.testing.assert_array_equal(s.net.learnable_params[0].data, w)
 
 
 def test_random_seed_makes_runs_deterministic():
@@ -536,6 +554,7 @@ def test_cctstate_roundtrip(tmp_path):
 
 
 # -- NaN / inf loss ------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_nonfinite_loss_stops_naming_iteration(tmp_path):
     p = make_param(f'base_lr: 1e15 lr_policy: "fixed" momentum: 0.9 display: 0 max_iter: 50 '
                    f'snapshot_prefix: "{tmp_path / "nan"}"')
@@ -550,6 +569,7 @@ def test_nonfinite_loss_stops_naming_iteration(tmp_path):
     assert f"nan_iter_{s.iter}.caffemodel" in msg
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_nonfinite_loss_in_step_without_snapshot_settings():
     p = make_param('base_lr: 1e15 lr_policy: "fixed" momentum: 0.9 snapshot_after_train: false')
     s = get_solver(p)
@@ -576,6 +596,7 @@ def test_signal_handler_records_signals():
 
     with pytest.raises(CctError, match='Invalid signal effect "halt"'):
         SignalHandler("halt")
+    before = signal.getsignal(signal.SIGINT)
     with SignalHandler("stop", "snapshot") as h:
         assert h.action() == "none"
         os.kill(os.getpid(), signal.SIGINT)
@@ -584,7 +605,7 @@ def test_signal_handler_records_signals():
             os.kill(os.getpid(), signal.SIGHUP)
             assert h.action() == "snapshot"
         assert h.action() == "none"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_solver_mode_gpu_falls_back_to_cpu(cct_log):
@@ -617,3 +638,26 @@ def test_get_solver_from_file_and_pycaffe_shim(tmp_path, monkeypatch):
     s.step(1)
     assert s.lr == pytest.approx(0.1)
     assert isinstance(cct.solver.SGDSolver, type)
+
+
+def test_debug_info_logs_forward_backward_update(cct_log):
+    s = get_solver(make_param('base_lr: 0.1 lr_policy: "fixed" display: 2 debug_info: true'))
+    s.step(2)
+    fwd = [l for l in cct_log if l.startswith("    [Forward] Layer ip")]
+    upd = [l for l in cct_log if l.startswith("    [Update] Layer ip")]
+    assert fwd and upd and len(upd) == 2  # only on the displayed iteration 0: weight and bias
+    assert any(l.startswith("    [Backward] Layer ip") for l in cct_log)
+
+
+def test_train_and_test_state_select_layers():
+    extra = ('layer { name: "scale" type: "Power" bottom: "out" top: "dout" power_param { scale: 2 } '
+             'include { stage: "double" } } '
+             'layer { name: "noscale" type: "Power" bottom: "out" top: "dout" exclude { stage: "double" } }')
+    p = make_param('base_lr: 0.1 lr_policy: "fixed" train_state { stage: "double" } test_iter: 1 test_interval: 5 '
+                   'test_iter: 1 test_state { level: 0 } test_state { stage: "double" }',
+                   extra=extra, loss_bottom="dout")
+    s = get_solver(p)
+    assert s.net.has_layer("scale") and not s.net.has_layer("noscale")
+    assert s.net.phase == caffe_pb2.TRAIN
+    assert [n.has_layer("scale") for n in s.test_nets] == [False, True]
+    assert all(n.phase == caffe_pb2.TEST for n in s.test_nets)

@@ -20,7 +20,7 @@ import numba as nb
 import numpy as np
 
 _FLT_MAX = float(np.finfo(np.float32).max)
-_OPTS = dict(nopython=True, nogil=True, cache=True, parallel=True, error_model="numpy")
+_OPTS = dict(nogil=True, cache=True, parallel=True, error_model="numpy")
 
 
 @nb.njit(**_OPTS)

@@ -111,8 +111,6 @@ class Layer:
         allowed = set(self.param_fields) | _GENERIC_FIELDS
         for field, _ in self.param.ListFields():
             if field.name not in allowed:
-                if field.name in ("transform_param",):
-                    raise self.error(f"{field.name} is only used by data layers")
                 log.warning("layer '%s' (type %s) ignores %s: that parameter belongs to another layer type",
                             self.name, self.type, field.name)
 

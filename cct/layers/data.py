@@ -68,6 +68,15 @@ def _child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Gen
     return np.random.default_rng(a), np.random.default_rng(b)
 
 
+def _rng_state(rng: np.random.Generator | None) -> dict | None:
+    return None if rng is None else rng.bit_generator.state
+
+
+def _set_rng_state(rng: np.random.Generator | None, state: dict | None) -> None:
+    if rng is not None and state is not None:
+        rng.bit_generator.state = state
+
+
 def _resolve_listed(path: str, list_file: str) -> str:
     """A path from a list file: as given (relative to the cwd, as Caffe), else relative to the list file."""
     if os.path.isabs(path) or os.path.exists(path):
@@ -119,8 +128,37 @@ class _PrefetchingDataLayer(Layer):
 
     def _start(self, loader: Any, depth: int) -> None:
         self._loader = loader
-        self._prefetcher = Prefetcher(loader.load, depth=max(1, int(depth)), name=f"cct-data-{self.name}")
+        self._depth = max(1, int(depth))
+        # The read state of the batch the next forward hands out (for exact resume from a snapshot).
+        self._read_state = loader.state()
+        self._launch()
+
+    def _launch(self) -> None:
+        loader = self._loader
+
+        def produce(buf):
+            arrays = loader.load(buf)
+            return arrays, loader.state()
+
+        self._prefetcher = Prefetcher(produce, depth=self._depth, name=f"cct-data-{self.name}")
         self._finalizer = weakref.finalize(self, _shutdown, self._prefetcher, loader)
+
+    def get_read_state(self) -> dict:
+        """Where the next forward reads from (record position and random generator states)."""
+        return self._read_state
+
+    def set_read_state(self, state: dict) -> None:
+        """Continue reading from a state returned by ``get_read_state`` (drops prefetched batches)."""
+        if self._prefetcher is None:
+            raise self.error("set_read_state before setup")
+        self._prefetcher.close()
+        self._finalizer.detach()
+        try:
+            self._loader.set_state(state)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise self.error(f"cannot restore the data read state: {e}") from None
+        self._read_state = self._loader.state()
+        self._launch()
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         """Tops are shaped at setup and by each forward (to the batch loaded)."""
@@ -130,7 +168,7 @@ class _PrefetchingDataLayer(Layer):
         if self._prefetcher is None:
             raise self.error("forward before setup")
         try:
-            batch = self._prefetcher.get()
+            batch, self._read_state = self._prefetcher.get()
         except CctError as e:
             msg = str(e)
             if msg.startswith(f"layer '{self.name}'"):
@@ -165,8 +203,19 @@ class _DBLoader:
         self.transformer = transformer
         self.batch_size = batch_size
         self.dtypes = dtypes
+        self.pos = 0  # records read since the first key, modulo the database size
         for _ in range(skip % max(1, len(db))):  # wrapping past the end = starting over
             self.next()
+
+    def state(self) -> dict:
+        return {"pos": self.pos, "transform_rng": _rng_state(self.transformer.rng)}
+
+    def set_state(self, state: dict) -> None:
+        self.cursor.seek_to_first()
+        self.pos = 0
+        for _ in range(int(state["pos"]) % max(1, len(self.db))):
+            self.next()
+        _set_rng_state(self.transformer.rng, state["transform_rng"])
 
     def close(self) -> None:
         self.cursor.close()
@@ -174,9 +223,11 @@ class _DBLoader:
 
     def next(self) -> None:
         self.cursor.next()
+        self.pos += 1
         if not self.cursor.valid:
             log.info(_RESTART_MSG)
             self.cursor.seek_to_first()
+            self.pos = 0
 
     def _array(self, key: bytes, datum: caffe_pb2.Datum) -> np.ndarray:
         try:
@@ -276,6 +327,19 @@ class _ImageListLoader:
         self.shuffle = shuffle
         self.rng = rng
         self.pos = start
+        self._order = tuple(lines)  # the list order as of the last shuffle (states refer to it)
+
+    def state(self) -> dict:
+        return {"pos": self.pos, "lines": self._order if self.shuffle else None,
+                "rng": _rng_state(self.rng), "transform_rng": _rng_state(self.transformer.rng)}
+
+    def set_state(self, state: dict) -> None:
+        if state["lines"] is not None:
+            self.lines = [tuple(x) for x in state["lines"]]
+            self._order = tuple(self.lines)
+        self.pos = int(state["pos"])
+        _set_rng_state(self.rng, state["rng"])
+        _set_rng_state(self.transformer.rng, state["transform_rng"])
 
     def image(self, i: int) -> np.ndarray:
         path = self.root + self.lines[i][0]
@@ -292,6 +356,7 @@ class _ImageListLoader:
                 self.pos = 0
                 if self.shuffle:
                     self.rng.shuffle(self.lines)
+                    self._order = tuple(self.lines)
         images = _map_ordered(
             lambda item: read_image(self.root + item[0], self.new_h, self.new_w, self.is_color), picked)
         data = labels = None
@@ -420,13 +485,26 @@ class _HDF5Loader:
         self.rng = rng
         self.file_perm = np.arange(len(files))
         if shuffle:
-            rng.shuffle(self.file_perm)
+            self.file_perm = rng.permutation(self.file_perm)
         self.cur_file = 0
         self.arrays: list[np.ndarray] = []
         self.trailing: list[tuple[int, ...]] | None = None
         self._load(self.files[self.file_perm[0]])
 
-    def _load(self, path: str) -> None:
+    def state(self) -> dict:
+        # file_perm and row_perm are replaced, never mutated, so a state can refer to them.
+        return {"cur_file": self.cur_file, "file_perm": self.file_perm, "cur_row": self.cur_row,
+                "row_perm": self.row_perm, "rng": _rng_state(self.rng)}
+
+    def set_state(self, state: dict) -> None:
+        self.file_perm = np.asarray(state["file_perm"], dtype=np.int64)
+        self.cur_file = int(state["cur_file"])
+        self._load(self.files[self.file_perm[self.cur_file]], permute=False)
+        self.row_perm = None if state["row_perm"] is None else np.asarray(state["row_perm"], dtype=np.int64)
+        self.cur_row = int(state["cur_row"])
+        _set_rng_state(self.rng, state["rng"])
+
+    def _load(self, path: str, permute: bool = True) -> None:
         arrays = load_hdf5_file(path, self.names, self.dtypes)
         trailing = [a.shape[1:] for a in arrays]
         if self.trailing is None:
@@ -436,7 +514,7 @@ class _HDF5Loader:
                            f"{self.trailing}")
         self.arrays = arrays
         self.rows = arrays[0].shape[0]
-        self.row_perm = self.rng.permutation(self.rows) if self.shuffle else None
+        self.row_perm = self.rng.permutation(self.rows) if (self.shuffle and permute) else None
         self.cur_row = 0
 
     def _end_of_file(self) -> None:
@@ -445,7 +523,7 @@ class _HDF5Loader:
             if self.cur_file == len(self.files):
                 self.cur_file = 0
                 if self.shuffle:
-                    self.rng.shuffle(self.file_perm)
+                    self.file_perm = self.rng.permutation(self.file_perm)
             self._load(self.files[self.file_perm[self.cur_file]])
         self.cur_row = 0
         if self.shuffle:

@@ -4,12 +4,18 @@
   (channels outside the blob count as zero), ``y = x * scale^-beta``.
 * WITHIN_CHANNEL: ``scale = 1 + alpha * avg`` with ``avg`` the n x n average of ``x^2`` over
   a zero-padded window (always divided by n*n; ``k`` is not used), ``y = x * scale^-beta``.
+
+For numpy float arrays ACROSS_CHANNELS runs compiled kernels (:mod:`cct.kernels.lrn`, bitwise
+equal to this code) unless ``CCT_KERNELS=numpy``.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 
+import numpy as np
+
+from .. import kernels
 from ..backend import get_array_module
 from ..blob import Blob
 from ..proto import caffe_pb2
@@ -64,6 +70,8 @@ class LRNLayer(Layer):
             log.warning("layer '%s' (type LRN): engine CUDNN requested; cct uses its own implementation", self.name)
         self.scale = None
         self.x_saved = None
+        self.scale_pow = None  # scale ** -beta, kept by the compiled forward for its backward
+        self._work = None
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         if bottom[0].num_axes != 4:
@@ -77,12 +85,33 @@ class LRNLayer(Layer):
             return self.k + (self.alpha / self.size) * _box_sum(sq, self.size, (1,))
         return 1.0 + self.alpha * (_box_sum(sq, self.size, (2, 3)) / (self.size * self.size))
 
+    def _kernels(self, *arrays):
+        """The LRN kernel module when the compiled path applies (ACROSS_CHANNELS, numpy floats), else None."""
+        if self.region != _LP.ACROSS_CHANNELS or not kernels.usable(*arrays):
+            return None
+        return kernels.get("lrn")
+
+    @staticmethod
+    def _like(buf, x):
+        """``buf`` when it is a numpy array of ``x``'s shape and dtype, else a new empty one."""
+        if isinstance(buf, np.ndarray) and buf.shape == x.shape and buf.dtype == x.dtype:
+            return buf
+        return np.empty_like(x)
+
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         x = bottom[0].data
-        scale = self._scale(x)
-        self.scale = scale
         # In place (top is bottom): keep the input for the backward pass.
         self.x_saved = x.copy() if top[0] is bottom[0] else None
+        km = self._kernels(x, top[0].data)
+        if km is not None:
+            scale = km.scale_across(x, self._like(self.scale, x), self.size, self.alpha, self.k)
+            self.scale = scale
+            self.scale_pow = km.power(scale, -self.beta, self._like(self.scale_pow, x))
+            np.multiply(x, self.scale_pow, out=top[0].data)
+            return
+        scale = self._scale(x)
+        self.scale = scale
+        self.scale_pow = None
         top[0].data[...] = x * scale ** (-self.beta)
 
     def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool], bottom: Sequence[Blob]) -> None:
@@ -91,6 +120,13 @@ class LRNLayer(Layer):
         x = self.x_saved if self.x_saved is not None else bottom[0].data
         dy = top[0].diff
         scale = self.scale
+        if self.scale_pow is not None:
+            km = self._kernels(x, dy, bottom[0].diff, scale, self.scale_pow)
+            if km is not None:
+                self._work = self._like(self._work, x)
+                km.backward_across(x, dy, scale, self.scale_pow, bottom[0].diff, self.size, self.alpha, self.beta,
+                                   work=self._work)
+                return
         p = scale ** (-self.beta)
         if self.region == _LP.ACROSS_CHANNELS:
             # dx = dy * s^-b - 2 a b / n * x * sum_window(dy * y / s)

@@ -10,6 +10,8 @@
   ``sum(x^2) / sum(x)`` over the window (cct backpropagates that formula exactly).
 
 Everything is vectorized over the batch and channels; the loops run over kernel offsets.
+For numpy float arrays MAX and AVE (and the STOCHASTIC TRAIN backward) run compiled kernels
+(:mod:`cct.kernels.pooling`, bitwise equal to this code) unless ``CCT_KERNELS=numpy``.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import rng
+from .. import kernels, rng
 from ..blob import Blob
 from ..proto import caffe_pb2
 from .base import Layer, register
@@ -163,10 +165,19 @@ class PoolingLayer(Layer):
         return self.xp.asarray(((rows >= 0) & (rows < h))[:, None] & ((cols >= 0) & (cols < w))[None, :])
 
     # -- forward ---------------------------------------------------------------------
+    def _kernels(self, *arrays):
+        """The pooling kernel module when the compiled path applies to these arrays, else None."""
+        if self.method == _PP.STOCHASTIC and self.phase != caffe_pb2.TRAIN:
+            return None
+        return kernels.get("pooling") if kernels.usable(*arrays) else None
+
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         self.xp = bottom[0].xp
         x = bottom[0].data
-        if self.method == _PP.MAX:
+        km = self._kernels(x, top[0].data, self.pool_size) if self.method == _PP.AVE else None
+        if km is not None:
+            km.ave_forward(x, top[0].data, self.pool_size, self.kernel, self.pad, self.stride)
+        elif self.method == _PP.MAX:
             self._forward_max(x, top)
         elif self.method == _PP.AVE:
             xpad = self._padded(x, 0.0)
@@ -191,17 +202,24 @@ class PoolingLayer(Layer):
 
     def _forward_max(self, x, top) -> None:
         xp = self.xp
-        xpad = self._padded(x, -np.inf)
         best = top[0].data
-        best[...] = -_FLT_MAX
-        arg = xp.full(best.shape, -1, dtype=np.int32)
-        k = 0
-        for i, j in self._offsets():
-            v = xpad[self._win(i, j)]
-            better = v > best
-            xp.copyto(best, v, where=better)
-            xp.copyto(arg, np.int32(k), where=better)
-            k += 1
+        km = self._kernels(x, best)
+        if km is not None:
+            arg = self.arg
+            if not isinstance(arg, np.ndarray) or arg.shape != best.shape:
+                arg = np.empty(best.shape, dtype=np.int32)
+            km.max_forward(x, best, arg, self.kernel, self.pad, self.stride)
+        else:
+            xpad = self._padded(x, -np.inf)
+            best[...] = -_FLT_MAX
+            arg = xp.full(best.shape, -1, dtype=np.int32)
+            k = 0
+            for i, j in self._offsets():
+                v = xpad[self._win(i, j)]
+                better = v > best
+                xp.copyto(best, v, where=better)
+                xp.copyto(arg, np.int32(k), where=better)
+                k += 1
         self.arg = arg
         if len(top) > 1:
             (oh, ow), (sh, sw), (ph, pw), kw = self.out_hw, self.stride, self.pad, self.kernel[1]
@@ -238,6 +256,16 @@ class PoolingLayer(Layer):
             return
         self.xp = xp = bottom[0].xp
         dy = top[0].diff
+        if self.method == _PP.AVE:
+            km = self._kernels(dy, bottom[0].diff, self.pool_size)
+            if km is not None:
+                km.ave_backward(dy, self.pool_size, bottom[0].diff, self.kernel, self.pad, self.stride)
+                return
+        elif isinstance(self.arg, np.ndarray) and self.arg.shape == dy.shape:
+            km = self._kernels(dy, bottom[0].diff)
+            if km is not None:
+                km.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
+                return
         n, c, h, w = bottom[0].shape
         acc = xp.zeros((n, c) + self.ext, dtype=dy.dtype)
         if self.method == _PP.AVE:

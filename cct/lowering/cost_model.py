@@ -48,6 +48,7 @@ class Machine:
     add_ns: float = 1.5
     zero_ns: float = 0.3
     elem_curves: dict = field(default_factory=dict)  # kind -> [(elements, ns/element)], by sweep size
+    lowering_curves: dict = field(default_factory=dict)  # lowering -> {"lower"|"unlower": [(elements, ns)]}
     gemm_overhead_s: float = 5e-6
     threads: int = 1
     backend: str = "openblas"
@@ -59,13 +60,12 @@ class Machine:
     # -- GEMM ---------------------------------------------------------------------------
     def gemm_gflops(self, m: int, n: int, k: int) -> float:
         """Predicted GFLOPS of one ``(m, k) @ (k, n)`` GEMM."""
-        if n >= k:
-            gf = _interp2(self.grid_dims, self.gemm_bign, m, k)
-            big = n
-        else:
-            gf = _interp2(self.grid_dims, self.gemm_bigk, m, n)
-            big = k
-        return gf * _interp1(self.big_curve, big)
+        gn = _interp2(self.grid_dims, self.gemm_bign, m, k) * _interp1(self.big_curve, n)
+        gk = _interp2(self.grid_dims, self.gemm_bigk, m, n) * _interp1(self.big_curve, k)
+        # n >> k: the "big N" grid describes the shape; k >> n: "big K"; in between (both large)
+        # blend the two geometrically (the grids agree there up to measurement noise).
+        t = min(1.0, max(0.0, 0.5 + math.log(max(n, 1) / max(k, 1)) / (2 * math.log(8.0))))
+        return math.exp(t * math.log(max(gn, 1e-9)) + (1 - t) * math.log(max(gk, 1e-9)))
 
     def gemm_seconds(self, m: int, n: int, k: int) -> float:
         """Predicted seconds of one GEMM (flops / interpolated throughput + call overhead)."""
@@ -73,8 +73,16 @@ class Machine:
             return self.gemm_overhead_s
         return 2.0 * m * n * k / (self.gemm_gflops(m, n, k) * 1e9) + self.gemm_overhead_s
 
-    def elem_seconds(self, kind: str, elems: float) -> float:
-        """Predicted seconds of an element-wise sweep (``copy``, ``add`` or ``zero``)."""
+    def elem_seconds(self, kind: str, elems: float, lowering: str | None = None) -> float:
+        """Predicted seconds of an element-wise sweep (``copy``, ``add``, ``zero``, or a
+        lowering's own ``lower``/``unlower``, per lowered element)."""
+        if kind in ("lower", "unlower"):
+            curve = self.lowering_curves.get(lowering or "", {}).get(kind)
+            if curve:
+                return elems * _interp1(curve, max(float(elems), 1.0)) * 1e-9
+            if kind == "lower":  # generic: one strided copy per lowered element
+                return self.elem_seconds("copy", elems)
+            return self.elem_seconds("add", elems) + self.elem_seconds("zero", elems)
         curve = self.elem_curves.get(kind)
         if curve:
             ns = _interp1(curve, max(float(elems), 1.0))
@@ -88,6 +96,8 @@ class Machine:
         d = asdict(self)
         d["big_curve"] = [list(p) for p in self.big_curve]
         d["elem_curves"] = {k: [list(p) for p in v] for k, v in self.elem_curves.items()}
+        d["lowering_curves"] = {n: {k: [list(p) for p in v] for k, v in c.items()}
+                                for n, c in self.lowering_curves.items()}
         return d
 
     @classmethod
@@ -96,6 +106,8 @@ class Machine:
         d = dict(d)
         d["big_curve"] = [tuple(p) for p in d.get("big_curve", [])]
         d["elem_curves"] = {k: [tuple(p) for p in v] for k, v in d.get("elem_curves", {}).items()}
+        d["lowering_curves"] = {n: {k: [tuple(p) for p in v] for k, v in c.items()}
+                                for n, c in d.get("lowering_curves", {}).items()}
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -220,26 +232,31 @@ def figure6(name: str, geom: ConvGeometry, batch: int = 1) -> dict:
 def pass_ops(name: str, geom: ConvGeometry, batch: int, pass_: str = "fwd") -> list[tuple]:
     """Primitive operations of one pass: ``("gemm", m, n, k, count)`` and ``(kind, elems)``.
 
-    Mirrors the implementations in ``type1.py`` / ``type2.py`` (type 3 = no lowered axis).
+    Kinds: ``copy``/``add``/``zero`` (generic sweeps) and ``lower``/``unlower`` (a lowering's
+    own replication and its adjoint, per lowered element, priced from the per-type calibration
+    when the Machine has it). Mirrors ``type1.py`` and ``type2.py`` (type 3 = no lowered axis).
     """
     t = _shape_terms(name, geom, batch)
     g, cg, mg, C, M = t["g"], t["cg"], t["mg"], t["C"], t["M"]
     kl, kf, cols, E, P, inp = t["k_low"], t["k_lift"], t["cols"], t["E"], t["P"], t["I"]
-    lowered = kl > 1 or name == "type1"
+    type1 = name == "type1"
+    lowered = kl > 1 or type1
     ops: list[tuple] = []
 
     def lower():
-        ops.append(("zero", C * E))
-        ops.append(("copy", C * inp))
-        if lowered:
-            ops.append(("copy", C * kl * cols))
+        if lowered:  # padding copy + k_low strided copies (or a compiled im2col), priced per lowered element
+            ops.append(("lower", C * kl * cols))
+        else:  # type 3: the padded, channel-major copy of the input is the lowered matrix
+            ops.append(("copy", C * inp))
+            if E != inp:
+                ops.append(("zero", C * E))
 
-    def scatter():
+    def scatter():  # adjoint of the lifting: dy into the (zeroed) GEMM-result layout
         if t["lifted"]:
             ops.append(("zero", g * mg * kf * cols))
             ops.append(("copy", kf * M * P))
         else:
-            ops.append(("copy", M * P))
+            ops.append(("copy", M * P))  # type 1: dy to group-major
 
     if pass_ == "fwd":
         lower()
@@ -247,17 +264,16 @@ def pass_ops(name: str, geom: ConvGeometry, batch: int, pass_: str = "fwd") -> l
         if t["lifted"]:
             ops.append(("copy", M * P))
             ops.append(("add", (kf - 1) * M * P))
+            ops.append(("add", M * P))  # bias, in place
         else:
-            ops.append(("copy", M * P))
-        ops.append(("add", M * P))  # bias
+            ops.append(("add", M * P))  # type 1: bias add doubles as the transposing lift
     elif pass_ == "bwd_data":
         scatter()
         ops.append(("gemm", cg * kl, cols, mg * kf, g))
         if lowered:
-            ops.append(("zero", C * E))
-            ops.append(("add", C * kl * cols))
-        ops.append(("zero", C * inp))
-        ops.append(("copy", C * inp))
+            ops.append(("unlower", C * kl * cols))  # col2im-style accumulation (+ its zeroed buffer)
+        if not type1:
+            ops.append(("copy", C * inp))  # crop + transpose back to (N, C, ...)
     elif pass_ == "bwd_weights":
         lower()
         scatter()
@@ -283,7 +299,7 @@ def predict_breakdown(name: str, geom: ConvGeometry, batch: int, machine: Machin
                 _, m, n, k, count = op
                 gemm += count * machine.gemm_seconds(m, n, k)
             else:
-                elem += machine.elem_seconds(op[0], op[1])
+                elem += machine.elem_seconds(op[0], op[1], name)
     return {"gemm": gemm, "elementwise": elem, "total": gemm + elem}
 
 

@@ -6,7 +6,9 @@ and output axes flattened, each image gives Caffe's column buffer: row
 ``(c * kh + i) * kw + j``, column ``oh * OW + ow``.
 
 Both functions loop only over the kernel offsets (``prod(kernel)`` strided copies of the
-whole batch); padding and dilation are handled by slicing a zero-padded copy.
+whole batch); padding and dilation are handled by slicing a zero-padded copy. For 2-D
+convolutions on numpy float arrays with at most two lead axes, compiled kernels
+(:mod:`cct.kernels.im2col`, bitwise equal) run instead unless ``CCT_KERNELS=numpy``.
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from .. import kernels
 from ..backend import get_array_module
 from .geometry import ConvGeometry
 
@@ -41,6 +46,18 @@ def _window(offsets, stride, dilation, out_shape) -> tuple[slice, ...]:
     return tuple(slice(o * d, o * d + (n - 1) * s + 1, s) for o, s, d, n in zip(offsets, stride, dilation, out_shape))
 
 
+def _kernel_module(nd: int, lead: tuple, *arrays: Any):
+    """The im2col kernel module when the compiled path applies (2-D, <= 2 lead axes, numpy floats)."""
+    if nd != 2 or len(lead) > 2 or not kernels.usable(*arrays):
+        return None
+    return kernels.get("im2col")
+
+
+def _as_nc(a: Any, nlead: int) -> Any:
+    """View with exactly two lead axes (``N, C``), adding unit axes in front."""
+    return a[(None,) * (2 - nlead)] if nlead < 2 else a
+
+
 def im2col(x: Any, kernel: Sequence[int], pad: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
            out_shape: Sequence[int] | None = None, out: Any = None) -> Any:
     """Lower ``x`` ``(*lead, *in_shape)`` to columns ``(*lead, *kernel, *out_shape)``.
@@ -61,6 +78,10 @@ def im2col(x: Any, kernel: Sequence[int], pad: Sequence[int], stride: Sequence[i
     elif tuple(out.shape) != col_shape:
         raise ValueError(f"im2col: out has shape {tuple(out.shape)}, expected {col_shape}")
     if out.size == 0:
+        return out
+    km = _kernel_module(nd, lead, x, out)
+    if km is not None:
+        km.im2col(_as_nc(x, len(lead)), _as_nc(out, len(lead)), kernel, pad, stride, dilation)
         return out
     padded = _padded_shape(in_shape, kernel, pad, stride, dilation, out_shape)
     if padded == in_shape:
@@ -87,6 +108,14 @@ def col2im(col: Any, in_shape: Sequence[int], kernel: Sequence[int], pad: Sequen
     lead = tuple(col.shape[: col.ndim - 2 * nd])
     out_shape = tuple(col.shape[col.ndim - nd:])
     padded = _padded_shape(in_shape, kernel, pad, stride, dilation, out_shape)
+    km = None
+    if col.size != 0 and (out is None or tuple(out.shape) == lead + in_shape):
+        km = _kernel_module(nd, lead, col, *(() if out is None else (out,)))
+    if km is not None:
+        if out is None:
+            out = np.empty(lead + in_shape, dtype=col.dtype)
+        km.col2im(_as_nc(col, len(lead)), _as_nc(out, len(lead)), kernel, pad, stride, dilation)
+        return out
     if col.size == 0:
         res = xp.zeros(lead + in_shape, dtype=col.dtype)
     else:

@@ -9,7 +9,8 @@ Two knobs, both provided by the wrapper strategy :class:`BatchedLowering`:
   (lower and multiply one image at a time), kept for the benchmarks that compare against it.
 * ``p`` (``partitions``): split the batch into ``p`` partitions processed concurrently by ``p``
   Python threads (numpy releases the GIL in the copies and in BLAS), each partition's GEMMs
-  using ``threads // p`` BLAS threads. ``partitions="auto"`` times each candidate ``p`` on the
+  using ``threads // p`` BLAS threads (and ``threads // p`` threads for cct's compiled
+  lowering kernels, whose count numba keeps per calling thread). ``partitions="auto"`` times each candidate ``p`` on the
   first real call and keeps the fastest (cached on disk per machine and layer shape).
 
 Thread limits, as measured (see benchmarks/README.md): numpy's OpenBLAS is a pthreads build
@@ -26,6 +27,7 @@ Use from a conv layer (same interface as any lowering)::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -200,10 +202,11 @@ class BatchedLowering(LoweringStrategy):
         local = blas.supports_thread_local_limits(backend)
 
         def part(ranges):
-            if local:
-                with blas.blas_threads(per, backend):
-                    return [work(s, e) for s, e in ranges]
-            return [work(s, e) for s, e in ranges]
+            with contextlib.ExitStack() as stack:
+                if local:
+                    stack.enter_context(blas.blas_threads(per, backend))
+                stack.enter_context(_kernel_threads(per))  # numba kernels (im2col...): per calling thread
+                return [work(s, e) for s, e in ranges]
 
         pool = self._executor(p)
         if local:
@@ -298,6 +301,17 @@ class BatchedLowering(LoweringStrategy):
 
     def __repr__(self) -> str:
         return f"<lowering {self.name} b_p={self.batch_partition} p={self.partitions}>"
+
+
+def _kernel_threads(n: int):
+    """Limit cct's compiled (numba) kernels to ``n`` threads in the calling thread, if they are on."""
+    try:
+        from .. import kernels
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    if not kernels.enabled():
+        return contextlib.nullcontext()
+    return kernels.num_threads(n)
 
 
 def caffe_mode(inner: LoweringStrategy) -> BatchedLowering:

@@ -86,8 +86,9 @@ class PartialLowering(LoweringStrategy):
         n = x.shape[0]
         nd = geom.num_spatial
         xt = x.transpose((1, 0) + tuple(range(2, 2 + nd)))
-        buf = xp.zeros((geom.channels_in, n) + tuple(ext), dtype=x.dtype)
         dst, src = _interior(geom, ext)
+        full = all(d.start == 0 and d.stop == e for d, e in zip(dst, ext))  # no padding inside ext
+        buf = (xp.empty if full else xp.zeros)((geom.channels_in, n) + tuple(ext), dtype=x.dtype)
         buf[(slice(None), slice(None)) + dst] = xt[(slice(None), slice(None)) + src]
         return buf
 
@@ -174,8 +175,10 @@ class PartialLowering(LoweringStrategy):
         n = x.shape[0]
         nd, low, lift, ext = self._layout(geom)
         g, cg, mg = geom.group, geom.channels_in // geom.group, geom.channels_out // geom.group
-        y = xp.zeros((n, geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
-        if y.size == 0 or x.size == 0:
+        shape = (n, geom.channels_out) + tuple(geom.out_shape)
+        empty = math.prod(shape) == 0 or x.size == 0
+        y = (xp.zeros if empty else xp.empty)(shape, dtype=x.dtype)  # the lifting writes every element
+        if empty:
             if b is not None and y.size:
                 y += b.reshape((1, -1) + (1,) * nd)
             return y
@@ -209,7 +212,10 @@ class PartialLowering(LoweringStrategy):
         n = dy.shape[0]
         nd, low, lift, ext = self._layout(geom)
         g, cg, mg = geom.group, geom.channels_in // geom.group, geom.channels_out // geom.group
-        dx = xp.zeros((n, geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
+        dst, src = _interior(geom, ext)
+        covered = all(sl.start == 0 and sl.stop == i for sl, i in zip(src, geom.in_shape))
+        shape = (n, geom.channels_in) + tuple(geom.in_shape)
+        dx = (xp.empty if covered and dy.size else xp.zeros)(shape, dtype=dy.dtype)
         if dy.size == 0 or dx.size == 0:
             return dx
         dyt = dy.transpose((1, 0) + tuple(range(2, 2 + nd)))
@@ -223,7 +229,6 @@ class PartialLowering(LoweringStrategy):
                 km.shape[0], -1)
             blas.gemm(km, rb2, trans_a=True, out=dd[gi * cg:(gi + 1) * cg].reshape(km.shape[1], -1))
         dpad = self._unlower(dd, geom, n)
-        dst, src = _interior(geom, ext)
         dxt = dx.transpose((1, 0) + tuple(range(2, 2 + nd)))
         dxt[(slice(None), slice(None)) + src] = dpad[(slice(None), slice(None)) + dst]
         return dx

@@ -173,9 +173,9 @@ class Net:
             log.info("Setting up %s", lp.name)
             try:
                 layer.setup(bottoms, tops)
-            except (CctError, ValueError) as e:
-                if isinstance(e, CctError):
-                    raise
+            except ValueError as e:
+                if lp.type == "Python":
+                    raise  # user layers' own errors pass through unchanged, as in pycaffe
                 raise LayerError(lp.name, lp.type, str(e)) from e
             for j, (tname, top) in enumerate(zip(top_names, tops)):
                 w = layer.loss_weight(j)

@@ -354,7 +354,7 @@ def device_query(measure: bool = True, force: bool = False) -> list[dict]:
         if name == "mkl" and not blas.mkl_available():
             continue
         try:
-            devs.append(CpuDevice(0, threads, name))
+            devs.append(CpuDevice(0, threads, name, query_only=True))
         except CctError as e:
             log.info("device_query: cpu with %s unavailable: %s", name, e)
     for i in range(gpu_count()):

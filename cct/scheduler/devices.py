@@ -118,6 +118,10 @@ class Device:
         """A device copy of a host array (CPU: the array itself)."""
         return host
 
+    def upload(self, dst: Any, host: np.ndarray) -> None:
+        """Copy a host array into the device array ``dst`` (same shape)."""
+        dst[...] = host
+
     def to_host(self, arr: Any, out: np.ndarray | None = None) -> np.ndarray:
         """Bring ``arr`` to host memory (into ``out`` when given)."""
         if out is not None:
@@ -145,7 +149,8 @@ class CpuDevice(Device):
 
     kind = "cpu"
 
-    def __init__(self, index: int = 0, threads: int | None = None, blas_backend: str | None = None):
+    def __init__(self, index: int = 0, threads: int | None = None, blas_backend: str | None = None,
+                 query_only: bool = False):
         ncores = cpu_cores()
         if index < 0 or index >= ncores:
             raise CctError(f"CPU device cpu:{index} does not exist: this machine lets cct use {ncores} core(s), "
@@ -155,19 +160,20 @@ class CpuDevice(Device):
         if threads < 1:
             raise CctError(f"cpu:{index}: threads must be >= 1, got {threads}")
         super().__init__(index, threads)
-        process_backend = blas.get_backend()
-        name = (blas_backend or process_backend).strip().lower()
+        per_thread = per_thread_blas_supported()
+        # Without per-thread selection in cct.blas, the layers' GEMMs run on numpy's OpenBLAS.
+        default = blas.get_backend() if per_thread else "openblas"
+        name = (blas_backend or default).strip().lower()
         if name == "auto":
-            name = blas.choose_backend()
+            name = blas.choose_backend() if per_thread else "openblas"
         if name not in blas.BACKENDS:
             raise CctError(f"cpu:{index}: unknown BLAS backend '{name}' (use one of {', '.join(blas.BACKENDS)})")
         if name == "mkl":
             blas._load_mkl()  # clear BlasUnavailable (a CctError) when MKL is missing
-        if name != process_backend and not per_thread_blas_supported():
+        if name != default and not per_thread and not query_only:
             raise CctError(
-                f"cpu:{index}: BLAS backend '{name}' differs from the process backend '{process_backend}', but "
-                "cct.blas cannot select a backend per thread (no set_thread_backend); use the same backend "
-                "for every CPU device or set CCT_BLAS")
+                f"cpu:{index}: BLAS backend '{name}' cannot be used by a device yet: cct.blas cannot select the "
+                "backend per thread (no set_thread_backend), so the layers' GEMMs run on numpy's OpenBLAS")
         self.blas = name
 
     def _init_thread(self) -> None:
@@ -233,6 +239,9 @@ class GpuDevice(Device):
 
     def asarray(self, host: np.ndarray) -> Any:
         return self._cupy.asarray(host)
+
+    def upload(self, dst: Any, host: np.ndarray) -> None:
+        dst.set(np.ascontiguousarray(host))
 
     def to_host(self, arr: Any, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:

@@ -107,7 +107,8 @@ class DataParallelExecutor:
         self._ranges: dict[int, list[tuple[int, int, int]]] = {}  # layer -> [(device, s0, s1)] of last forward
         self._modes: dict[int, str] = {}
         self._agg = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cct-agg")
-        self._pending: dict[int, cf.Future] = {}
+        self._pending: dict[int, tuple[cf.Future, frozenset[int]]] = {}
+        self._own_diffs: dict[tuple[int, int], list[np.ndarray]] = {}
         self._agg_lock = threading.Lock()
         self.owned_config: Any = None  # set by attach() when it built the devices itself
 
@@ -178,20 +179,22 @@ class DataParallelExecutor:
                  bottom: Sequence[Blob]) -> None:
         t0 = time.perf_counter()
         ranges = self._ranges.get(i)
+        wanted = [j for j, p in enumerate(layer.param_propagate_down[: len(layer.blobs)]) if p]
+        keys = self._param_keys(layer, wanted)
+        # Param diffs this layer writes must not be in a pending aggregation (shared params,
+        # a second backward without forward).
+        self._wait_keys(keys)
         if ranges is None:
-            if any(layer.param_propagate_down[: len(layer.blobs)]):
-                self.drain()  # its param diffs may be shared with a pending aggregation
             layer.backward(top, propagate_down, bottom)
         else:
-            self._wait_layer(i)
-            jobs = [(self.devices[d], (self._backward_slice, i, layer, d, a, b, top, list(propagate_down), bottom))
-                    for d, a, b in ranges]
-            parts = self._run(jobs, serial=False)
-            wanted = [j for j, p in enumerate(layer.param_propagate_down[: len(layer.blobs)]) if p]
-            if wanted:
+            primary = next((d for d, _, _ in ranges if self.devices[d].host_memory), None)
+            jobs = [(self.devices[d], (self._backward_slice, i, layer, d, a, b, top, list(propagate_down), bottom,
+                                       d == primary)) for d, a, b in ranges]
+            parts = [p for (d, _, _), p in zip(ranges, self._run(jobs, serial=False)) if d != primary]
+            if wanted and parts:
                 job = (self._aggregate, layer, wanted, parts)
                 if self.overlap:
-                    self._pending[i] = self._agg.submit(*job)
+                    self._pending[i] = (self._agg.submit(*job), keys)
                 else:
                     job[0](*job[1:])
         dt = time.perf_counter() - t0
@@ -199,7 +202,10 @@ class DataParallelExecutor:
         self.stats.layer_backward_s[layer.name] = self.stats.layer_backward_s.get(layer.name, 0.0) + dt
 
     def _backward_slice(self, i: int, layer: Layer, d: int, s0: int, s1: int, top: Sequence[Blob],
-                        propagate_down: list[bool], bottom: Sequence[Blob]) -> list[Any]:
+                        propagate_down: list[bool], bottom: Sequence[Blob], primary: bool) -> list[Any]:
+        """Backward of one slice. The primary device (the first on host memory) accumulates straight
+        into the master param diffs, as a single device would; the others into their own zeroed
+        buffers, returned for aggregation."""
         dev = self.devices[d]
         shadow = self._shadows.get((i, d))
         if shadow is None:
@@ -207,9 +213,21 @@ class DataParallelExecutor:
         st = [self._view(d, t, s0, s1, upload_data=True, upload_diff=True) for t in top]
         sb = [self._view(d, b, s0, s1, upload_data=True) for b in bottom]
         shadow.param_propagate_down = list(layer.param_propagate_down)
-        for j, pb in enumerate(shadow.blobs):
-            if shadow.param_propagate_down[j]:
-                pb.diff[...] = 0
+        if dev.host_memory:
+            own = self._own_diffs.get((i, d))
+            for j, (mb, pb) in enumerate(zip(layer.blobs, shadow.blobs)):
+                if primary:
+                    pb.share_diff(mb)
+                else:
+                    if own is None:
+                        own = self._own_diffs[(i, d)] = [np.zeros(m.shape, dtype=m.dtype) for m in layer.blobs]
+                    pb.share_diff(_Arrays(pb.data, own[j]))
+                    if shadow.param_propagate_down[j]:
+                        own[j][...] = 0
+        else:
+            for j, pb in enumerate(shadow.blobs):
+                if shadow.param_propagate_down[j]:
+                    pb.diff[...] = 0
         shadow.backward(st, propagate_down, sb)
         if dev.host_memory:
             return [pb.diff for pb in shadow.blobs]
@@ -224,7 +242,7 @@ class DataParallelExecutor:
         return staging
 
     def _aggregate(self, layer: Layer, wanted: list[int], parts: list[list[Any]]) -> None:
-        """master.diff += each device's partial gradient, in device order (aggregation thread)."""
+        """master.diff += the other devices' partial gradients, in device order (aggregation thread)."""
         t0 = time.perf_counter()
         for j in wanted:
             acc = layer.blobs[j].diff
@@ -234,17 +252,34 @@ class DataParallelExecutor:
             self.stats.aggregation_s += time.perf_counter() - t0
             self.stats.aggregations += 1
 
+    @staticmethod
+    def _param_keys(layer: Layer, wanted: list[int]) -> frozenset[int]:
+        """Identities of the memory behind the param diffs (shared params have the owner's)."""
+        keys = set()
+        for j in wanted:
+            a = layer.blobs[j].diff
+            while getattr(a, "base", None) is not None:
+                a = a.base
+            keys.add(id(a))
+        return frozenset(keys)
+
+    def _wait_keys(self, keys: frozenset[int]) -> None:
+        if not keys:
+            return
+        for i in [i for i, (_, k) in self._pending.items() if k & keys]:
+            self._pending.pop(i)[0].result()
+
     def _wait_layer(self, i: int) -> None:
-        f = self._pending.pop(i, None)
-        if f is not None:
-            f.result()
+        entry = self._pending.pop(i, None)
+        if entry is not None:
+            entry[0].result()
 
     def drain(self) -> float:
         """Wait for every pending aggregation; returns the seconds waited."""
         t0 = time.perf_counter()
         pending, self._pending = self._pending, {}
         errors = []
-        for f in pending.values():
+        for f, _ in pending.values():
             try:
                 f.result()
             except BaseException as e:  # noqa: BLE001 - re-raised below
@@ -287,9 +322,9 @@ class DataParallelExecutor:
         else:
             v.reshape((s1 - s0,) + tuple(master.shape[1:]))
             if upload_data:
-                v.data.set(np.ascontiguousarray(master.data[s0:s1]))
+                dev.upload(v.data, master.data[s0:s1])
             if upload_diff:
-                v.diff.set(np.ascontiguousarray(master.diff[s0:s1]))
+                dev.upload(v.diff, master.diff[s0:s1])
         return v
 
     def _shadow(self, i: int, layer: Layer, d: int, sb: list[Blob], st: list[Blob]) -> Layer:
@@ -308,8 +343,12 @@ class DataParallelExecutor:
             self._sync_params(i, layer, d, shadow)
             shadow.setup(sb, st)
             self._shadows[key] = shadow
-        if hasattr(layer, "lowering") and type(getattr(shadow, "lowering", None)) is not type(layer.lowering):
-            shadow.lowering = copy.copy(layer.lowering)
+        if hasattr(layer, "lowering"):
+            # The scheduler is the partitioner here: unwrap a partitioning wrapper (BatchedLowering's
+            # ``inner``), whose process-wide BLAS limits would race between device threads.
+            lowering = getattr(layer.lowering, "inner", layer.lowering)
+            if type(getattr(shadow, "lowering", None)) is not type(lowering):
+                shadow.lowering = copy.copy(lowering)
         return shadow
 
     def _sync_params(self, i: int, layer: Layer, d: int, shadow: Layer) -> None:
@@ -324,4 +363,4 @@ class DataParallelExecutor:
             else:
                 if pb.shape != mb.shape:
                     pb.reshape(mb.shape)
-                pb.data.set(np.ascontiguousarray(mb.data))
+                dev.upload(pb.data, mb.data)

@@ -111,15 +111,8 @@ class Solver:
                               f"(average_loss: {param.average_loss}; use 1 or more)")
         if param.iter_size < 1:
             raise SolverError(f"{self.source}: iter_size must be at least 1 (iter_size: {param.iter_size})")
-        if param.regularization_type not in ("L2", "L1"):
-            raise SolverError(f"{self.source}: Unknown regularization type: \"{param.regularization_type}\" "
-                              "(use L2 or L1)")
         if param.snapshot_format not in (caffe_pb2.SolverParameter.BINARYPROTO, caffe_pb2.SolverParameter.HDF5):
             raise SolverError(f"{self.source}: Unsupported snapshot format {param.snapshot_format}")
-        try:
-            lr_policy.validate(param)
-        except SolverError as e:
-            raise SolverError(f"{self.source}: {str(e).removeprefix('solver: ')}") from None
         self.check_params()
         self.iter = 0
         self.current_step = 0
@@ -334,9 +327,23 @@ class Solver:
             self.test_all()
         log.info("Optimization Done.")
 
+    def validate_update_params(self) -> None:
+        """Check the lr policy and regularization settings (Caffe finds them bad only at the first
+        update; cct checks before the first iteration so that a run fails before any work)."""
+        p = self.param
+        if p.regularization_type not in ("L2", "L1"):
+            raise SolverError(f"{self.source}: Unknown regularization type: \"{p.regularization_type}\" "
+                              "(use L2 or L1)")
+        try:
+            lr_policy.validate(p)
+        except SolverError as e:
+            raise SolverError(f"{self.source}: {str(e).removeprefix('solver: ')}") from None
+
     def step(self, iters: int) -> None:
         """Run ``iters`` training iterations (Caffe's Solver::Step)."""
         p = self.param
+        if iters > 0:
+            self.validate_update_params()
         start_iter = self.iter
         stop_iter = self.iter + int(iters)
         self._losses = []
