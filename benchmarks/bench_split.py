@@ -132,32 +132,35 @@ def sweep(name: str, net: cct.Net, cfg, ps: list[float], heuristics: dict, iters
 
 
 def overlap(net: cct.Net, cfg, p: float, iters: int) -> dict:
-    """Per-phase times with the aggregation overlapped (default) and inline after each layer."""
+    """Per-phase times with the aggregation overlapped (default) and inline after each layer, with the
+    fc layers split by output channels (auto) and by batch (never: full-size fc gradients to aggregate)."""
     out = {}
-    for mode in ("overlapped", "inline"):
-        ex = cfg.attach(net)
-        ex.overlap = mode == "overlapped"
-        ex.shares = ShareTable([p, 1.0 - p])
-        try:
-            iteration(net)
-            ex.reset_stats()
-            phases = [iteration(net) for _ in range(iters)]
-            st = ex.stats
-        finally:
-            scheduler.detach(net)
-        med = {k: statistics.median(ph[k] for ph in phases) for k in phases[0]}
-        n = max(1, st.iterations)
-        out[mode] = {"forward_s": med["forward"], "backward_s": med["backward"], "update_s": med["update"],
-                     "total_s": med["total"], "aggregation_s": st.aggregation_s / n,
-                     "aggregation_not_hidden_s": st.aggregation_wait_s / n,
-                     "aggregation_hidden_s": st.aggregation_hidden_s / n if mode == "overlapped" else 0.0}
+    for fc in ("auto", "never"):
+        for mode in ("overlapped", "inline"):
+            ex = cfg.attach(net)
+            ex.overlap = mode == "overlapped"
+            ex.model_parallel = fc
+            ex.shares = ShareTable([p, 1.0 - p])
+            try:
+                iteration(net)
+                ex.reset_stats()
+                phases = [iteration(net) for _ in range(iters)]
+                st = ex.stats
+            finally:
+                scheduler.detach(net)
+            med = {k: statistics.median(ph[k] for ph in phases) for k in phases[0]}
+            n = max(1, st.iterations)
+            out[f"fc model_parallel={fc}, {mode}"] = {
+                "forward_s": med["forward"], "backward_s": med["backward"], "update_s": med["update"],
+                "total_s": med["total"], "aggregation_s": st.aggregation_s / n,
+                "aggregation_not_hidden_s": st.aggregation_wait_s / n,
+                "aggregation_hidden_s": st.aggregation_hidden_s / n if mode == "overlapped" else 0.0}
     rows = [[m, r["forward_s"] * 1e3, r["backward_s"] * 1e3, r["aggregation_s"] * 1e3,
              r["aggregation_hidden_s"] * 1e3, r["aggregation_not_hidden_s"] * 1e3, r["update_s"] * 1e3,
              r["total_s"] * 1e3] for m, r in out.items()]
     print(f"\n## Overlap of gradient aggregation with backward (CaffeNet, p={p:.3f}; ms per iteration)")
     print("# backward includes the inline aggregation (inline) or the wait for what was not hidden (overlapped)")
-    print_table(["aggregation", "forward", "backward", "aggregation", "hidden", "not hidden", "update", "total"],
-                rows)
+    print_table(["run", "forward", "backward", "aggregation", "hidden", "not hidden", "update", "total"], rows)
     return out
 
 

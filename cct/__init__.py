@@ -14,6 +14,7 @@ from .log import init_log
 from .net import Net
 from .proto import caffe_pb2
 from .rng import set_random_seed
+from .scheduler import device_query, set_devices
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,5 @@ TEST = caffe_pb2.TEST
 __all__ = [
     "Blob", "CctError", "LayerError", "NetError", "ProtoParseError", "SolverError", "Layer", "layer_type_list",
     "register", "init_log", "Net", "caffe_pb2", "set_random_seed", "TRAIN", "TEST", "__version__",
+    "device_query", "set_devices",
 ]

@@ -45,6 +45,7 @@ BACKENDS = ("openblas", "mkl")
 _VALID_REQUESTS = BACKENDS + ("auto",)
 
 _lock = threading.RLock()
+_thread = threading.local()  # per-thread backend of a device's worker thread (set_thread_backend)
 _explicit: str | None = None  # set by set_backend()
 _resolved_auto: str | None = None  # result of choose_backend(), memoised per process
 _mkl: _MKL | None = None
@@ -231,8 +232,22 @@ def set_backend(name: str) -> None:
     _explicit = name
 
 
+def set_thread_backend(name: str | None) -> None:
+    """Make GEMMs issued from the calling thread use ``name`` (a device's worker); None clears it."""
+    if name is not None:
+        if name not in BACKENDS:
+            raise CctError(f"unknown BLAS backend '{name}' (use one of {', '.join(BACKENDS)})")
+        if name == "mkl":
+            _load_mkl()
+    _thread.backend = name
+
+
 def get_backend() -> str:
-    """The backend GEMMs use now (``auto`` resolved via :func:`choose_backend`)."""
+    """The backend GEMMs use now: the calling thread's, else the process-wide one (``auto`` resolved
+    via :func:`choose_backend`)."""
+    local = getattr(_thread, "backend", None)
+    if local is not None:
+        return local
     req = _requested()
     if req == "auto":
         return choose_backend()
@@ -380,6 +395,31 @@ def gemm(a: Any, b: Any, out: Any = None, trans_a: bool = False, trans_b: bool =
         if alpha != 1:
             tmp *= alpha
         out += tmp
+    return out
+
+
+def matmul(a: Any, b: Any, out: Any = None) -> Any:
+    """``xp.matmul`` (stacked, broadcasting operands) on the selected backend.
+
+    With MKL selected, numpy float operands are multiplied slice by slice through cblas_sgemm;
+    otherwise this is ``xp.matmul`` (numpy's OpenBLAS, or cuBLAS for cupy).
+    """
+    xp = get_array_module(a, b)
+    if not (xp is np and a.dtype == b.dtype and a.dtype in (np.float32, np.float64) and a.ndim >= 2
+            and b.ndim >= 2 and get_backend() == "mkl"):
+        return xp.matmul(a, b, out=out)
+    if a.ndim == 2 and b.ndim == 2:
+        return gemm(a, b, out=out)
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    shape = batch + (a.shape[-2], b.shape[-1])
+    if out is None:
+        out = np.empty(shape, dtype=a.dtype)
+    elif tuple(out.shape) != shape:
+        raise CctError(f"matmul: out has shape {tuple(out.shape)}, expected {shape}")
+    ab = np.broadcast_to(a, batch + a.shape[-2:])
+    bb = np.broadcast_to(b, batch + b.shape[-2:])
+    for idx in np.ndindex(*batch):
+        gemm(ab[idx], bb[idx], out=out[idx])
     return out
 
 

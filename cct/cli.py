@@ -68,12 +68,52 @@ def _parser(cmd: str, description: str) -> _Parser:
     return _Parser(prog=f"cct {cmd}", description=description, allow_abbrev=False)
 
 
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    from .scheduler import add_device_arguments as add
+
+    add(p)
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default=None,
                    help="GPU device id(s) ('0', '0,1' or 'all'); an error when no GPU is available")
     p.add_argument("--level", type=int, default=0, help="net state level (NetState.level)")
     p.add_argument("--stage", default="", help="comma-separated net state stages")
     p.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only")
+    p.add_argument("--lowering", default=None,
+                   help="override the conv lowering choice: 'type1'|'type2'|'type3' for all layers, or per "
+                        "layer 'conv1=type3,conv2=type1'")
+    p.add_argument("--lowering_mode", default="cct", choices=["cct", "caffe"],
+                   help="cct: cost-model choice + whole-batch lowering; caffe: type 1, one image per GEMM")
+    p.add_argument("--partitions", default="1",
+                   help="batch partitions run in parallel per conv layer (an int or 'auto')")
+
+
+def _configure_engine(args, calibrate: bool) -> None:
+    """Apply the lowering flags; calibrate the machine once (cached) unless CCT_CALIBRATE=0."""
+    import os
+
+    from .lowering import engine
+
+    parts = args.partitions if args.partitions == "auto" else _positive_int(args.partitions, "--partitions")
+    overrides = None
+    if args.lowering:
+        overrides = args.lowering if "=" in args.lowering else {"*": args.lowering}
+    try:
+        engine.configure(mode=args.lowering_mode, partitions=parts, overrides=overrides,
+                         calibrate=calibrate and os.environ.get("CCT_CALIBRATE", "1") != "0")
+    except (KeyError, ValueError) as e:
+        raise CctError(f"--lowering/--partitions: {e}") from None
+
+
+def _positive_int(s: str, flag: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise CctError(f"{flag} must be a positive integer or 'auto', not '{s}'")
+    return v
 
 
 def _stages(s: str) -> list[str]:
@@ -113,11 +153,14 @@ def _select_gpus(flag: str | None) -> list[int]:
     return ids
 
 
-def _use_device(gpus: list[int]) -> None:
-    if not gpus:
+def _use_devices(args, solver_param=None) -> None:
+    """Select the devices for this run: --devices/--share, --gpu, or the solver's solver_mode."""
+    from .scheduler import devices_from_args, set_devices
+
+    cfg = devices_from_args(args, solver_param)
+    if cfg is None:
         log.info("Use CPU.")
-    else:
-        log.info("GPU(s) %s requested: cct trains on the CPU for now; using CPU.", ",".join(map(str, gpus)))
+    set_devices(cfg)
 
 
 # -- progress bar ------------------------------------------------------------------------------
@@ -178,6 +221,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     p.add_argument("--sigint_effect", default="stop", help="what SIGINT does: stop, snapshot or none")
     p.add_argument("--sighup_effect", default="snapshot", help="what SIGHUP does: stop, snapshot or none")
     _add_common(p)
+    add_device_arguments(p)
     args = p.parse_args(_gnu_flags(argv))
     if args.solver and args.solver_pos and args.solver != args.solver_pos:
         raise CctError("give the solver once (either --solver=S or a positional S)")
@@ -192,6 +236,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     signals.check_effect(args.sighup_effect)
     progress = _Progress(sys.stderr, 1) if sys.stderr.isatty() and not args.quiet else None
     _init_logging(args.quiet, stream=progress)
+    _configure_engine(args, calibrate=True)
 
     from .proto import caffe_pb2
     from .solver import get_solver, read_solver_param
@@ -199,17 +244,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     param = read_solver_param(solver_path)
     param.train_state.level = args.level
     param.train_state.stage.extend(_stages(args.stage))
-    gpu_flag = args.gpu
-    if gpu_flag is None and param.HasField("solver_mode") and param.solver_mode == caffe_pb2.SolverParameter.GPU:
-        # Caffe: with no --gpu, solver_mode GPU selects device_id; cct falls back to the CPU when there is none.
-        from .backend import cupy_available
-
-        if cupy_available():
-            gpu_flag = str(param.device_id)
-        else:
-            log.info("solver_mode GPU requested but no GPU/CuPy is available; using CPU.")
-    gpus = _select_gpus(gpu_flag)
-    _use_device(gpus)
+    _use_devices(args, param)
     # The solver itself must not log the GPU fallback a second time.
     param.solver_mode = caffe_pb2.SolverParameter.CPU
     if args.iterations is not None:
@@ -261,6 +296,7 @@ def cmd_test(argv: Sequence[str]) -> int:
     p.add_argument("--iterations", type=int, default=50, help="the number of batches to run")
     p.add_argument("--phase", default="TEST", help="net phase (TEST or TRAIN)")
     _add_common(p)
+    add_device_arguments(p)
     args = p.parse_args(_gnu_flags(argv))
     if not args.model:
         raise CctError("Need a model definition to score (--model).")
@@ -269,7 +305,8 @@ def cmd_test(argv: Sequence[str]) -> int:
     if args.iterations < 1:
         raise CctError(f"--iterations must be >= 1, not {args.iterations}")
     _init_logging(args.quiet)
-    _use_device(_select_gpus(args.gpu))
+    _configure_engine(args, calibrate=False)
+    _use_devices(args)
     net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage))
     _load_weights(net, args.weights)
     log.info("Running for %d iterations.", args.iterations)
@@ -309,13 +346,15 @@ def cmd_time(argv: Sequence[str]) -> int:
     p.add_argument("--phase", default="TRAIN", help="net phase (TRAIN or TEST)")
     p.add_argument("--weights", default=None, help="optional weights to load first")
     _add_common(p)
+    add_device_arguments(p)
     args = p.parse_args(_gnu_flags(argv))
     if not args.model:
         raise CctError("Need a model definition to time (--model).")
     if args.iterations < 1:
         raise CctError(f"--iterations must be >= 1, not {args.iterations}")
     _init_logging(args.quiet)
-    _use_device(_select_gpus(args.gpu))
+    _configure_engine(args, calibrate=True)
+    _use_devices(args)
     net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage))
     if args.weights:
         _load_weights(net, args.weights)
@@ -393,6 +432,10 @@ def cmd_device_query(argv: Sequence[str]) -> int:
         print(f"BLAS threads: {blas.get_num_threads()}", file=out)
     except Exception:  # pragma: no cover - informational only
         pass
+    from .scheduler import device_query, format_device_query
+
+    print("Devices (measured SGEMM rate, cached):", file=out)
+    print(format_device_query(device_query()), file=out)
     from .backend import cupy_available
 
     if not cupy_available():

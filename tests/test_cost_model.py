@@ -119,6 +119,19 @@ def test_overrides_and_per_pass_plans():
     assert single.single is not None
 
 
+def test_predictions_account_for_the_memory_budget():
+    g = square(13, 3, 64, 64, pad=1)
+    mach = flat_machine()
+    free = opt.predictions(g, 8, mach, budget=10**15)
+    tight = opt.predictions(g, 8, mach, budget=1)  # every lowering falls back to b_p = 1
+    for t in free:
+        assert free[t] == pytest.approx(cm.predict_seconds(t, g, 8, mach))
+        assert tight[t] == pytest.approx(8 * cm.predict_seconds(t, g, 1, mach))
+    overheady = flat_machine()
+    overheady.gemm_overhead_s = 1e-3
+    assert opt.predictions(g, 8, overheady, budget=1)["type1"] > opt.predictions(g, 8, overheady)["type1"]
+
+
 def test_strategy_cost_uses_model():
     g = square(13, 3, 64, 64, pad=1)
     s = get_strategy("type3")

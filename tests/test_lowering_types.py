@@ -227,17 +227,19 @@ def test_auto_partitions_measured_and_reused(tmp_path, monkeypatch):
 
 # -- gradient check through the Convolution layer ----------------------------------------------
 CONV_CASES = [
-    ("num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2", (2, 4, 5, 5)),
-    ("num_output: 2 kernel_h: 2 kernel_w: 3 pad_h: 1 pad_w: 0 stride_h: 1 stride_w: 2 dilation: 2", (2, 3, 6, 6)),
+    ("Convolution", "num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2", (2, 4, 5, 5)),
+    ("Convolution", "num_output: 2 kernel_h: 2 kernel_w: 3 pad_h: 1 pad_w: 0 stride_h: 1 stride_w: 2 dilation: 2",
+     (2, 3, 6, 6)),
+    ("Deconvolution", "num_output: 4 kernel_size: 3 pad: 1 stride: 2 group: 2", (2, 2, 3, 3)),
 ]
 
 
 @pytest.mark.parametrize("name", TYPES + ("batched-type3",))
 @pytest.mark.parametrize("case", range(len(CONV_CASES)))
 def test_gradient_through_conv_layer(name, case):
-    text, shape = CONV_CASES[case]
+    ltype, text, shape = CONV_CASES[case]
     param = parse_text(
-        f'name: "conv" type: "Convolution" convolution_param {{ {text} '
+        f'name: "conv" type: "{ltype}" convolution_param {{ {text} '
         'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }',
         caffe_pb2.LayerParameter())
     layer = create_layer(param)

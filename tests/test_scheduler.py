@@ -280,6 +280,28 @@ def test_lenet_training_two_devices_same_weights_float64():
         np.testing.assert_allclose(p.data, r.data, rtol=1e-11, atol=1e-13)
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_inner_product_model_parallel_matches_single_device(transpose):
+    text = LENET.replace('num_output: 10 weight_filler', 'num_output: 10 transpose: %s weight_filler'
+                         % ("true" if transpose else "false"))
+    ref = make_net(text, dtype=np.float64)
+    sgd_train(ref, 3, 3)
+    net = make_net(text, dtype=np.float64)
+    cfg = two_cpus((0.3, 0.7))
+    cfg.model_parallel = "always"
+    try:
+        ex = cfg.attach(net)
+        sgd_train(net, 3, 3)
+        i = net._layer_index["ip1"]
+        assert ex.mode(i) == "model" and ex.model_ranges(i) == [(0, 0, 3), (1, 3, 10)]
+        assert ex.mode(net._layer_index["conv1"]) == "split"
+    finally:
+        scheduler.detach(net)
+        cfg.close()
+    for p, r in zip(net.learnable_params, ref.learnable_params):
+        np.testing.assert_allclose(p.data, r.data, rtol=1e-11, atol=1e-13)
+
+
 def test_caffenet_small_training_two_devices_float32():
     """Dropout in TRAIN ("serial" slices) draws the same masks; weights agree to float32 rounding."""
     ref = make_net(CAFFENET_SMALL, seed=5)
@@ -290,12 +312,38 @@ def test_caffenet_small_training_two_devices_float32():
         ex = cfg.attach(net)
         losses = sgd_train(net, 3, 4, lr=0.02)
         assert ex.mode(net._layer_index["drop6"]) == "serial"
+        assert ex.mode(net._layer_index["fc6"]) == "model" and ex.mode(net._layer_index["fc8"]) == "split"
         assert ex.stats.iterations == 3 and ex.stats.aggregations > 0
         assert ex.stats.images == {"cpu:0": ex.stats.images["cpu:0"], "cpu:1": ex.stats.images["cpu:1"]}
     finally:
         scheduler.detach(net)
         cfg.close()
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    for p, r in zip(net.learnable_params, ref.learnable_params):
+        np.testing.assert_allclose(p.data, r.data, rtol=1e-4, atol=1e-6)
+
+
+def test_solver_training_two_devices_same_weights():
+    solver_mod = pytest.importorskip("cct.solver")
+
+    def train(attach):
+        sp = caffe_pb2.SolverParameter(base_lr=0.05, momentum=0.9, weight_decay=0.001, lr_policy="fixed",
+                                       max_iter=5, random_seed=7, display=0, snapshot=0, iter_size=2)
+        sp.net_param.CopyFrom(net_param(CAFFENET_SMALL))
+        solver = solver_mod.get_solver(sp)
+        fill_inputs(solver.net, 3, 4)
+        cfg = two_cpus((0.5, 0.5)) if attach else None
+        if cfg:
+            cfg.attach(solver.net)
+        try:
+            solver.step(5)
+        finally:
+            if cfg:
+                scheduler.detach(solver.net)
+                cfg.close()
+        return solver.net
+
+    ref, net = train(False), train(True)
     for p, r in zip(net.learnable_params, ref.learnable_params):
         np.testing.assert_allclose(p.data, r.data, rtol=1e-4, atol=1e-6)
 
@@ -362,6 +410,7 @@ def test_aggregation_overlaps_backward_and_finish_waits():
     net = make_net(LENET)
     fill_inputs(net, 0, 3)
     cfg = two_cpus((0.5, 0.5))
+    cfg.model_parallel = "never"
     try:
         ex = cfg.attach(net)
         events = []
@@ -392,6 +441,52 @@ def test_aggregation_overlaps_backward_and_finish_waits():
         assert ex.stats.aggregations == 4 and ex.stats.aggregation_wait_s > 0.05
     finally:
         scheduler.detach(net)
+        cfg.close()
+
+
+def test_conv_shadows_use_one_partition_and_the_users_lowering():
+    partition = pytest.importorskip("cct.lowering.partition")
+    from cct.lowering import get_strategy
+
+    ref = make_net(LENET)
+    fill_inputs(ref, 0, 3)
+    ref.forward()
+    net = make_net(LENET)
+    fill_inputs(net, 0, 3)
+    user = partition.BatchedLowering(get_strategy("type1"), partitions=2)
+    net.layer_by_name("conv1").lowering = user
+    cfg = two_cpus((0.5, 0.5))
+    try:
+        ex = cfg.attach(net)
+        net.forward()
+        i1, i2 = net._layer_index["conv1"], net._layer_index["conv2"]
+        for d in (0, 1):
+            low1 = ex._shadows[(i1, d)].lowering
+            assert low1 is not user and type(low1) is type(user) and low1.partitions == 1
+            assert getattr(ex._shadows[(i2, d)].lowering, "partitions", 1) == 1
+        assert user.partitions == 2
+        np.testing.assert_allclose(net.blobs["ip2"].data, ref.blobs["ip2"].data, rtol=1e-5, atol=1e-6)
+    finally:
+        scheduler.detach(net)
+        cfg.close()
+
+
+def test_test_net_sharing_weights_sees_updates():
+    trains = [make_net(LENET, seed=1), make_net(LENET, seed=2)]
+    test = make_net(LENET, seed=9, phase=cct.TEST)
+    cfg = two_cpus((0.5, 0.5))
+    try:
+        cfg.attach(test, strict=False)
+        for step, train in enumerate(trains + trains[:1]):
+            test.share_weights_with(train)  # rebinds the test net's arrays: the shadows must follow
+            fill_inputs(train, step, 3)
+            fill_inputs(test, step, 3)
+            test.forward()
+            assert float(test.blobs["loss"].data) == pytest.approx(train.forward(), rel=1e-5)
+            for p in train.learnable_params:  # in place, as the solver does
+                p.data *= 0.5
+    finally:
+        scheduler.detach(test)
         cfg.close()
 
 

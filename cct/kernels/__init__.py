@@ -16,6 +16,9 @@ in every kernel here; LRN's ``pow`` is computed by numpy itself, so LRN is bitwi
 * Threads: the kernels are parallel over batch x channels (numba ``prange``). The count is
   numba's, which is per calling thread: :func:`set_num_threads` / :func:`num_threads` (a
   context manager) set it for the calling thread (default: all cores, ``NUMBA_NUM_THREADS``).
+  Several Python threads may call kernels at once with numba's tbb or omp threading layer; with
+  only ``workqueue`` available (it aborts on concurrent launches) calls from threads other than
+  the main thread take the numpy path.
 """
 from __future__ import annotations
 
@@ -85,18 +88,57 @@ def numba_available() -> bool:
     return _numba_state
 
 
+_threadsafe: bool | None = None
+
+
+def _threadsafe_layer() -> bool:
+    """Whether numba's threading layer will be one that allows concurrent parallel launches (tbb, omp).
+
+    numba's ``workqueue`` layer aborts the process when two threads launch parallel kernels at
+    once; it is only chosen when neither TBB nor OpenMP loads (or when asked for).
+    """
+    global _threadsafe
+    if _threadsafe is None:
+        import numba
+
+        cfg = str(numba.config.THREADING_LAYER).lower()
+        if cfg == "workqueue":
+            ok = False
+        elif cfg in ("safe", "threadsafe", "tbb", "omp"):
+            ok = True
+        else:
+            ok = False
+            for pool in ("tbbpool", "omppool"):
+                try:
+                    importlib.import_module(f"numba.np.ufunc.{pool}")
+                    ok = True
+                    break
+                except Exception:  # noqa: BLE001 - any failure means the layer is unusable
+                    continue
+        _threadsafe = ok
+        if not ok:
+            log.debug("cct.kernels: numba has no thread-safe threading layer; kernels run on the main thread only")
+    return _threadsafe
+
+
 def enabled() -> bool:
     """Whether the compiled kernels are in use (mode ``auto`` and numba importable)."""
     return mode() != "numpy" and numba_available()
 
 
-def usable(*arrays: Any) -> bool:
-    """True when the kernels are enabled and every array is a numpy float32/float64 ndarray of one dtype."""
+def usable(*arrays: Any, contiguous: bool = False) -> bool:
+    """True when the kernels are enabled and every array is a numpy float32/float64 ndarray of one dtype
+    (and, with ``contiguous``, C-contiguous: the layers' blobs are; anything else takes the numpy path
+    rather than compiling another variant)."""
     if not arrays or not enabled():
+        return False
+    if threading.current_thread() is not threading.main_thread() and not _threadsafe_layer():
         return False
     dt = None
     for a in arrays:
         if not isinstance(a, np.ndarray) or a.dtype not in _FLOATS:
+            return False
+        if contiguous and not a.flags.c_contiguous:
             return False
         if dt is None:
             dt = a.dtype
@@ -107,11 +149,11 @@ def usable(*arrays: Any) -> bool:
 
 def get(name: str) -> ModuleType | None:
     """The kernel module ``cct.kernels.<name>`` (imported on first use), or None without numba."""
+    if not numba_available():
+        return None
     mod = _modules.get(name)
     if mod is not None:
         return mod
-    if not numba_available():
-        return None
     mod = importlib.import_module(f"{__name__}.{name}")
     _modules[name] = mod
     return mod

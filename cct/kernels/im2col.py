@@ -16,7 +16,9 @@ from collections.abc import Sequence
 import numba as nb
 import numpy as np
 
-_OPTS = dict(nogil=True, cache=True, parallel=True, error_model="numpy")
+_OPTS = dict(nogil=True, cache=True, error_model="numpy",
+             parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
+                           numpy=False, stencil=False, fusion=False))
 
 
 @nb.njit(cache=True)
@@ -33,81 +35,123 @@ def _ow_range(coff, sw, w, ow_n):  # pragma: no cover (compiled)
     return lo, hi
 
 
-@nb.njit(**_OPTS)
-def _im2col(x, out, kmajor, kh, kw, sh, sw, ph, pw, dh, dw, zero):  # pragma: no cover (compiled)
-    n, c, h, w = x.shape
-    oh_n, ow_n = out.shape[4], out.shape[5]
+@nb.njit(cache=True)
+def _im2col_block(src, blk, roff, coff, h, sh, sw, w, zero):  # pragma: no cover (compiled)
+    """One (image, channel, kernel offset): ``blk`` (OH, OW) from the input plane ``src`` (H, W)."""
+    oh_n, ow_n = blk.shape
+    lo, hi = _ow_range(coff, sw, w, ow_n)
+    ulo = nb.uint64(lo)
+    cnt = nb.uint64(hi - lo)
+    s0 = nb.uint64(lo * sw + coff if hi > lo else 0)
     usw = nb.uint64(sw)
     uown = nb.uint64(ow_n)
-    for nc in nb.prange(n * c):
-        b = nc // c
-        ch = nc - b * c
-        src = x[b, ch]
-        for i in range(kh):
-            roff = i * dh - ph
-            for j in range(kw):
-                coff = j * dw - pw
-                lo, hi = _ow_range(coff, sw, w, ow_n)
-                ulo = nb.uint64(lo)
-                cnt = nb.uint64(hi - lo)
-                s0 = nb.uint64(lo * sw + coff if hi > lo else 0)
-                blk = out[ch, i, j, b] if kmajor else out[b, ch, i, j]
-                for oh in range(oh_n):
-                    d = blk[oh]
-                    r = oh * sh + roff
-                    if r < 0 or r >= h:
-                        for ow in range(uown):
-                            d[ow] = zero
-                        continue
-                    srow = src[nb.uint64(r)]
-                    for ow in range(ulo):
-                        d[ow] = zero
-                    if sw == 1:
-                        for t in range(cnt):
-                            d[ulo + t] = srow[s0 + t]
-                    else:
-                        for t in range(cnt):
-                            d[ulo + t] = srow[s0 + t * usw]
-                    for ow in range(ulo + cnt, uown):
-                        d[ow] = zero
+    for oh in range(oh_n):
+        d = blk[oh]
+        r = oh * sh + roff
+        if r < 0 or r >= h:
+            for ow in range(uown):
+                d[ow] = zero
+            continue
+        srow = src[nb.uint64(r)]
+        for ow in range(ulo):
+            d[ow] = zero
+        if sw == 1:
+            for t in range(cnt):
+                d[ulo + t] = srow[s0 + t]
+        else:
+            for t in range(cnt):
+                d[ulo + t] = srow[s0 + t * usw]
+        for ow in range(ulo + cnt, uown):
+            d[ow] = zero
+
+
+@nb.njit(cache=True)
+def _col2im_block(blk, dst, roff, coff, h, sh, sw, w):  # pragma: no cover (compiled)
+    """One (image, channel, kernel offset): add ``blk`` (OH, OW) into the input plane ``dst`` (H, W)."""
+    oh_n, ow_n = blk.shape
+    lo, hi = _ow_range(coff, sw, w, ow_n)
+    if lo >= hi:
+        return
+    ulo = nb.uint64(lo)
+    cnt = nb.uint64(hi - lo)
+    d0 = nb.uint64(lo * sw + coff)
+    usw = nb.uint64(sw)
+    for oh in range(oh_n):
+        r = oh * sh + roff
+        if r < 0 or r >= h:
+            continue
+        srow = blk[oh]
+        drow = dst[nb.uint64(r)]
+        if sw == 1:
+            for t in range(cnt):
+                drow[d0 + t] += srow[ulo + t]
+        else:
+            for t in range(cnt):
+                drow[d0 + t * usw] += srow[ulo + t]
+
+
+@nb.njit(cache=True)
+def _zero_plane(dst, zero):  # pragma: no cover (compiled)
+    for r in range(dst.shape[0]):
+        drow = dst[r]
+        for q in range(dst.shape[1]):
+            drow[q] = zero
 
 
 @nb.njit(**_OPTS)
-def _col2im(col, kmajor, out, kh, kw, sh, sw, ph, pw, dh, dw, zero):  # pragma: no cover (compiled)
+def _im2col(x, out, kmajor, kh, kw, sh, sw, ph, pw, dh, dw, zero, ijchunk):  # pragma: no cover (compiled)
+    """``out`` is (N, C, kh, kw, OH, OW), or with ``kmajor`` (C, kh, kw, N, OH, OW); C-contiguous."""
+    n, c, h, w = x.shape
+    if kmajor:
+        # One task per (channel, run of kernel offsets): each offset's (N, OH, OW) block is written
+        # sequentially while the channel's input planes stay in cache.
+        kk = kh * kw
+        nchunks = (kk + ijchunk - 1) // ijchunk
+        for task in nb.prange(c * nchunks):
+            ch = task // nchunks
+            ij0 = (task - ch * nchunks) * ijchunk
+            for ij in range(ij0, min(ij0 + ijchunk, kk)):
+                i = ij // kw
+                j = ij - i * kw
+                for b in range(n):
+                    _im2col_block(x[b, ch], out[ch, i, j, b], i * dh - ph, j * dw - pw, h, sh, sw, w, zero)
+    else:
+        for nc in nb.prange(n * c):  # one task per input plane
+            b = nc // c
+            ch = nc - b * c
+            for i in range(kh):
+                for j in range(kw):
+                    _im2col_block(x[b, ch], out[b, ch, i, j], i * dh - ph, j * dw - pw, h, sh, sw, w, zero)
+
+
+@nb.njit(**_OPTS)
+def _col2im(col, kmajor, out, kh, kw, sh, sw, ph, pw, dh, dw, zero, chunk):  # pragma: no cover (compiled)
+    """``col`` is (N, C, kh, kw, OH, OW), or with ``kmajor`` (C, kh, kw, N, OH, OW); C-contiguous.
+    Every output position receives its terms in row-major kernel-offset order."""
     n, c, h, w = out.shape
-    oh_n, ow_n = col.shape[4], col.shape[5]
-    usw = nb.uint64(sw)
-    for nc in nb.prange(n * c):
-        b = nc // c
-        ch = nc - b * c
-        dst = out[b, ch]
-        for r in range(h):
-            drow = dst[r]
-            for q in range(w):
-                drow[q] = zero
-        for i in range(kh):
-            roff = i * dh - ph
-            for j in range(kw):
-                coff = j * dw - pw
-                lo, hi = _ow_range(coff, sw, w, ow_n)
-                if lo >= hi:
-                    continue
-                ulo = nb.uint64(lo)
-                cnt = nb.uint64(hi - lo)
-                d0 = nb.uint64(lo * sw + coff)
-                blk = col[ch, i, j, b] if kmajor else col[b, ch, i, j]
-                for oh in range(oh_n):
-                    r = oh * sh + roff
-                    if r < 0 or r >= h:
-                        continue
-                    srow = blk[oh]
-                    drow = dst[nb.uint64(r)]
-                    if sw == 1:
-                        for t in range(cnt):
-                            drow[d0 + t] += srow[ulo + t]
-                    else:
-                        for t in range(cnt):
-                            drow[d0 + t * usw] += srow[ulo + t]
+    if kmajor:
+        # One task per (channel, run of ``chunk`` images): for each kernel offset the run's column
+        # blocks are read sequentially.
+        nchunks = (n + chunk - 1) // chunk
+        for task in nb.prange(c * nchunks):
+            ch = task // nchunks
+            b0 = (task - ch * nchunks) * chunk
+            b1 = min(b0 + chunk, n)
+            for b in range(b0, b1):
+                _zero_plane(out[b, ch], zero)
+            for i in range(kh):
+                for j in range(kw):
+                    for b in range(b0, b1):
+                        _col2im_block(col[ch, i, j, b], out[b, ch], i * dh - ph, j * dw - pw, h, sh, sw, w)
+    else:
+        for nc in nb.prange(n * c):  # one task per output plane
+            b = nc // c
+            ch = nc - b * c
+            dst = out[b, ch]
+            _zero_plane(dst, zero)
+            for i in range(kh):
+                for j in range(kw):
+                    _col2im_block(col[b, ch, i, j], dst, i * dh - ph, j * dw - pw, h, sh, sw, w)
 
 
 def _canonical(col: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -120,6 +164,10 @@ def _canonical(col: np.ndarray) -> tuple[np.ndarray, bool]:
     return col, False
 
 
+def _threads() -> int:
+    return int(nb.get_num_threads())
+
+
 def _ints(kernel, pad, stride, dilation) -> tuple[int, ...]:
     return (int(kernel[0]), int(kernel[1]), int(stride[0]), int(stride[1]), int(pad[0]), int(pad[1]),
             int(dilation[0]), int(dilation[1]))
@@ -130,7 +178,15 @@ def im2col(x: np.ndarray, out: np.ndarray, kernel: Sequence[int], pad: Sequence[
     """Fill ``out`` ``(N, C, kh, kw, OH, OW)`` (any strides) with the columns of ``x`` ``(N, C, H, W)``."""
     kh, kw, sh, sw, ph, pw, dh, dw = _ints(kernel, pad, stride, dilation)
     dst, kmajor = _canonical(out)
-    _im2col(x, dst, kmajor, kh, kw, sh, sw, ph, pw, dh, dw, out.dtype.type(0))
+    if not dst.flags.c_contiguous:  # an unusual layout: fill a C-order buffer (one compiled variant)
+        tmp = np.empty(out.shape, out.dtype)
+        im2col(x, tmp, kernel, pad, stride, dilation)
+        out[...] = tmp
+        return out
+    x = np.ascontiguousarray(x)
+    kk = kh * kw
+    nchunks = max(1, min(kk, -(-8 * _threads() // x.shape[1])))  # ~8 tasks per thread
+    _im2col(x, dst, kmajor, kh, kw, sh, sw, ph, pw, dh, dw, out.dtype.type(0), -(-kk // nchunks))
     return out
 
 
@@ -139,5 +195,14 @@ def col2im(col: np.ndarray, out: np.ndarray, kernel: Sequence[int], pad: Sequenc
     """Write into ``out`` ``(N, C, H, W)`` the scatter-sum of ``col`` ``(N, C, kh, kw, OH, OW)`` (any strides)."""
     kh, kw, sh, sw, ph, pw, dh, dw = _ints(kernel, pad, stride, dilation)
     src, kmajor = _canonical(col)
-    _col2im(src, kmajor, out, kh, kw, sh, sw, ph, pw, dh, dw, out.dtype.type(0))
+    if not src.flags.c_contiguous:
+        src, kmajor = np.ascontiguousarray(col), False
+    if not out.flags.c_contiguous:
+        tmp = np.empty(out.shape, out.dtype)
+        col2im(src, tmp, kernel, pad, stride, dilation)
+        out[...] = tmp
+        return out
+    n, c = out.shape[:2]
+    chunk = max(1, min(n, -(-n * c // (8 * _threads()))))  # ~8 tasks per thread
+    _col2im(src, kmajor, out, kh, kw, sh, sw, ph, pw, dh, dw, out.dtype.type(0), chunk)
     return out

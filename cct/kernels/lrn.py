@@ -13,85 +13,124 @@ order and dtype (bitwise equal); the power ``scale**-beta`` is left to numpy's `
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numba as nb
 import numpy as np
 
-_OPTS = dict(nogil=True, cache=True, parallel=True, error_model="numpy")
+_OPTS = dict(nogil=True, cache=True, error_model="numpy",
+             parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
+                           numpy=False, stencil=False, fusion=False))
 
 
 @nb.njit(**_OPTS)
 def _scale_across(x, scale, size, coef, kk, zero):  # pragma: no cover (compiled)
-    n, c, h, w = x.shape
+    # x, scale: (N, C, H*W), C-contiguous.
+    n, c, m = x.shape
     half = (size - 1) // 2
     for nc in nb.prange(n * c):
         b = nc // c
         ch = nc - b * c
         acc = scale[b, ch]
-        for r in range(h):
-            for q in range(w):
-                acc[r, q] = zero
+        for q in range(m):
+            acc[q] = zero
         for o in range(size):
             cc = ch - half + o
             if cc < 0 or cc >= c:
                 continue
             src = x[b, cc]
-            for r in range(h):
-                for q in range(w):
-                    v = src[r, q]
-                    acc[r, q] += v * v
-        for r in range(h):
-            for q in range(w):
-                acc[r, q] = kk + coef * acc[r, q]
+            for q in range(m):
+                v = src[q]
+                acc[q] += v * v
+        for q in range(m):
+            acc[q] = kk + coef * acc[q]
 
 
 @nb.njit(**_OPTS)
 def _backward_across(x, dy, scale, pw, ratio, dx, size, coef2, zero):  # pragma: no cover (compiled)
-    n, c, h, w = x.shape
+    # All (N, C, H*W), C-contiguous; dx may be dy.
+    n, c, m = x.shape
     half = (size - 1) // 2
     for nc in nb.prange(n * c):
         b = nc // c
         ch = nc - b * c
-        for r in range(h):
-            for q in range(w):
-                ratio[b, ch, r, q] = dy[b, ch, r, q] * x[b, ch, r, q] * pw[b, ch, r, q] / scale[b, ch, r, q]
+        rr, g, xx, pp, ss = ratio[b, ch], dy[b, ch], x[b, ch], pw[b, ch], scale[b, ch]
+        for q in range(m):
+            rr[q] = g[q] * xx[q] * pp[q] / ss[q]
     for nc in nb.prange(n * c):
         b = nc // c
         ch = nc - b * c
         acc = np.empty_like(x[b, ch])
-        for r in range(h):
-            for q in range(w):
-                acc[r, q] = zero
+        for q in range(m):
+            acc[q] = zero
         for o in range(size):
             cc = ch - half + o
             if cc < 0 or cc >= c:
                 continue
             src = ratio[b, cc]
-            for r in range(h):
-                for q in range(w):
-                    acc[r, q] += src[r, q]
+            for q in range(m):
+                acc[q] += src[q]
         # dy may be dx (in-place layer): each plane reads only its own dy, before writing it.
-        for r in range(h):
-            for q in range(w):
-                dx[b, ch, r, q] = dy[b, ch, r, q] * pw[b, ch, r, q] - coef2 * x[b, ch, r, q] * acc[r, q]
+        g, xx, pp, d = dy[b, ch], x[b, ch], pw[b, ch], dx[b, ch]
+        for q in range(m):
+            d[q] = g[q] * pp[q] - coef2 * xx[q] * acc[q]
 
 
 # Exponents for which ``array ** e`` takes numpy's fast scalar-power path instead of the ufunc.
 _FAST_EXPONENTS = (0.0, 0.5, 1.0, -1.0, 2.0)
 
 
+def _flat(a: np.ndarray) -> np.ndarray:
+    """``(N, C, H, W)`` -> ``(N, C, H*W)`` view (the arrays must be C-contiguous; outputs are written through)."""
+    if not a.flags.c_contiguous:
+        raise ValueError("LRN kernels need C-contiguous arrays")
+    return a.reshape(a.shape[0], a.shape[1], -1)
+
+
 def scale_across(x: np.ndarray, scale: np.ndarray, size: int, alpha: float, k: float) -> np.ndarray:
     """``scale[...] = k + alpha/size * box_c(x*x)`` (the dtype's arithmetic, like the numpy path)."""
     t = x.dtype.type
-    _scale_across(x, scale, int(size), t(alpha / size), t(k), t(0))
+    _scale_across(_flat(x), _flat(scale), int(size), t(alpha / size), t(k), t(0))
     return scale
 
 
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_SPLIT_MIN = 1 << 16  # elements; below this one thread does the power
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=max(1, int(nb.config.NUMBA_NUM_THREADS)),
+                                           thread_name_prefix="cct-kernels")
+    return _pool
+
+
 def power(scale: np.ndarray, exponent: float, out: np.ndarray) -> np.ndarray:
-    """``scale ** exponent`` computed exactly as the numpy path's expression (into ``out`` where possible)."""
-    if float(exponent) in _FAST_EXPONENTS:
-        out[...] = scale ** float(exponent)
-    else:
-        np.power(scale, scale.dtype.type(exponent), out=out)
+    """``scale ** exponent`` computed exactly as the numpy path's expression (into ``out`` where possible).
+
+    numpy's ``power`` ufunc (SIMD) is elementwise and position-independent, so large C-contiguous
+    arrays are split into chunks computed on the kernel threads (numba's count for the caller).
+    """
+    e = float(exponent)
+    if e in _FAST_EXPONENTS:
+        out[...] = scale ** e
+        return out
+    te = scale.dtype.type(e)
+    nthreads = int(nb.get_num_threads())
+    if nthreads <= 1 or scale.size < _SPLIT_MIN or not (scale.flags.c_contiguous and out.flags.c_contiguous):
+        np.power(scale, te, out=out)
+        return out
+    src, dst = scale.reshape(-1), out.reshape(-1)
+    bounds = np.linspace(0, src.size, nthreads + 1).astype(np.int64)
+    futs = [_executor().submit(np.power, src[a:b], te, out=dst[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
+    np.power(src[: bounds[1]], te, out=dst[: bounds[1]])
+    for f in futs:
+        f.result()
     return out
 
 
@@ -104,5 +143,6 @@ def backward_across(x: np.ndarray, dy: np.ndarray, scale: np.ndarray, pw: np.nda
     if work is None or work.shape != x.shape or work.dtype != x.dtype:
         work = np.empty_like(x)
     t = x.dtype.type
-    _backward_across(x, dy, scale, pw, work, dx, int(size), t(2.0 * alpha * beta / size), t(0))
+    _backward_across(_flat(x), _flat(dy), _flat(scale), _flat(pw), _flat(work), _flat(dx), int(size),
+                     t(2.0 * alpha * beta / size), t(0))
     return dx

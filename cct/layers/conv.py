@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from ..blob import Blob
 from ..errors import CctError
-from ..lowering import get_strategy
+from ..lowering import LoweringStrategy, get_strategy
+from ..lowering.engine import plan_lowering
 from ..lowering.geometry import ConvGeometry, conv_spatial_params
 from ..lowering.im2col import col2im, im2col
 from ..proto import caffe_pb2
@@ -50,9 +51,33 @@ class _BaseConvolution(Layer):
 
     def __init__(self, param: caffe_pb2.LayerParameter):
         super().__init__(param)
-        self.lowering = get_strategy("type1")
+        self._lowering: LoweringStrategy | None = None
+        self._user_lowering = False
+        self._planned_for: tuple | None = None
         self.geom: ConvGeometry | None = None
         self._geom_key: tuple | None = None
+
+    @property
+    def lowering(self) -> LoweringStrategy:
+        """The lowering this layer runs: chosen by the engine at setup, or set by the user."""
+        if self._lowering is None:
+            self._plan_lowering()
+        return self._lowering
+
+    @lowering.setter
+    def lowering(self, strategy: LoweringStrategy | str) -> None:
+        self._lowering = get_strategy(strategy) if isinstance(strategy, str) else strategy
+        self._user_lowering = True
+
+    def _plan_lowering(self) -> None:
+        if self._user_lowering or self.geom is None:
+            if self._lowering is None:
+                self._lowering = get_strategy("type1")
+            return
+        key = (self.geom, self.num)
+        if key != self._planned_for:
+            self._lowering = plan_lowering(self.name, self.geom, self.num)
+            self._planned_for = key
 
     def _geometry(self, shape: Sequence[int]) -> ConvGeometry:
         key = tuple(shape)
@@ -100,6 +125,7 @@ class _BaseConvolution(Layer):
                                  f"bottom[{i}] {list(b.shape)})")
         geom = self._geometry(shape)
         self.num = bottom[0].count_range(0, self.channel_axis)
+        self._plan_lowering()
         spatial = geom.in_shape if self.reverse else geom.out_shape
         top_shape = tuple(shape[: self.channel_axis]) + (self.num_output,) + tuple(spatial)
         for t in top:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .. import blas
 from ..blob import Blob
 from ..errors import CctError
 from .base import Layer, register
@@ -65,10 +66,9 @@ class InnerProductLayer(Layer):
         return w.T if self.transpose else w
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        xp = bottom[0].xp
         x = bottom[0].data.reshape(self.M, self.K)
         y = top[0].data.reshape(self.M, self.num_output)
-        xp.matmul(x, self._w_nk().T, out=y)
+        blas.matmul(x, self._w_nk().T, out=y)
         if self.bias_term:
             y += self.blobs[1].data
 
@@ -77,10 +77,10 @@ class InnerProductLayer(Layer):
         x = bottom[0].data.reshape(self.M, self.K)
         if self.param_propagate_down[0]:
             if self.transpose:
-                self.blobs[0].diff += x.T @ dy
+                blas.gemm(x, dy, trans_a=True, out=self.blobs[0].diff, beta=1.0)
             else:
-                self.blobs[0].diff += dy.T @ x
+                blas.gemm(dy, x, trans_a=True, out=self.blobs[0].diff, beta=1.0)
         if self.bias_term and self.param_propagate_down[1]:
             self.blobs[1].diff += dy.sum(axis=0)
         if propagate_down[0]:
-            bottom[0].diff[...] = (dy @ self._w_nk()).reshape(bottom[0].shape)
+            blas.matmul(dy, self._w_nk(), out=bottom[0].diff.reshape(self.M, self.K))

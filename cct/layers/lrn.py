@@ -87,7 +87,7 @@ class LRNLayer(Layer):
 
     def _kernels(self, *arrays):
         """The LRN kernel module when the compiled path applies (ACROSS_CHANNELS, numpy floats), else None."""
-        if self.region != _LP.ACROSS_CHANNELS or not kernels.usable(*arrays):
+        if self.region != _LP.ACROSS_CHANNELS or not kernels.usable(*arrays, contiguous=True):
             return None
         return kernels.get("lrn")
 

@@ -169,7 +169,7 @@ class PoolingLayer(Layer):
         """The pooling kernel module when the compiled path applies to these arrays, else None."""
         if self.method == _PP.STOCHASTIC and self.phase != caffe_pb2.TRAIN:
             return None
-        return kernels.get("pooling") if kernels.usable(*arrays) else None
+        return kernels.get("pooling") if kernels.usable(*arrays, contiguous=True) else None
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         self.xp = bottom[0].xp
@@ -262,7 +262,7 @@ class PoolingLayer(Layer):
                 km.ave_backward(dy, self.pool_size, bottom[0].diff, self.kernel, self.pad, self.stride)
                 return
         elif isinstance(self.arg, np.ndarray) and self.arg.shape == dy.shape:
-            km = self._kernels(dy, bottom[0].diff)
+            km = self._kernels(dy, bottom[0].diff) if self.arg.flags.c_contiguous else None
             if km is not None:
                 km.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
                 return

@@ -36,6 +36,10 @@ class LoweringStrategy:
         """Gradients w.r.t. the weights and the bias (None without bias)."""
         raise NotImplementedError
 
+    def supports(self, geom: ConvGeometry) -> bool:
+        """Whether this lowering can compute ``geom`` (the optimizer never picks one that cannot)."""
+        return True
+
     def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:
         """Estimated cost of one forward pass; default: the GEMM flop count ``2 N M K P``."""
         return float(2 * batch * geom.channels_out * geom.kernel_dim * geom.out_size)
@@ -70,4 +74,4 @@ def get_strategy(name: str) -> LoweringStrategy:
 
 def _ensure_builtin() -> None:
     # Importing the built-in lowerings registers them (avoids an import cycle with this module).
-    from . import type1  # noqa: F401
+    from . import type1, type2, type3  # noqa: F401

@@ -262,9 +262,8 @@ def pass_ops(name: str, geom: ConvGeometry, batch: int, pass_: str = "fwd") -> l
         lower()
         ops.append(("gemm", mg * kf, cols, cg * kl, g))
         if t["lifted"]:
-            ops.append(("copy", M * P))
+            ops.append(("copy", M * P))  # first shifted slice (+ bias, fused)
             ops.append(("add", (kf - 1) * M * P))
-            ops.append(("add", M * P))  # bias, in place
         else:
             ops.append(("add", M * P))  # type 1: bias add doubles as the transposing lift
     elif pass_ == "bwd_data":

@@ -39,20 +39,38 @@ def candidates(geom: ConvGeometry, names: list[str] | None = None) -> list[str]:
 
 
 def predictions(geom: ConvGeometry, batch: int, machine: Machine | None = None, pass_: str = "fwd",
-                names: list[str] | None = None) -> dict[str, float]:
-    """Predicted seconds of ``pass_`` for every candidate lowering."""
+                names: list[str] | None = None, budget: int | str | None = None) -> dict[str, float]:
+    """Predicted seconds of ``pass_`` for every candidate lowering.
+
+    Memory-aware: a lowering whose workspace for the whole batch exceeds the memory budget
+    (:func:`cct.lowering.partition.memory_budget`) is priced as the ``b_p``-image chunks
+    :class:`~cct.lowering.partition.BatchedLowering` would run.
+    """
     machine = _machine(machine)
-    return {n: predict_seconds(n, geom, batch, machine, pass_) for n in candidates(geom, names)}
+    return {n: _chunked_seconds(n, geom, batch, machine, pass_, budget) for n in candidates(geom, names)}
+
+
+def _chunked_seconds(name: str, geom: ConvGeometry, batch: int, machine: Machine, pass_: str,
+                     budget: int | str | None) -> float:
+    from .partition import max_batch_partition
+
+    bp = max_batch_partition(get_strategy(name), geom, batch, 4, budget) if batch > 1 else max(batch, 1)
+    full, rem = divmod(batch, bp)
+    t = full * predict_seconds(name, geom, bp, machine, pass_)
+    if rem:
+        t += predict_seconds(name, geom, rem, machine, pass_)
+    return t
 
 
 def choose_lowering(geom: ConvGeometry, batch: int, machine: Machine | None = None, pass_: str = "fwd",
-                    names: list[str] | None = None, override: str | None = None) -> tuple[str, dict[str, float]]:
+                    names: list[str] | None = None, override: str | None = None,
+                    budget: int | str | None = None) -> tuple[str, dict[str, float]]:
     """``(name, {name: predicted seconds})``: the cheapest lowering for ``pass_``.
 
     ``pass_``: ``fwd``, ``bwd_data``, ``bwd_weights`` or ``total``. ``override`` (a lowering
     name) is returned as is when it supports ``geom`` (ValueError otherwise).
     """
-    preds = predictions(geom, batch, machine, pass_, names)
+    preds = predictions(geom, batch, machine, pass_, names, budget)
     if override:
         if not supports(get_strategy(override), geom):
             raise ValueError(f"lowering '{override}' cannot compute this convolution")
@@ -93,11 +111,11 @@ class LoweringPlan:
 
 def choose_plan(geom: ConvGeometry, batch: int, machine: Machine | None = None, per_pass: bool = True,
                 min_gain: float = 0.05, override: str | None = None,
-                names: list[str] | None = None) -> LoweringPlan:
+                names: list[str] | None = None, budget: int | str | None = None) -> LoweringPlan:
     """Pick the lowering(s) for a layer: one for all passes, or one per pass if that saves
     more than ``min_gain`` (fraction) of the predicted total."""
     machine = _machine(machine)
-    preds = {p: predictions(geom, batch, machine, p, names) for p in PASSES}
+    preds = {p: predictions(geom, batch, machine, p, names, budget) for p in PASSES}
     if override:
         if not supports(get_strategy(override), geom):
             raise ValueError(f"lowering '{override}' cannot compute this convolution")
@@ -198,11 +216,13 @@ def parse_overrides(spec: str | None = None) -> dict[str, str]:
 
 def lowering_for_layer(layer_name: str, geom: ConvGeometry, batch: int, machine: Machine | None = None,
                        overrides: Mapping[str, str] | None = None, per_pass: bool = True,
-                       min_gain: float = 0.05) -> tuple[LoweringStrategy, LoweringPlan, str]:
+                       min_gain: float = 0.05,
+                       budget: int | str | None = None) -> tuple[LoweringStrategy, LoweringPlan, str]:
     """``(strategy, plan, log line)`` for one conv layer (what an engine calls at setup)."""
     ov = dict(parse_overrides()) if overrides is None else dict(overrides)
     override = ov.get(layer_name, ov.get("*"))
-    plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override)
+    plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override,
+                       budget=budget)
     return plan.strategy(), plan, describe_choice(layer_name, plan)
 
 

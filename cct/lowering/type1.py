@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import blas
 from ..backend import get_array_module
 from .base import LoweringStrategy, register_strategy
 from .geometry import ConvGeometry
@@ -50,36 +51,33 @@ class Type1Lowering(LoweringStrategy):
 
     # -- the three products -------------------------------------------------------------
     def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(x)
         n = x.shape[0]
         g, m, p = geom.group, geom.channels_out, geom.out_size
         mg = m // g
         wg = w.reshape(g, mg, geom.kernel_dim)
         if geom.is_1x1:
-            y = xp.matmul(wg, x.reshape(n, g, geom.kernel_dim, p)).reshape((n, m) + tuple(geom.out_shape))
+            y = blas.matmul(wg, x.reshape(n, g, geom.kernel_dim, p)).reshape((n, m) + tuple(geom.out_shape))
         else:
-            y = xp.matmul(wg, self.lower(x, geom))  # (G, M/G, N*P)
+            y = blas.matmul(wg, self.lower(x, geom))  # (G, M/G, N*P)
             y = y.reshape((m, n) + tuple(geom.out_shape)).swapaxes(0, 1)
         if b is not None:
             y = y + b.reshape((m,) + (1,) * geom.num_spatial)
         return y
 
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(dy)
         n = dy.shape[0]
         g, p = geom.group, geom.out_size
         mg = geom.channels_out // g
         wt = w.reshape(g, mg, geom.kernel_dim).transpose(0, 2, 1)  # (G, K, M/G)
         if geom.is_1x1:
-            dx = xp.matmul(wt, dy.reshape(n, g, mg, p))  # (N, G, C/G, P)
+            dx = blas.matmul(wt, dy.reshape(n, g, mg, p))  # (N, G, C/G, P)
             return dx.reshape((n, geom.channels_in) + tuple(geom.in_shape))
-        dcol = xp.matmul(wt, _group_major(dy, n, g, mg, p))  # (G, K, N*P)
+        dcol = blas.matmul(wt, _group_major(dy, n, g, mg, p))  # (G, K, N*P)
         nd = geom.num_spatial
         dcol = dcol.reshape((geom.channels_in,) + tuple(geom.kernel) + (n,) + tuple(geom.out_shape))
         return col2im(_col_buffer_view(dcol, nd), geom.in_shape, geom.kernel, geom.pad, geom.stride, geom.dilation)
 
     def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
-        xp = get_array_module(dy)
         n = dy.shape[0]
         g, p = geom.group, geom.out_size
         mg = geom.channels_out // g
@@ -88,7 +86,7 @@ class Type1Lowering(LoweringStrategy):
             col = _group_major(x, n, g, geom.kernel_dim, p)
         else:
             col = self.lower(x, geom)
-        dw = xp.matmul(dyg, col.transpose(0, 2, 1)).reshape(geom.weight_shape)
+        dw = blas.matmul(dyg, col.transpose(0, 2, 1)).reshape(geom.weight_shape)
         db = None
         if geom.bias_term:
             db = dy.reshape(n, geom.channels_out, p).sum(axis=(0, 2))

@@ -190,20 +190,26 @@ class PartialLowering(LoweringStrategy):
             km = self._kernel_matrix(w[gi * mg:(gi + 1) * mg], geom)
             dg = d[gi * cg:(gi + 1) * cg].reshape(km.shape[1], -1)
             ytg = yt[gi * mg:(gi + 1) * mg]
+            bg = None if b is None else b[gi * mg:(gi + 1) * mg].reshape((mg,) + (1,) * (nd + 1))
             if not lift:  # everything lowered (Type 1 layout): the lifting is a copy
-                ytg[...] = blas.gemm(km, dg).reshape(ytg.shape)
+                res = blas.gemm(km, dg).reshape(ytg.shape)
+                if bg is None:
+                    ytg[...] = res
+                else:
+                    xp.add(res, bg, out=ytg)
                 continue
             r = blas.gemm(km, dg).reshape((mg,) + k_lift + cols_shape)
             first = True
             for offs, sl in self._lift_windows(geom):
                 part = r[(slice(None),) + offs + (slice(None),) + sl]
-                if first:
-                    ytg[...] = part
+                if first:  # the first shifted slice initializes the output (with the bias fused in)
+                    if bg is None:
+                        ytg[...] = part
+                    else:
+                        xp.add(part, bg, out=ytg)
                     first = False
                 else:
                     ytg += part
-        if b is not None:
-            y += b.reshape((1, -1) + (1,) * nd)
         return y
 
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:

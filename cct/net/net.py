@@ -72,6 +72,11 @@ class Net:
         if weights is not None:
             for w in [weights] if isinstance(weights, (str, os.PathLike)) else weights:
                 self.copy_from(w)
+        from ..scheduler.config import get_devices
+
+        devices = get_devices()  # cct.set_devices / --devices: split batches over several devices
+        if devices is not None:
+            devices.attach(self, strict=False)
 
     # -- construction --------------------------------------------------------------
     def _init(self, in_param: caffe_pb2.NetParameter) -> None:

@@ -153,6 +153,8 @@ class DeviceConfig:
     gflops: list[float] | None = None  # measured rates when shares == "auto"
     budget: ThreadBudget | None = None
     share_source: str = "explicit"
+    model_parallel: str = "auto"  # InnerProduct by output channels: auto | always | never
+    overlap: bool = True  # aggregate gradients on a host thread during backward (False: inline)
 
     def share_table(self) -> ShareTable:
         return ShareTable(self.shares, self.layer_shares)
@@ -160,7 +162,8 @@ class DeviceConfig:
     def attach(self, net: Any, strict: bool = True) -> DataParallelExecutor:
         """Install a :class:`DataParallelExecutor` on ``net`` (replacing any previous one)."""
         detach(net)
-        ex = DataParallelExecutor(net, self.devices, self.share_table(), budget=self.budget, strict=strict)
+        ex = DataParallelExecutor(net, self.devices, self.share_table(), budget=self.budget, strict=strict,
+                                  model_parallel=self.model_parallel, overlap=self.overlap)
         net.executor = ex
         return ex
 
@@ -225,14 +228,14 @@ def make_config(devices: str | Sequence[str] | Sequence[Device], shares: ShareSp
 _current: DeviceConfig | None = None
 
 
-def set_devices(devices: str | Sequence[str] | Sequence[Device] | None, shares: ShareSpec = "auto",
+def set_devices(devices: str | Sequence[str] | Sequence[Device] | DeviceConfig | None, shares: ShareSpec = "auto",
                 layer_shares: Mapping[str, Sequence[float]] | None = None) -> DeviceConfig | None:
     """Select the devices cct trains on (``cct.set_devices(["cpu", "cpu:1"], shares="auto")``).
 
     ``shares``: "auto" (measured FLOPS), "peak", or one fraction per device summing to 1;
     ``layer_shares``: layer name -> fractions. ``None`` goes back to the plain single-device
-    path. Nets built afterwards get the executor through :func:`attach` (the solver and the CLI
-    call it); returns the new configuration.
+    path. Nets built afterwards get the executor (``cct.Net`` attaches it when it is built);
+    returns the new configuration.
     """
     global _current
     if _current is not None:
@@ -240,7 +243,7 @@ def set_devices(devices: str | Sequence[str] | Sequence[Device] | None, shares: 
         _current = None
     if devices is None:
         return None
-    _current = make_config(devices, shares, layer_shares)
+    _current = devices if isinstance(devices, DeviceConfig) else make_config(devices, shares, layer_shares)
     return _current
 
 
@@ -269,7 +272,7 @@ def attach(net: Any, devices: str | Sequence[str] | Sequence[Device] | DeviceCon
                 cfg.shares, cfg.gflops, cfg.share_source)
             ls = cfg.layer_shares if layer_shares is None else {
                 k: normalize_shares(v, len(cfg.devices), f"shares of layer '{k}'") for k, v in layer_shares.items()}
-            cfg = DeviceConfig(cfg.devices, fr, ls, g, cfg.budget, source)
+            cfg = DeviceConfig(cfg.devices, fr, ls, g, cfg.budget, source, cfg.model_parallel, cfg.overlap)
     else:
         cfg = make_config(devices, shares or "auto", layer_shares)
         try:
@@ -328,15 +331,26 @@ def devices_from_args(args: argparse.Namespace, solver_param: caffe_pb2.SolverPa
         else:
             spec = ",".join(f"gpu:{int(x)}" for x in str(gpu).split(","))
         return make_config(spec, shares, layer_shares)
-    if solver_param is not None and solver_param.solver_mode == caffe_pb2.SolverParameter.GPU:
-        if gpu_count() == 0:
-            log.warning("solver_mode: GPU but no GPU is available (CuPy missing or no device visible); "
-                        "training on the CPU")
-        else:
-            return make_config(f"gpu:{solver_param.device_id}", shares, layer_shares)
+    if solver_param is not None:
+        cfg = devices_for_solver_mode(solver_param, shares, layer_shares)
+        if cfg is not None:
+            return cfg
     if share_values:
         raise CctError("--share needs --devices (more than one device to split over)")
     return None
+
+
+def devices_for_solver_mode(solver_param: caffe_pb2.SolverParameter, shares: ShareSpec = "auto",
+                            layer_shares: Mapping[str, Sequence[float]] | None = None) -> DeviceConfig | None:
+    """Caffe's ``solver_mode: GPU`` + ``device_id`` (None for CPU mode, or GPU mode with no GPU:
+    then a warning, since upstream solver files say GPU by default)."""
+    if solver_param.solver_mode != caffe_pb2.SolverParameter.GPU:
+        return None
+    if gpu_count() == 0:
+        log.warning("solver_mode: GPU but no GPU is available (CuPy missing or no device visible); "
+                    "training on the CPU")
+        return None
+    return make_config(f"gpu:{solver_param.device_id}", shares, layer_shares)
 
 
 # -- device_query ------------------------------------------------------------------------------

@@ -145,7 +145,12 @@ class Device:
 
 
 class CpuDevice(Device):
-    """A CPU worker: numpy + one BLAS backend with ``threads`` BLAS threads (see module docstring)."""
+    """A CPU worker: numpy + one BLAS backend with ``threads`` BLAS threads (see module docstring).
+
+    ``index`` must be below the number of usable cores; ``blas_backend`` defaults to the backend
+    the layers' GEMMs really use; ``query_only`` skips that check (``device_query`` lists every
+    backend).
+    """
 
     kind = "cpu"
 

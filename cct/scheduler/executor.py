@@ -18,6 +18,12 @@ forward/backward from :class:`cct.Net`:
   master param diffs (in device order) while the caller continues with the backward of the
   layers below: aggregation overlaps backward (Le et al., "Involving CPUs into Multi-GPU Deep
   Learning"). :meth:`finish_backward` (called by ``Net.backward``) waits for what is pending.
+  The first device on host memory skips its buffer and accumulates straight into the master
+  diffs, as a single device would, so only the other devices' partials are aggregated.
+* InnerProduct layers with more outputs than images (``model_parallel="auto"``) are split by
+  output channels instead: each device computes its rows of the output, of the weight and bias
+  gradients (views of the master's: nothing to aggregate) and a partial bottom gradient, summed
+  on the calling thread.
 
 The master layer still runs ``reshape`` (called by the net) so top shapes are set before the split.
 """
@@ -85,7 +91,8 @@ class DataParallelExecutor:
     """Runs a Net's layers split by batch over ``devices`` (see module docstring)."""
 
     def __init__(self, net: Any, devices: Sequence[Device], shares: ShareTable,
-                 budget: ThreadBudget | None = None, overlap: bool = True, strict: bool = True):
+                 budget: ThreadBudget | None = None, overlap: bool = True, strict: bool = True,
+                 model_parallel: str = "auto"):
         if not devices:
             raise CctError("the executor needs at least one device")
         if len(shares.default) != len(devices):
@@ -109,13 +116,22 @@ class DataParallelExecutor:
         self._agg = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cct-agg")
         self._pending: dict[int, tuple[cf.Future, frozenset[int]]] = {}
         self._own_diffs: dict[tuple[int, int], list[np.ndarray]] = {}
+        self._model: dict[int, list[tuple[int, int, int]]] = {}  # layer -> [(device, o0, o1)] (model parallel)
+        self._mp_shadows: dict[tuple[int, int], tuple[tuple[int, int], Layer, Blob, Blob, np.ndarray | None]] = {}
+        if model_parallel not in ("auto", "always", "never"):
+            raise CctError(f"model_parallel must be auto, always or never, got {model_parallel!r}")
+        self.model_parallel = model_parallel
         self._agg_lock = threading.Lock()
         self.owned_config: Any = None  # set by attach() when it built the devices itself
 
     # -- public --------------------------------------------------------------------------
     def mode(self, layer_index: int) -> str | None:
-        """The mode ("split", "serial", "host") the layer ran in at its last forward."""
+        """The mode ("split", "serial", "model", "host") the layer ran in at its last forward."""
         return self._modes.get(layer_index)
+
+    def model_ranges(self, layer_index: int) -> list[tuple[int, int, int]]:
+        """``[(device index, first output, end)]`` of the layer's last model-parallel forward."""
+        return list(self._model.get(layer_index, []))
 
     def ranges(self, layer_index: int) -> list[tuple[int, int, int]]:
         """``[(device index, start, stop)]`` of the layer's last split forward ([] if it ran on the host)."""
@@ -133,10 +149,24 @@ class DataParallelExecutor:
     def forward(self, i: int, layer: Layer, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         t0 = time.perf_counter()
         mode = layer_mode(layer, bottom, top)
+        if mode == "split" and self._use_model_parallel(layer, top):
+            mode = "model"
         self._modes[i] = mode
+        self._model.pop(i, None)
         if mode == "host":
             self._ranges.pop(i, None)
             layer.forward(bottom, top)
+        elif mode == "model":
+            self._ranges.pop(i, None)
+            counts = self.shares.counts(layer.name, layer.num_output)
+            ranges, o0 = [], 0
+            for d, c in enumerate(counts):
+                if c > 0:
+                    ranges.append((d, o0, o0 + c))
+                o0 += c
+            self._model[i] = ranges
+            self._run([(self.devices[d], (self._forward_model, i, layer, d, a, b, bottom, top))
+                       for d, a, b in ranges], serial=False)
         else:
             self._wait_layer(i)  # its shadows' diff buffers may still be read by an aggregation
             n = bottom[0].shape[0]
@@ -165,6 +195,7 @@ class DataParallelExecutor:
         self._sync_params(i, layer, d, shadow)
         shapes = [t.shape for t in st]
         shadow.reshape(sb, st)
+        _pin_lowering(layer, shadow)
         if [t.shape for t in st] != shapes:
             raise CctError(f"layer '{layer.name}': a batch slice reshaped its tops to {[t.shape for t in st]} "
                            f"instead of {shapes}; the layer is not batch-separable")
@@ -184,7 +215,9 @@ class DataParallelExecutor:
         # Param diffs this layer writes must not be in a pending aggregation (shared params,
         # a second backward without forward).
         self._wait_keys(keys)
-        if ranges is None:
+        if i in self._model:
+            self._backward_model(i, layer, top, propagate_down, bottom)
+        elif ranges is None:
             layer.backward(top, propagate_down, bottom)
         else:
             primary = next((d for d, _, _ in ranges if self.devices[d].host_memory), None)
@@ -294,6 +327,91 @@ class DataParallelExecutor:
         self.stats.aggregation_wait_s += waited
         self.stats.iterations += 1
 
+    # -- model parallelism (InnerProduct by output channels) --------------------------------
+    def _use_model_parallel(self, layer: Layer, top: Sequence[Blob]) -> bool:
+        """InnerProduct split by output channels instead of by batch?
+
+        Splitting by batch makes every device compute (and the host add up) a full-size weight
+        gradient: memory-bound work proportional to the weights. Splitting the outputs gives
+        each device its rows of the weights and of their gradient (no aggregation) and costs a
+        sum of the bottom gradient (batch x inputs). ``auto`` picks it when the outputs
+        outnumber the batch (CaffeNet's fc layers at any usual batch), on host-memory devices.
+        """
+        if layer.type != "InnerProduct" or self.model_parallel == "never" or len(self.devices) < 2:
+            return False
+        if not all(d.host_memory for d in self.devices) or len(top[0].shape) != 2:
+            return False
+        if self.model_parallel == "always":
+            return True
+        return layer.num_output >= max(2 * len(self.devices), layer.M)
+
+    def _forward_model(self, i: int, layer: Layer, d: int, o0: int, o1: int, bottom: Sequence[Blob],
+                       top: Sequence[Blob]) -> None:
+        key = (i, d)
+        entry = self._mp_shadows.get(key)
+        b, t = bottom[0], top[0]
+        if entry is None or entry[0] != (o0, o1):
+            lp = caffe_pb2.LayerParameter()
+            lp.CopyFrom(layer.param)
+            del lp.blobs[:]
+            lp.inner_product_param.num_output = o1 - o0
+            shadow = create_layer(lp)
+            shadow.phase = layer.phase
+            shadow.blobs = [Blob((), dtype=mb.dtype, name=mb.name) for mb in layer.blobs]
+            sb, st = Blob((), dtype=b.dtype, name=b.name), Blob((), dtype=t.dtype, name=t.name)
+            entry = ((o0, o1), shadow, sb, st, None)
+            self._bind_model(layer, entry, b, t)
+            shadow.setup([sb], [st])
+            self._mp_shadows[key] = entry
+        else:
+            self._bind_model(layer, entry, b, t)
+        _, shadow, sb, st, _ = entry
+        shadow.reshape([sb], [st])
+        shadow.forward([sb], [st])
+
+    def _bind_model(self, layer: Layer, entry: tuple, b: Blob, t: Blob) -> None:
+        """Point a model-parallel shadow at rows [o0, o1) of the weights/bias/top (views)."""
+        (o0, o1), shadow, sb, st, _ = entry
+        wsel = (slice(None), slice(o0, o1)) if layer.transpose else (slice(o0, o1),)
+        for j, (mb, pb) in enumerate(zip(layer.blobs, shadow.blobs)):
+            sel = wsel if j == 0 else (slice(o0, o1),)
+            src = _Arrays(mb.data[sel], mb.diff[sel])
+            pb.share_data(src)
+            pb.share_diff(src)
+        sb.share_data(b)
+        tsrc = _Arrays(t.data[..., o0:o1], t.diff[..., o0:o1])
+        st.share_data(tsrc)
+        st.share_diff(tsrc)
+
+    def _backward_model(self, i: int, layer: Layer, top: Sequence[Blob], propagate_down: Sequence[bool],
+                        bottom: Sequence[Blob]) -> None:
+        ranges = self._model[i]
+        need_dx = bool(propagate_down[0])
+        primary = ranges[0][0]
+
+        def job(d: int, o0: int, o1: int) -> Any:
+            (_, _), shadow, sb, st, own = self._mp_shadows[(i, d)]
+            self._bind_model(layer, self._mp_shadows[(i, d)], bottom[0], top[0])
+            shadow.param_propagate_down = list(layer.param_propagate_down)
+            if need_dx:
+                if d == primary:
+                    sb.share_diff(bottom[0])
+                else:
+                    if own is None or own.shape != bottom[0].shape:
+                        own = np.empty(bottom[0].shape, dtype=bottom[0].dtype)
+                        e = self._mp_shadows[(i, d)]
+                        self._mp_shadows[(i, d)] = (e[0], e[1], e[2], e[3], own)
+                    sb.share_diff(_Arrays(own, own))
+            shadow.backward([st], [need_dx], [sb])
+            return own
+
+        parts = self._run([(self.devices[d], (job, d, a, b)) for d, a, b in ranges], serial=False)
+        if need_dx:
+            acc = bottom[0].diff
+            for (d, _, _), part in zip(ranges, parts):
+                if d != primary:
+                    acc += part
+
     # -- helpers -------------------------------------------------------------------------
     def _run(self, jobs: list[tuple[Device, tuple]], serial: bool) -> list[Any]:
         """Run each ``(device, (fn, *args))``; parallel unless ``serial``; re-raise the first error."""
@@ -343,12 +461,6 @@ class DataParallelExecutor:
             self._sync_params(i, layer, d, shadow)
             shadow.setup(sb, st)
             self._shadows[key] = shadow
-        if hasattr(layer, "lowering"):
-            # The scheduler is the partitioner here: unwrap a partitioning wrapper (BatchedLowering's
-            # ``inner``), whose process-wide BLAS limits would race between device threads.
-            lowering = getattr(layer.lowering, "inner", layer.lowering)
-            if type(getattr(shadow, "lowering", None)) is not type(lowering):
-                shadow.lowering = copy.copy(lowering)
         return shadow
 
     def _sync_params(self, i: int, layer: Layer, d: int, shadow: Layer) -> None:
@@ -364,3 +476,20 @@ class DataParallelExecutor:
                 if pb.shape != mb.shape:
                     pb.reshape(mb.shape)
                 dev.upload(pb.data, mb.data)
+
+
+def _pin_lowering(layer: Layer, shadow: Layer) -> None:
+    """Conv shadows: the master's lowering when the user set it by hand (else the engine plans one
+    for the slice's batch size), and never more than one batch partition: the scheduler is the
+    partitioner here, and a partitioned lowering would change OpenBLAS's process-wide thread
+    count from several device threads at once."""
+    if not isinstance(getattr(type(shadow), "lowering", None), property):
+        return
+    if getattr(layer, "_user_lowering", False):
+        src = layer.lowering
+        if getattr(shadow, "_cct_lowering_src", None) is not src:
+            shadow.lowering = copy.copy(src)
+            shadow._cct_lowering_src = src
+    lowering = shadow.lowering
+    if getattr(lowering, "partitions", 1) != 1:
+        lowering.partitions = 1

@@ -34,11 +34,6 @@ def _measure(device: Device, shapes: Sequence[tuple[int, int, int]], duration: f
     xp = device.xp
     rng = np.random.default_rng(0)
     ops = []
-    for m, n, k in shapes:
-        a = device.asarray(rng.standard_normal((m, k), dtype=np.float32))
-        b = device.asarray(rng.standard_normal((k, n), dtype=np.float32))
-        c = xp.empty((m, n), dtype=np.float32)
-        ops.append((a, b, c, 2.0 * m * n * k))
 
     def gemm(a, b, c):
         if isinstance(device, CpuDevice):
@@ -46,11 +41,21 @@ def _measure(device: Device, shapes: Sequence[tuple[int, int, int]], duration: f
         else:
             xp.matmul(a, b, out=c)
 
-    for a, b, c, _ in ops:  # warm-up (library init, page faults)
-        gemm(a, b, c)
-    device.synchronize()
+    try:
+        for m, n, k in shapes:
+            a = device.asarray(rng.standard_normal((m, k), dtype=np.float32))
+            b = device.asarray(rng.standard_normal((k, n), dtype=np.float32))
+            c = xp.empty((m, n), dtype=np.float32)
+            ops.append((a, b, c, 2.0 * m * n * k))
+        for a, b, c, _ in ops:  # warm-up (library init, page faults)
+            gemm(a, b, c)
+        device.synchronize()
+    except BaseException:
+        if barrier is not None:
+            barrier.abort()  # the other devices must not wait for this one
+        raise
     if barrier is not None:
-        barrier.wait()
+        barrier.wait(timeout=120)
     flops = 0.0
     t0 = time.perf_counter()
     elapsed = 0.0

@@ -147,14 +147,13 @@ class Solver:
             self.history.extend(p.xp.zeros_like(p.data) for p in self.net.learnable_params)
 
     def _log_mode(self) -> None:
-        if self.param.solver_mode == caffe_pb2.SolverParameter.GPU:
-            from ..backend import cupy_available
+        """Caffe's solver_mode/device_id, unless devices were chosen already (cct.set_devices, the CLI)."""
+        from ..scheduler.config import devices_for_solver_mode, get_devices, set_devices
 
-            if cupy_available():
-                log.info("solver_mode GPU (device_id %d): cct trains on the CPU for now; using CPU.",
-                         self.param.device_id)
-            else:
-                log.info("solver_mode GPU requested but no GPU/CuPy is available; using CPU.")
+        if get_devices() is None:
+            cfg = devices_for_solver_mode(self.param)
+            if cfg is not None:
+                set_devices(cfg)
 
     def _read_net_file(self, path: str) -> caffe_pb2.NetParameter:
         try:

@@ -1,0 +1,351 @@
+"""Compiled kernels (cct/kernels) against the numpy paths they replace: same bits, same fallbacks."""
+import importlib
+import logging
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from cct import kernels, rng
+from cct.blob import Blob
+from cct.io.prototxt import parse_text
+from cct.layers import create_layer
+from cct.lowering import ConvGeometry, get_strategy
+from cct.proto import caffe_pb2
+from cct.testing import make_blob
+
+li = importlib.import_module("cct.lowering.im2col")
+needs_numba = pytest.mark.skipif(not kernels.numba_available(), reason="numba not installed")
+TRAIN, TEST = caffe_pb2.TRAIN, caffe_pb2.TEST
+DTYPES = (np.float32, np.float64)
+
+
+def both(fn):
+    """``fn()`` on the numpy path, then on the kernel path."""
+    with kernels.forced_mode("numpy"):
+        a = fn()
+    with kernels.forced_mode("auto"):
+        b = fn()
+    return a, b
+
+
+def assert_bits(a, b):
+    """Bitwise equality (distinguishes -0.0 from 0.0; NaNs must match too)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    ints = {2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize] if a.dtype.kind == "f" else None
+    if ints is None:
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_array_equal(np.ascontiguousarray(a).view(ints), np.ascontiguousarray(b).view(ints))
+
+
+def make_layer(text, phase=TRAIN):
+    lp = caffe_pb2.LayerParameter()
+    parse_text(text, lp)
+    lp.name = "l"
+    lp.phase = phase
+    return create_layer(lp)
+
+
+def run_layer(text, x, dy_seed=5, ntop=1, phase=TRAIN, in_place=False, seed=3):
+    """Forward + backward of a fresh layer; returns copies of every output and the bottom diff."""
+    layer = make_layer(text, phase)
+    bottom = [make_blob(x)]
+    top = [bottom[0]] if in_place else [Blob((), dtype=x.dtype) for _ in range(ntop)]
+    rng.set_random_seed(seed)
+    layer.setup(bottom, top)
+    layer.reshape(bottom, top)
+    layer.forward(bottom, top)
+    outs = [t.data.copy() for t in top]
+    top[0].diff[...] = np.random.default_rng(dy_seed).standard_normal(top[0].shape)
+    layer.backward(top, [True], bottom)
+    return outs + [bottom[0].diff.copy()]
+
+
+# -- pooling -------------------------------------------------------------------------------------
+def _pool_cases(count, seed):
+    g = np.random.default_rng(seed)
+    cases = []
+    while len(cases) < count:
+        kh, kw = (int(v) for v in g.integers(1, 5, 2))
+        ph, pw = int(g.integers(0, kh)), int(g.integers(0, kw))
+        sh, sw = (int(v) for v in g.integers(1, 6, 2))  # stride > kernel included
+        h, w = int(g.integers(max(1, kh - 2 * ph), 10)), int(g.integers(max(1, kw - 2 * pw), 10))
+        cases.append(((2, 3, h, w), f"kernel_h: {kh} kernel_w: {kw} stride_h: {sh} stride_w: {sw} "
+                                    f"pad_h: {ph} pad_w: {pw}"))
+    return cases
+
+
+POOL_CASES = _pool_cases(10, 0) + [
+    ((2, 3, 8, 8), "kernel_size: 3 stride: 2"),  # ceil: a clipped last window
+    ((2, 2, 5, 5), "kernel_size: 2 stride: 2 pad: 1"),  # last window dropped
+    ((1, 2, 5, 5), "kernel_size: 1 stride: 3"),  # empty window past the edge (-FLT_MAX / 0-area)
+    ((2, 3, 7, 6), "kernel_size: 3 stride: 1 pad: 2"),
+    ((2, 3, 9, 8), "kernel_size: 2 stride: 3 pad: 1"),  # unrolled 2x2 path, stride > kernel
+    ((2, 3, 10, 9), "kernel_size: 3 stride: 4"),
+    ((1, 2, 2, 5), "kernel_size: 3 stride: 1 pad: 1"),  # input smaller than the window
+]
+
+
+def _pool_input(shape, dtype, seed):
+    # Small integers: plenty of ties (first maximum wins) and exact sums.
+    return np.random.default_rng(seed).integers(-3, 4, shape).astype(dtype)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,spec", POOL_CASES)
+def test_pool_max_bitwise(shape, spec, dtype):
+    x = _pool_input(shape, dtype, 1)
+    a, b = both(lambda: run_layer(f'type: "Pooling" pooling_param {{ pool: MAX {spec} }}', x, ntop=2))
+    for u, v in zip(a, b):
+        assert_bits(u, v)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,spec", POOL_CASES)
+def test_pool_ave_bitwise(shape, spec, dtype):
+    x = np.random.default_rng(2).standard_normal(shape).astype(dtype)
+    a, b = both(lambda: run_layer(f'type: "Pooling" pooling_param {{ pool: AVE {spec} }}', x))
+    for u, v in zip(a, b):
+        assert_bits(u, v)
+
+
+@needs_numba
+def test_pool_special_values_and_global():
+    x = np.random.default_rng(3).standard_normal((2, 2, 6, 6)).astype(np.float32)
+    x[0, 0, :3, :3] = np.nan  # NaN is never '>': the window keeps -FLT_MAX / an earlier value
+    x[0, 1, 2:5, 1:4] = -np.inf
+    x[1, 0, 0, :] = -0.0
+    for spec in ("kernel_size: 3 stride: 2 pad: 1", "global_pooling: true"):
+        for method, ntop in (("MAX", 2), ("AVE", 1)):
+            text = f'type: "Pooling" pooling_param {{ pool: {method} {spec} }}'
+            a, b = both(lambda t=text, n=ntop: run_layer(t, x, ntop=n))
+            for u, v in zip(a, b):
+                assert_bits(u, v)
+
+
+@needs_numba
+def test_pool_max_kernel_result_is_caffes():
+    # Direct check of the tie rule and the -1 index on the kernel path (not only "same as numpy").
+    x = np.ones((1, 1, 4, 4), np.float32)
+    x[0, 0, 1, 1] = x[0, 0, 2, 0] = 2.0
+    with kernels.forced_mode("auto"):
+        y, mask, _ = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 1 }', x, ntop=2)
+    np.testing.assert_array_equal(mask[0, 0], [[5, 5], [5, 5]])
+    np.testing.assert_array_equal(y[0, 0], [[2, 2], [2, 2]])
+
+
+@needs_numba
+def test_pool_stochastic_train_backward_bitwise():
+    x = np.abs(np.random.default_rng(4).standard_normal((2, 3, 7, 7))) + 0.1
+    a, b = both(lambda: run_layer('type: "Pooling" pooling_param { pool: STOCHASTIC kernel_size: 3 stride: 2 }',
+                                  x, seed=11))
+    for u, v in zip(a, b):
+        assert_bits(u, v)
+
+
+# -- LRN -----------------------------------------------------------------------------------------
+@needs_numba
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size,alpha,beta,k,shape,in_place", [
+    (5, 1e-4, 0.75, 1.0, (2, 7, 5, 4), False),
+    (5, 0.3, 0.75, 2.0, (2, 7, 5, 4), True),
+    (3, 0.5, 1.0, 1.5, (1, 2, 3, 3), False),  # exponent -1: numpy's fast scalar power
+    (7, 2.0, 0.5, 1.0, (2, 4, 2, 3), False),  # window wider than the channels
+    (1, 0.1, 2.0, 1.0, (1, 3, 2, 2), True),
+])
+def test_lrn_across_bitwise(size, alpha, beta, k, shape, in_place, dtype):
+    x = np.random.default_rng(6).standard_normal(shape).astype(dtype)
+    text = f'type: "LRN" lrn_param {{ local_size: {size} alpha: {alpha} beta: {beta} k: {k} }}'
+    a, b = both(lambda: run_layer(text, x, in_place=in_place))
+    for u, v in zip(a, b):
+        assert_bits(u, v)
+
+
+@needs_numba
+def test_lrn_within_channel_still_numpy_and_equal():
+    x = np.random.default_rng(7).standard_normal((2, 3, 5, 5))
+    text = 'type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }'
+    a, b = both(lambda: run_layer(text, x))
+    for u, v in zip(a, b):
+        assert_bits(u, v)
+
+
+# -- im2col / col2im -----------------------------------------------------------------------------
+def _conv_cases(count, seed):
+    g = np.random.default_rng(seed)
+    cases = []
+    while len(cases) < count:
+        k = tuple(int(v) for v in g.integers(1, 5, 2))
+        d = tuple(int(v) for v in g.integers(1, 4, 2))
+        p = tuple(int(v) for v in g.integers(0, 4, 2))
+        s = tuple(int(v) for v in g.integers(1, 5, 2))
+        hw = tuple(int(v) for v in g.integers(1, 10, 2))
+        if all(o > 0 for o in li.output_shape(hw, k, p, s, d)):
+            cases.append((hw, k, p, s, d))
+    return cases
+
+
+CONV_CASES = _conv_cases(8, 1) + [
+    ((2, 2), (3, 3), (0, 0), (2, 2), (1, 1)),  # one window hanging over the input (Caffe's C division)
+    ((9, 8), (3, 2), (1, 0), (4, 5), (2, 1)),  # stride > kernel extent
+    ((7, 7), (3, 3), (1, 1), (1, 1), (1, 1)),
+]
+
+
+def _layout(kind, shape, dtype):
+    """An output array of ``shape`` (N, C, kh, kw, OH, OW): C order, the type-1 buffer view, or strided."""
+    if kind == "c":
+        return np.empty(shape, dtype)
+    if kind == "type1":
+        n, c, kh, kw, oh, ow = shape
+        return np.empty((c, kh, kw, n, oh, ow), dtype).transpose(3, 0, 1, 2, 4, 5)
+    return np.empty(shape + (2,), dtype)[..., 0]
+
+
+@needs_numba
+@pytest.mark.parametrize("layout", ["c", "type1"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hw,k,p,s,d", CONV_CASES)
+def test_im2col_col2im_bitwise(hw, k, p, s, d, dtype, layout):
+    g = np.random.default_rng(8)
+    x = g.standard_normal((2, 3) + hw).astype(dtype)
+    oshape = li.output_shape(hw, k, p, s, d)
+    cshape = (2, 3) + k + oshape
+
+    def lower():
+        out = _layout(layout, cshape, dtype)
+        out[...] = np.nan  # every entry must be written
+        return li.im2col(x, k, p, s, d, out=out).copy()
+
+    assert_bits(*both(lower))
+    col = _layout(layout, cshape, dtype)
+    col[...] = g.standard_normal(cshape)
+    assert_bits(*both(lambda: li.col2im(col, hw, k, p, s, d)))
+    a, b = both(lambda: li.col2im(col, hw, k, p, s, d, out=np.full((2, 3) + hw, np.nan, dtype)))
+    assert_bits(a, b)
+
+
+@needs_numba
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (2, 1, 3)])
+def test_im2col_lead_axes_and_generic_strides(lead):
+    hw, k, p, s, d = (6, 5), (3, 2), (1, 1), (2, 1), (1, 2)
+    x = np.random.default_rng(9).standard_normal(lead + hw).astype(np.float32)
+    oshape = li.output_shape(hw, k, p, s, d)
+    a, b = both(lambda: li.im2col(x, k, p, s, d))
+    assert_bits(a, b)
+    assert_bits(*both(lambda: li.col2im(a, hw, k, p, s, d)))
+    if len(lead) == 2:  # a strided view that is neither C order nor the type-1 buffer
+        col = _layout("strided", lead + k + oshape, np.float32)
+        col[...] = a
+        assert_bits(*both(lambda: li.col2im(col, hw, k, p, s, d)))
+        assert_bits(*both(lambda: li.im2col(x, k, p, s, d, out=_layout("strided", col.shape, np.float32)).copy()))
+
+
+@needs_numba
+@pytest.mark.parametrize("group", [1, 2])
+def test_type1_lowering_bitwise(group):
+    geom = ConvGeometry(channels_in=4, channels_out=6, group=group, in_shape=(7, 6), kernel=(3, 3), pad=(1, 0),
+                        stride=(2, 1), dilation=(1, 1), out_shape=li.output_shape((7, 6), (3, 3), (1, 0), (2, 1),
+                                                                                   (1, 1)))
+    g = np.random.default_rng(10)
+    x = g.standard_normal((3, 4, 7, 6)).astype(np.float32)
+    w = g.standard_normal(geom.weight_shape).astype(np.float32)
+    dy = g.standard_normal((3, 6) + geom.out_shape).astype(np.float32)
+    t1 = get_strategy("type1")
+    assert_bits(*both(lambda: t1.forward(x, w, None, geom)))
+    assert_bits(*both(lambda: t1.backward_data(dy, w, geom)))
+    assert_bits(*both(lambda: t1.backward_weights(dy, x, geom)[0]))
+
+
+# -- selection, fallback, threads --------------------------------------------------------------------
+def test_env_var_forces_numpy(monkeypatch):
+    monkeypatch.setattr(kernels, "_forced", None)
+    monkeypatch.setenv("CCT_KERNELS", "numpy")
+    assert kernels.mode() == "numpy" and not kernels.enabled()
+    assert not kernels.usable(np.zeros(3, np.float32))
+    monkeypatch.setenv("CCT_KERNELS", "auto")
+    assert kernels.mode() == "auto"
+    assert kernels.usable(np.zeros(3, np.float32)) == kernels.numba_available()
+    assert not kernels.usable(np.zeros(3, np.float32), np.zeros(3, np.float64))
+    assert not kernels.usable(np.zeros(3, np.int32))
+    with pytest.raises(ValueError):
+        kernels.set_mode("fast")
+
+
+def test_numba_import_failure_falls_back(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_numba_state", None)
+    monkeypatch.setitem(sys.modules, "numba", None)  # 'import numba' raises ImportError
+    with caplog.at_level(logging.DEBUG, logger="cct"):
+        assert not kernels.numba_available()
+    assert any("numba unavailable" in r.getMessage() for r in caplog.records)
+    assert kernels.get("pooling") is None and not kernels.enabled()
+    assert kernels.set_num_threads(2) == 1
+    with kernels.forced_mode("auto"):
+        x = _pool_input((1, 2, 5, 5), np.float32, 0)
+        y = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }', x)
+    assert y[0].shape == (1, 2, 3, 3)
+
+
+def test_cct_import_does_not_compile_or_import_kernels():
+    code = ("import sys, cct, cct.layers, cct.lowering, cct.net; "
+            "print(sorted(m for m in sys.modules if m.startswith('cct.kernels.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@needs_numba
+def test_thread_budget():
+    old = kernels.get_num_threads()
+    x = np.random.default_rng(12).standard_normal((3, 4, 9, 9)).astype(np.float32)
+    text = 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }'
+    with kernels.forced_mode("auto"):
+        ref = run_layer(text, x)
+        with kernels.num_threads(1) as k:
+            assert k == 1 and kernels.get_num_threads() == 1
+            one = run_layer(text, x)
+    assert kernels.get_num_threads() == old
+    for u, v in zip(ref, one):
+        assert_bits(u, v)
+    assert kernels.set_num_threads(10 ** 6) == kernels.get_num_threads() >= 1
+    kernels.set_num_threads(old)
+    assert kernels.info()["enabled"] in (True, False)
+
+
+@needs_numba
+def test_concurrent_calls_and_workqueue_guard(monkeypatch):
+    x = np.random.default_rng(13).standard_normal((4, 6, 11, 11)).astype(np.float32)
+    text = 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }'
+    with kernels.forced_mode("numpy"):
+        ref = run_layer(text, x)
+    got, errors = [], []
+
+    def work():
+        try:
+            got.append(run_layer(text, x))
+        except Exception as e:  # pragma: no cover (reported below)
+            errors.append(e)
+
+    with kernels.forced_mode("auto"):
+        threads = [threading.Thread(target=work) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors and len(got) == 3
+    for res in got:
+        for u, v in zip(ref, res):
+            assert_bits(u, v)
+    # Without a thread-safe numba threading layer, only the main thread uses the kernels.
+    monkeypatch.setattr(kernels, "_threadsafe", False)
+    seen = []
+    with kernels.forced_mode("auto"):
+        t = threading.Thread(target=lambda: seen.append(kernels.usable(x)))
+        t.start()
+        t.join()
+        assert seen == [False] and kernels.usable(x)
