@@ -24,33 +24,40 @@ import common  # noqa: E402
 import numpy as np  # noqa: E402
 
 # (layer, kind, spec) per net; shapes are the layer inputs at the net's benchmark batch size.
-# pool: (prototxt pooling_param body); lrn: (local_size, alpha, beta); conv: (k, d, pad, stride).
+# pool: (prototxt pooling_param body); lrn: (local_size, alpha, beta); conv: (k, pad, stride, num_output),
+# time col2im; each conv also gives a "lift*" row (type 1's lifting + bias / _group_major transposes);
+# relu: the ReLU numpy expressions vs cct.kernels.elementwise (a proposal: the layer does not use it yet).
 NETS: dict[str, dict] = {
     "caffenet": {"batch": 64, "ops": [
-        ("conv1", "conv", (3, 227, 227), (11, 0, 4), False),
+        ("conv1", "conv", (3, 227, 227), (11, 0, 4, 96), False),
+        ("relu1", "relu", (96, 55, 55), None),
         ("pool1", "pool", (96, 55, 55), "pool: MAX kernel_size: 3 stride: 2"),
         ("norm1", "lrn", (96, 27, 27), (5, 1e-4, 0.75)),
-        ("conv2", "conv", (96, 27, 27), (5, 2, 1), True),
+        ("conv2", "conv", (96, 27, 27), (5, 2, 1, 256), True),
+        ("relu2", "relu", (256, 27, 27), None),
         ("pool2", "pool", (256, 27, 27), "pool: MAX kernel_size: 3 stride: 2"),
         ("norm2", "lrn", (256, 13, 13), (5, 1e-4, 0.75)),
-        ("conv3", "conv", (256, 13, 13), (3, 1, 1), True),
-        ("conv4", "conv", (384, 13, 13), (3, 1, 1), True),
-        ("conv5", "conv", (384, 13, 13), (3, 1, 1), True),
+        ("conv3", "conv", (256, 13, 13), (3, 1, 1, 384), True),
+        ("conv4", "conv", (384, 13, 13), (3, 1, 1, 384), True),
+        ("conv5", "conv", (384, 13, 13), (3, 1, 1, 256), True),
+        ("relu5", "relu", (256, 13, 13), None),
         ("pool5", "pool", (256, 13, 13), "pool: MAX kernel_size: 3 stride: 2"),
     ]},
     "cifar10_quick": {"batch": 100, "ops": [
-        ("conv1", "conv", (3, 32, 32), (5, 2, 1), False),
+        ("conv1", "conv", (3, 32, 32), (5, 2, 1, 32), False),
         ("pool1", "pool", (32, 32, 32), "pool: MAX kernel_size: 3 stride: 2"),
-        ("conv2", "conv", (32, 16, 16), (5, 2, 1), True),
+        ("relu1", "relu", (32, 16, 16), None),
+        ("conv2", "conv", (32, 16, 16), (5, 2, 1, 32), True),
         ("pool2", "pool", (32, 16, 16), "pool: AVE kernel_size: 3 stride: 2"),
-        ("conv3", "conv", (32, 8, 8), (5, 2, 1), True),
+        ("conv3", "conv", (32, 8, 8), (5, 2, 1, 64), True),
         ("pool3", "pool", (64, 8, 8), "pool: AVE kernel_size: 3 stride: 2"),
     ]},
     "lenet": {"batch": 64, "ops": [
-        ("conv1", "conv", (1, 28, 28), (5, 0, 1), False),
+        ("conv1", "conv", (1, 28, 28), (5, 0, 1, 20), False),
         ("pool1", "pool", (20, 24, 24), "pool: MAX kernel_size: 2 stride: 2"),
-        ("conv2", "conv", (20, 12, 12), (5, 0, 1), True),
+        ("conv2", "conv", (20, 12, 12), (5, 0, 1, 50), True),
         ("pool2", "pool", (50, 8, 8), "pool: MAX kernel_size: 2 stride: 2"),
+        ("relu1", "relu", (500,), None),
     ]},
 }
 
@@ -95,7 +102,7 @@ def _layer_case(kind, shape, spec, dtype, rng):
 def _conv_case(shape, spec, batch, dtype, rng, backward: bool):
     """(forward = im2col into the type-1 buffer, backward = col2im of a type-1 dcol, outputs)."""
     li = importlib.import_module("cct.lowering.im2col")
-    k, pad, stride = spec
+    k, pad, stride, _ = spec
     geom = common.conv_geom(shape[1], k, shape[0], 16, pad=pad, stride=stride)
     x = rng.standard_normal((batch,) + shape, dtype=np.float32).astype(dtype, copy=False)
     c, (oh, ow) = shape[0], geom.out_shape
@@ -111,6 +118,59 @@ def _conv_case(shape, spec, batch, dtype, rng, backward: bool):
         res["dx"] = li.col2im(dcol, geom.in_shape, geom.kernel, geom.pad, geom.stride, geom.dilation)
 
     return fwd, (bwd if backward else None), lambda: (view, res.get("dx"))
+
+
+def _lift_case(shape, spec, batch, dtype, rng, use_kernel: bool):
+    """Type 1's lifting ``(M, N*P) -> (N, M, P)`` + bias (forward) and ``_group_major`` (backward):
+    numpy expressions as cct/lowering/type1.py has them, or cct.kernels.elementwise.swap01 (not wired yet)."""
+    k, pad, stride, m = spec
+    geom = common.conv_geom(shape[1], k, shape[0], m, pad=pad, stride=stride)
+    p = geom.out_size
+    y = rng.standard_normal((1, m, batch * p), dtype=np.float32).astype(dtype, copy=False)  # GEMM output
+    bias = rng.standard_normal(m, dtype=np.float32).astype(dtype, copy=False)
+    dy = rng.standard_normal((batch, m, p), dtype=np.float32).astype(dtype, copy=False)
+    top, dyg = np.empty((batch, m, p), dtype), np.empty((m, batch, p), dtype)
+    from cct import kernels
+
+    ke = kernels.get("elementwise") if use_kernel else None
+    if ke is not None:
+        def fwd():
+            ke.swap01(y.reshape(m, batch, p), top, bias)
+
+        def bwd():
+            ke.swap01(dy, dyg)
+    else:
+        def fwd():
+            top[...] = y.reshape(m, batch, p).swapaxes(0, 1) + bias.reshape(m, 1)
+
+        def bwd():
+            dyg[...] = np.ascontiguousarray(dy.reshape(batch, 1, m, p).transpose(1, 2, 0, 3)).reshape(m, batch, p)
+
+    return fwd, bwd, lambda: (top, dyg)
+
+
+def _relu_case(shape, dtype, rng, use_kernel: bool):
+    """ReLU as cct.layers.activation computes it (numpy) or with cct.kernels.elementwise (not wired yet)."""
+    x = rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
+    dy = rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
+    y, dx = np.empty_like(x), np.empty_like(x)
+    from cct import kernels
+
+    ke = kernels.get("elementwise") if use_kernel else None
+    if ke is not None:
+        def fwd():
+            ke.relu_forward(x, y)
+
+        def bwd():
+            ke.relu_backward(x, dy, dx)
+    else:
+        def fwd():
+            np.maximum(x, 0, out=y)
+
+        def bwd():
+            dx[...] = np.where(x > 0, dy, 0)
+
+    return fwd, bwd, lambda: (y, dx)
 
 
 def main(argv=None) -> int:
@@ -142,7 +202,12 @@ def main(argv=None) -> int:
     rows, results = [], []
     for net in nets:
         batch = NETS[net]["batch"]
+        ops = []
         for op in NETS[net]["ops"]:
+            ops.append(op)
+            if op[1] == "conv":
+                ops.append((op[0], "lift", op[2], op[3]))
+        for op in ops:
             name, kind, shape = op[0], op[1], op[2]
             full = (batch,) + tuple(shape)
             entry = {"net": net, "layer": name, "kind": kind, "input": list(full), "batch": batch}
@@ -150,7 +215,12 @@ def main(argv=None) -> int:
             outs = {}
             for mode in ("numpy", "auto"):
                 with kernels.forced_mode(mode):
-                    if kind == "conv":
+                    if kind == "lift":
+                        fwd, bwd, get = _lift_case(tuple(shape), op[3], batch, dtype, np.random.default_rng(1),
+                                                   mode == "auto")
+                    elif kind == "relu":
+                        fwd, bwd, get = _relu_case(full, dtype, np.random.default_rng(1), mode == "auto")
+                    elif kind == "conv":
                         fwd, bwd, get = _conv_case(tuple(shape), op[3], batch, dtype, np.random.default_rng(1),
                                                    op[4])
                     else:
@@ -170,7 +240,7 @@ def main(argv=None) -> int:
                        for a, b in zip(outs["numpy"], outs["auto"]))
             entry.update(times=times, bitwise_equal=same)
             results.append(entry)
-            label = {"conv": "im2col/col2im", "pool": "pool", "lrn": "lrn"}[kind]
+            label = {"conv": "im2col/col2im", "pool": "pool", "lrn": "lrn", "relu": "relu*", "lift": "lift*"}[kind]
             tn, tk = times["numpy"], times["auto"]
             rows.append([net, name, label, "x".join(map(str, full)),
                          tn["fwd"] * 1e3, tk["fwd"] * 1e3, tn["fwd"] / tk["fwd"],
@@ -183,7 +253,7 @@ def main(argv=None) -> int:
                         "x", "equal"], rows)
     totals = {}
     for net in nets:
-        sel = [r for r in results if r["net"] == net]
+        sel = [r for r in results if r["net"] == net and r["kind"] not in ("relu", "lift")]
         tot = {m: sum(r["times"][m]["fwd"] + r["times"][m].get("bwd", 0.0) for r in sel) for m in ("numpy", "auto")}
         totals[net] = tot
         print(f"# {net}: numpy {tot['numpy'] * 1e3:.1f} ms, kernels {tot['auto'] * 1e3:.1f} ms per iteration "
@@ -191,6 +261,8 @@ def main(argv=None) -> int:
     path = common.write_json("bench_layers", {"environment": env, "kernels": kernels.info(), "dtype": str(dtype),
                                               "repeats": repeats, "statistic": "median", "results": results,
                                               "totals_s": totals}, args.out)
+    print("# relu*, lift*: cct.kernels.elementwise, not yet used by cct.layers.activation / cct.lowering.type1 "
+          "(not in the totals); lift* = type 1's lifting + bias (fwd) and _group_major (bwd, done twice per conv)")
     print(f"# wrote {path}")
     return 0
 

@@ -90,6 +90,18 @@ POOL_CASES = _pool_cases(10, 0) + [
 ]
 
 
+@pytest.fixture
+def generic_f64(monkeypatch):
+    """In float64 only the generic pooling kernels are checked (the unrolled window/stride variants are
+    the same code in float32; skipping their float64 compilation keeps a cold-cache run short)."""
+
+    def apply(dtype):
+        if dtype == np.float64:
+            monkeypatch.setattr(kernels.get("pooling"), "_FIXED", {})
+
+    return apply
+
+
 def _pool_input(shape, dtype, seed):
     # Small integers: plenty of ties (first maximum wins) and exact sums.
     return np.random.default_rng(seed).integers(-3, 4, shape).astype(dtype)
@@ -98,7 +110,8 @@ def _pool_input(shape, dtype, seed):
 @needs_numba
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,spec", POOL_CASES)
-def test_pool_max_bitwise(shape, spec, dtype):
+def test_pool_max_bitwise(shape, spec, dtype, generic_f64):
+    generic_f64(dtype)
     x = _pool_input(shape, dtype, 1)
     a, b = both(lambda: run_layer(f'type: "Pooling" pooling_param {{ pool: MAX {spec} }}', x, ntop=2))
     for u, v in zip(a, b):
@@ -108,7 +121,8 @@ def test_pool_max_bitwise(shape, spec, dtype):
 @needs_numba
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,spec", POOL_CASES)
-def test_pool_ave_bitwise(shape, spec, dtype):
+def test_pool_ave_bitwise(shape, spec, dtype, generic_f64):
+    generic_f64(dtype)
     x = np.random.default_rng(2).standard_normal(shape).astype(dtype)
     a, b = both(lambda: run_layer(f'type: "Pooling" pooling_param {{ pool: AVE {spec} }}', x))
     for u, v in zip(a, b):
@@ -264,6 +278,27 @@ def test_type1_lowering_bitwise(group):
 
 
 # -- selection, fallback, threads --------------------------------------------------------------------
+@needs_numba
+def test_kernel_modules_load():
+    # get() falls back to None on a load failure; here every module must load (else the bitwise
+    # tests above would compare the numpy path with itself).
+    for name in ("pooling", "im2col", "lrn", "elementwise"):
+        assert kernels.get(name) is not None, name
+    assert kernels.enabled()
+
+
+def test_kernel_module_load_failure_falls_back(monkeypatch):
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(kernels, "_failed", set())
+    monkeypatch.setattr(kernels, "numba_available", lambda: True)
+
+    def broken(name):
+        raise RuntimeError("no locator available")
+
+    monkeypatch.setattr(kernels.importlib, "import_module", broken)
+    assert kernels.get("pooling") is None and "pooling" in kernels._failed
+
+
 def test_env_var_forces_numpy(monkeypatch):
     monkeypatch.setattr(kernels, "_forced", None)
     monkeypatch.setenv("CCT_KERNELS", "numpy")
@@ -349,3 +384,37 @@ def test_concurrent_calls_and_workqueue_guard(monkeypatch):
         t.start()
         t.join()
         assert seen == [False] and kernels.usable(x)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.float32])
+@pytest.mark.parametrize("slope", [0.0, 0.1, -0.5])
+def test_relu_kernels_bitwise(slope, dtype):
+    ke = kernels.get("elementwise")
+    x = np.random.default_rng(14).standard_normal((3, 5, 7, 11)).astype(dtype)
+    x.reshape(-1)[:7] = [np.nan, -0.0, 0.0, -np.inf, np.inf, 1.0, -1.0]
+    dy = np.random.default_rng(15).standard_normal(x.shape).astype(dtype)
+    ref = np.maximum(x, 0) if slope == 0 else np.where(x > 0, x, x * slope)
+    assert_bits(ref, ke.relu_forward(x, np.empty_like(x), slope))
+    inplace = x.copy()
+    assert_bits(ref, ke.relu_forward(inplace, inplace, slope))
+    ref = np.where(x > 0, dy, 0) if slope == 0 else np.where(x > 0, dy, dy * slope)
+    assert_bits(ref.astype(dtype), ke.relu_backward(x, dy, np.empty_like(x), slope))
+    g = dy.copy()
+    assert_bits(ref.astype(dtype), ke.relu_backward(x, g, g, slope))
+
+
+@needs_numba
+def test_swap01_matches_type1_transposes():
+    ke = kernels.get("elementwise")
+    g = np.random.default_rng(16)
+    m, n, p = 5, 3, 7
+    y = g.standard_normal((m, n * p)).astype(np.float32)
+    b = g.standard_normal(m).astype(np.float32)
+    ref = y.reshape(m, n, p).swapaxes(0, 1) + b.reshape(m, 1)  # type 1's lifting + bias
+    assert_bits(ref, ke.swap01(y.reshape(m, n, p), np.empty((n, m, p), np.float32), b))
+    dy = g.standard_normal((n, m, p)).astype(np.float32)
+    ref = np.ascontiguousarray(dy.reshape(n, 1, m, p).transpose(1, 2, 0, 3)).reshape(m, n, p)  # _group_major
+    assert_bits(ref, ke.swap01(dy, np.empty((m, n, p), np.float32)))
+    with pytest.raises(ValueError):
+        ke.swap01(dy, np.empty((n, m, p), np.float32))

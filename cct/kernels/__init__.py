@@ -1,18 +1,22 @@
-"""Compiled CPU kernels (numba) for the non-GEMM hot loops: pooling, im2col/col2im, LRN.
+"""Compiled CPU kernels (numba) for the non-GEMM hot loops: pooling, im2col/col2im, LRN, ReLU.
 
 The layers keep their array-module (numpy/cupy) code as the general path and as the reference;
-for numpy ``float32``/``float64`` arrays they dispatch here when the kernels are enabled.
+for numpy ``float32``/``float64`` arrays they dispatch here when the kernels are enabled
+(:mod:`cct.layers.pooling`, :mod:`cct.layers.lrn`, :mod:`cct.lowering.im2col`; the ReLU kernels of
+:mod:`.elementwise` are not wired into :mod:`cct.layers.activation` yet).
 Every kernel gives the same results as the numpy path: bitwise for copies, maxima and argmax
-indices, and for sums too wherever the numpy path's summation order can be reproduced (it is,
-in every kernel here; LRN's ``pow`` is computed by numpy itself, so LRN is bitwise as well).
+indices, and for sums too, since each kernel adds in the numpy path's order (LRN's ``pow`` is
+computed by numpy itself, so LRN is bitwise as well). tests/test_kernels.py checks this.
 
 * Selection: ``CCT_KERNELS=numpy`` (or ``off``/``0``/``none``) forces the numpy path; anything
   else (default ``auto``) uses the kernels when numba imports. :func:`set_mode` overrides the
   environment variable from code (``None`` gives it back). If numba is missing or fails to
   import, the numpy path runs and a debug message is logged once.
 * Compilation is lazy: importing :mod:`cct` imports neither numba nor the kernels; the first
-  use of a kernel compiles it (``cache=True``: once per machine, later processes load the
-  cached machine code from ``__pycache__`` or numba's user cache dir).
+  use of a kernel compiles it, about 1 s per kernel and dtype (a LeNet training run compiles
+  ~5 s on its first iteration on this 2-core box). ``cache=True``: once per machine; later
+  processes load the machine code from ``cct/kernels/__pycache__`` (or ``NUMBA_CACHE_DIR``) in
+  a few ms per kernel.
 * Threads: the kernels are parallel over batch x channels (numba ``prange``). The count is
   numba's, which is per calling thread: :func:`set_num_threads` / :func:`num_threads` (a
   context manager) set it for the calling thread (default: all cores, ``NUMBA_NUM_THREADS``).
@@ -43,6 +47,7 @@ _lock = threading.Lock()
 _numba_state: bool | None = None  # None: not tried yet
 _numba_error: str | None = None
 _modules: dict[str, ModuleType] = {}
+_failed: set[str] = set()
 _forced: str | None = None
 
 
@@ -152,9 +157,15 @@ def get(name: str) -> ModuleType | None:
     if not numba_available():
         return None
     mod = _modules.get(name)
-    if mod is not None:
+    if mod is not None or name in _failed:
         return mod
-    mod = importlib.import_module(f"{__name__}.{name}")
+    try:
+        mod = importlib.import_module(f"{__name__}.{name}")
+    except Exception as e:  # e.g. numba finds no writable cache directory: run the numpy path
+        _failed.add(name)
+        log.debug("cct.kernels: cannot load kernels %r (%s: %s); using the numpy code path", name,
+                  type(e).__name__, e)
+        return None
     _modules[name] = mod
     return mod
 

@@ -1,12 +1,17 @@
-"""numba kernels of fused elementwise passes (ReLU, Dropout), parallel over chunks of the flat array.
+"""numba kernels of fused elementwise/copy passes (ReLU; the type-1 lowering's transposes), parallel.
 
-Each replaces a numpy expression of :mod:`cct.layers.activation` (which owns the layers; these
-are not wired in yet) with one pass over memory on all kernel threads, with the same result bits:
+Each replaces a numpy expression of :mod:`cct.layers.activation` or :mod:`cct.lowering.type1`
+(whose owners have not wired them in yet) with one pass over memory on all kernel threads,
+with the same result bits:
 
-* :func:`relu_forward`: ``np.maximum(x, 0)`` (slope 0; NaN propagates, ``-0.0`` stays ``-0.0``)
+* :func:`relu_forward`: ``np.maximum(x, 0)`` (slope 0; NaN propagates, ``-0.0`` gives ``+0.0``)
   or ``np.where(x > 0, x, x * slope)``.
 * :func:`relu_backward`: ``np.where(x > 0, dy, 0)`` or ``np.where(x > 0, dy, dy * slope)``.
-* :func:`multiply`: ``a * b`` (Dropout's forward ``x * mask`` and backward ``dy * mask``).
+* :func:`swap01`: ``out[...] = src.swapaxes(0, 1) (+ bias[:, None, None])`` for 3-D arrays
+  ``(A, B, P) -> (B, A, P)``: type 1's lifting ``(M, N*P) -> (N, M, P)`` plus bias, and its
+  ``_group_major`` ``(N, M, P) -> (M, N*P)``.
+
+(Dropout's ``x * mask`` is one numpy multiply already at memory speed: no kernel.)
 
 Arrays must be C-contiguous numpy arrays of one float dtype; outputs may alias inputs (in place).
 """
@@ -22,26 +27,21 @@ _CHUNK = 1 << 14  # elements per task
 
 
 @nb.njit(**_OPTS)
-def _relu_fwd(x, out, slope, zero):  # pragma: no cover (compiled)
+def _relu_fwd(x, out, slope, zero, has_slope):  # pragma: no cover (compiled)
     n = x.size
     for t in nb.prange((n + _CHUNK - 1) // _CHUNK):
         lo = t * _CHUNK
-        xs, os_ = x[lo:min(n, lo + _CHUNK)], out[lo:min(n, lo + _CHUNK)]
-        for i in range(xs.size):
-            v = xs[i]
-            os_[i] = v if v > zero else v * slope
-
-
-@nb.njit(**_OPTS)
-def _relu_fwd0(x, out, zero):  # pragma: no cover (compiled)
-    # np.maximum(v, 0): v when v >= 0 or v is NaN (so -0.0 and NaN pass through), else 0.
-    n = x.size
-    for t in nb.prange((n + _CHUNK - 1) // _CHUNK):
-        lo = t * _CHUNK
-        xs, os_ = x[lo:min(n, lo + _CHUNK)], out[lo:min(n, lo + _CHUNK)]
-        for i in range(xs.size):
-            v = xs[i]
-            os_[i] = v if (v >= zero or v != v) else zero
+        hi = min(n, lo + _CHUNK)
+        xs, os_ = x[lo:hi], out[lo:hi]
+        if has_slope:
+            for i in range(xs.size):
+                v = xs[i]
+                os_[i] = v if v > zero else v * slope
+        else:
+            # np.maximum(v, 0): v when v > 0 or v is NaN (NaN propagates), else +0.0 (also for -0.0).
+            for i in range(xs.size):
+                v = xs[i]
+                os_[i] = v if (v > zero or v != v) else zero
 
 
 @nb.njit(**_OPTS)
@@ -61,14 +61,20 @@ def _relu_bwd(x, dy, dx, slope, zero, has_slope):  # pragma: no cover (compiled)
 
 
 @nb.njit(**_OPTS)
-def _mul(a, b, out):  # pragma: no cover (compiled)
-    n = a.size
-    for t in nb.prange((n + _CHUNK - 1) // _CHUNK):
-        lo = t * _CHUNK
-        hi = min(n, lo + _CHUNK)
-        as_, bs, os_ = a[lo:hi], b[lo:hi], out[lo:hi]
-        for i in range(as_.size):
-            os_[i] = as_[i] * bs[i]
+def _swap01(src, out, bias, has_bias):  # pragma: no cover (compiled)
+    a_n, b_n, p = src.shape
+    for ab in nb.prange(a_n * b_n):
+        i = ab // b_n
+        j = ab - i * b_n
+        s = src[i, j]
+        d = out[j, i]
+        if has_bias:
+            bi = bias[i]
+            for q in range(p):
+                d[q] = s[q] + bi
+        else:
+            for q in range(p):
+                d[q] = s[q]
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
@@ -80,10 +86,7 @@ def _flat(a: np.ndarray) -> np.ndarray:
 def relu_forward(x: np.ndarray, out: np.ndarray, negative_slope: float = 0.0) -> np.ndarray:
     """``out[...] = relu(x)`` exactly as ``np.maximum(x, 0)`` / ``np.where(x > 0, x, x * slope)``."""
     t = x.dtype.type
-    if negative_slope == 0:
-        _relu_fwd0(_flat(x), _flat(out), t(0))
-    else:
-        _relu_fwd(_flat(x), _flat(out), t(negative_slope), t(0))
+    _relu_fwd(_flat(x), _flat(out), t(negative_slope), t(0), negative_slope != 0)
     return out
 
 
@@ -94,7 +97,13 @@ def relu_backward(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, negative_slope:
     return dx
 
 
-def multiply(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out[...] = a * b`` (same shape, C-contiguous) on the kernel threads."""
-    _mul(_flat(a), _flat(b), _flat(out))
+def swap01(src: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """``out[...] = src.swapaxes(0, 1)`` (+ ``bias[i]`` on every ``src[i]``) for ``src`` (A, B, P) and
+    ``out`` (B, A, P), both C-contiguous: the same bits as ``src.swapaxes(0, 1) + bias[:, None, None]``."""
+    if not (src.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError("swap01 needs C-contiguous arrays")
+    if src.ndim != 3 or out.shape != (src.shape[1], src.shape[0], src.shape[2]):
+        raise ValueError(f"swap01: src {src.shape} and out {out.shape} are not (A, B, P) and (B, A, P)")
+    b = bias if bias is not None else src[:, 0, 0]
+    _swap01(src, out, np.ascontiguousarray(b, dtype=src.dtype), bias is not None)
     return out

@@ -36,10 +36,10 @@ def _ow_range(coff, sw, w, ow_n):  # pragma: no cover (compiled)
 
 
 @nb.njit(cache=True)
-def _im2col_block(src, blk, roff, coff, h, sh, sw, w, zero):  # pragma: no cover (compiled)
-    """One (image, channel, kernel offset): ``blk`` (OH, OW) from the input plane ``src`` (H, W)."""
+def _im2col_block(src, blk, roff, coff, lo, hi, h, sh, sw, zero):  # pragma: no cover (compiled)
+    """One (image, channel, kernel offset): ``blk`` (OH, OW) from the input plane ``src`` (H, W);
+    output columns [lo, hi) read inside the input (the rest are padding)."""
     oh_n, ow_n = blk.shape
-    lo, hi = _ow_range(coff, sw, w, ow_n)
     ulo = nb.uint64(lo)
     cnt = nb.uint64(hi - lo)
     s0 = nb.uint64(lo * sw + coff if hi > lo else 0)
@@ -66,10 +66,9 @@ def _im2col_block(src, blk, roff, coff, h, sh, sw, w, zero):  # pragma: no cover
 
 
 @nb.njit(cache=True)
-def _col2im_block(blk, dst, roff, coff, h, sh, sw, w):  # pragma: no cover (compiled)
-    """One (image, channel, kernel offset): add ``blk`` (OH, OW) into the input plane ``dst`` (H, W)."""
-    oh_n, ow_n = blk.shape
-    lo, hi = _ow_range(coff, sw, w, ow_n)
+def _col2im_block(blk, dst, roff, coff, lo, hi, h, sh, sw):  # pragma: no cover (compiled)
+    """One (image, channel, kernel offset): add ``blk`` (OH, OW) columns [lo, hi) into the plane ``dst`` (H, W)."""
+    oh_n = blk.shape[0]
     if lo >= hi:
         return
     ulo = nb.uint64(lo)
@@ -98,10 +97,21 @@ def _zero_plane(dst, zero):  # pragma: no cover (compiled)
             drow[q] = zero
 
 
+@nb.njit(cache=True)
+def _col_ranges(kw, sw, pw, dw, w, ow_n):  # pragma: no cover (compiled)
+    """Per kernel column j: the output columns [lo[j], hi[j]) that read inside the input."""
+    lo = np.empty(kw, np.int64)
+    hi = np.empty(kw, np.int64)
+    for j in range(kw):
+        lo[j], hi[j] = _ow_range(j * dw - pw, sw, w, ow_n)
+    return lo, hi
+
+
 @nb.njit(**_OPTS)
 def _im2col(x, out, kmajor, kh, kw, sh, sw, ph, pw, dh, dw, zero, ijchunk):  # pragma: no cover (compiled)
     """``out`` is (N, C, kh, kw, OH, OW), or with ``kmajor`` (C, kh, kw, N, OH, OW); C-contiguous."""
     n, c, h, w = x.shape
+    lo, hi = _col_ranges(kw, sw, pw, dw, w, out.shape[5])
     if kmajor:
         # One task per (channel, run of kernel offsets): each offset's (N, OH, OW) block is written
         # sequentially while the channel's input planes stay in cache.
@@ -114,14 +124,16 @@ def _im2col(x, out, kmajor, kh, kw, sh, sw, ph, pw, dh, dw, zero, ijchunk):  # p
                 i = ij // kw
                 j = ij - i * kw
                 for b in range(n):
-                    _im2col_block(x[b, ch], out[ch, i, j, b], i * dh - ph, j * dw - pw, h, sh, sw, w, zero)
+                    _im2col_block(x[b, ch], out[ch, i, j, b], i * dh - ph, j * dw - pw, lo[j], hi[j], h, sh, sw,
+                                  zero)
     else:
         for nc in nb.prange(n * c):  # one task per input plane
             b = nc // c
             ch = nc - b * c
             for i in range(kh):
                 for j in range(kw):
-                    _im2col_block(x[b, ch], out[b, ch, i, j], i * dh - ph, j * dw - pw, h, sh, sw, w, zero)
+                    _im2col_block(x[b, ch], out[b, ch, i, j], i * dh - ph, j * dw - pw, lo[j], hi[j], h, sh, sw,
+                                  zero)
 
 
 @nb.njit(**_OPTS)
@@ -129,6 +141,7 @@ def _col2im(col, kmajor, out, kh, kw, sh, sw, ph, pw, dh, dw, zero, chunk):  # p
     """``col`` is (N, C, kh, kw, OH, OW), or with ``kmajor`` (C, kh, kw, N, OH, OW); C-contiguous.
     Every output position receives its terms in row-major kernel-offset order."""
     n, c, h, w = out.shape
+    lo, hi = _col_ranges(kw, sw, pw, dw, w, col.shape[5])
     if kmajor:
         # One task per (channel, run of ``chunk`` images): for each kernel offset the run's column
         # blocks are read sequentially.
@@ -142,7 +155,8 @@ def _col2im(col, kmajor, out, kh, kw, sh, sw, ph, pw, dh, dw, zero, chunk):  # p
             for i in range(kh):
                 for j in range(kw):
                     for b in range(b0, b1):
-                        _col2im_block(col[ch, i, j, b], out[b, ch], i * dh - ph, j * dw - pw, h, sh, sw, w)
+                        _col2im_block(col[ch, i, j, b], out[b, ch], i * dh - ph, j * dw - pw, lo[j], hi[j], h, sh,
+                                      sw)
     else:
         for nc in nb.prange(n * c):  # one task per output plane
             b = nc // c
@@ -151,7 +165,7 @@ def _col2im(col, kmajor, out, kh, kw, sh, sw, ph, pw, dh, dw, zero, chunk):  # p
             _zero_plane(dst, zero)
             for i in range(kh):
                 for j in range(kw):
-                    _col2im_block(col[b, ch, i, j], dst, i * dh - ph, j * dw - pw, h, sh, sw, w)
+                    _col2im_block(col[b, ch, i, j], dst, i * dh - ph, j * dw - pw, lo[j], hi[j], h, sh, sw)
 
 
 def _canonical(col: np.ndarray) -> tuple[np.ndarray, bool]:

@@ -38,6 +38,26 @@ def _shape_str(blob: Blob) -> str:
     return str(list(blob.shape))
 
 
+def _label_layout(layer: Layer, bottom: Sequence[Blob], axis_param: int, axis_name: str) -> None:
+    """Set ``layer.axis/outer/inner/num_labels`` for predictions vs labels (one label per position).
+
+    Caffe's check shared by SoftmaxWithLoss, InfogainLoss and Accuracy; names both shapes on a mismatch.
+    """
+    try:
+        layer.axis = bottom[0].canonical_axis(axis_param)
+    except CctError as e:
+        raise layer.error(str(e)) from None
+    layer.outer = bottom[0].count_range(0, layer.axis)
+    layer.inner = bottom[0].count_range(layer.axis + 1)
+    layer.num_labels = bottom[0].shape[layer.axis]
+    if layer.outer * layer.inner != bottom[1].count:
+        raise layer.error(
+            f"number of labels must match number of predictions; e.g., if {axis_name} axis == 1 and "
+            "prediction shape is (N, C, H, W), label count (number of labels) must be N*H*W, with "
+            f"integer values in {{0, 1, ..., C-1}}. Got predictions {_shape_str(bottom[0])} "
+            f"({axis_name} axis {layer.axis}) and labels {_shape_str(bottom[1])}")
+
+
 class LossLayer(Layer):
     """Caffe's LossLayer: two bottoms (prediction, label), a 0-d loss top, label gets no gradient."""
 
@@ -154,19 +174,7 @@ class SoftmaxWithLossLayer(LossLayer):
 
     def reshape(self, bottom, top):
         self._loss_reshape(bottom, top)
-        try:
-            self.axis = bottom[0].canonical_axis(self.axis_param)
-        except CctError as e:
-            raise self.error(str(e)) from None
-        self.outer = bottom[0].count_range(0, self.axis)
-        self.inner = bottom[0].count_range(self.axis + 1)
-        self.num_labels = bottom[0].shape[self.axis]
-        if self.outer * self.inner != bottom[1].count:
-            raise self.error(
-                "number of labels must match number of predictions; e.g., if softmax axis == 1 and "
-                "prediction shape is (N, C, H, W), label count (number of labels) must be N*H*W, with "
-                f"integer values in {{0, 1, ..., C-1}}. Got predictions {_shape_str(bottom[0])} "
-                f"(softmax axis {self.axis}) and labels {_shape_str(bottom[1])}")
+        _label_layout(self, bottom, self.axis_param, "softmax")
         if len(top) >= 2:
             top[1].reshape(bottom[0].shape)
 
@@ -502,19 +510,7 @@ class InfogainLossLayer(LossLayer):
 
     def reshape(self, bottom, top):
         self._loss_reshape(bottom, top)
-        try:
-            self.axis = bottom[0].canonical_axis(self.axis_param)
-        except CctError as e:
-            raise self.error(str(e)) from None
-        self.outer = bottom[0].count_range(0, self.axis)
-        self.inner = bottom[0].count_range(self.axis + 1)
-        self.num_labels = bottom[0].shape[self.axis]
-        if self.outer * self.inner != bottom[1].count:
-            raise self.error(
-                "number of labels must match number of predictions; e.g., if infogain axis == 1 and "
-                "prediction shape is (N, C, H, W), label count (number of labels) must be N*H*W, with "
-                f"integer values in {{0, 1, ..., C-1}}. Got predictions {_shape_str(bottom[0])} "
-                f"(axis {self.axis}) and labels {_shape_str(bottom[1])}")
+        _label_layout(self, bottom, self.axis_param, "infogain")
         hcount = bottom[2].count if len(bottom) >= 3 else int(self.infogain.size)
         if hcount != self.num_labels * self.num_labels:
             hshape = _shape_str(bottom[2]) if len(bottom) >= 3 else str(list(self.infogain.shape))
@@ -592,19 +588,7 @@ class AccuracyLayer(Layer):
             raise self.error(f"top_k must be less than or equal to the number of classes "
                              f"(top_k {self.top_k}, predictions {_shape_str(bottom[0])}, "
                              f"labels {_shape_str(bottom[1])})")
-        try:
-            self.axis = bottom[0].canonical_axis(self.axis_param)
-        except CctError as e:
-            raise self.error(str(e)) from None
-        self.outer = bottom[0].count_range(0, self.axis)
-        self.inner = bottom[0].count_range(self.axis + 1)
-        self.num_labels = bottom[0].shape[self.axis]
-        if self.outer * self.inner != bottom[1].count:
-            raise self.error(
-                "number of labels must match number of predictions; e.g., if label axis == 1 and "
-                "prediction shape is (N, C, H, W), label count (number of labels) must be N*H*W, with "
-                f"integer values in {{0, 1, ..., C-1}}. Got predictions {_shape_str(bottom[0])} "
-                f"(axis {self.axis}) and labels {_shape_str(bottom[1])}")
+        _label_layout(self, bottom, self.axis_param, "label")
         top[0].reshape(())
         if len(top) > 1:
             top[1].reshape((self.num_labels,))
