@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from .. import kernels
 from ..blob import Blob
 from ..proto import caffe_pb2
 from ..rng import get_rng
@@ -104,7 +105,10 @@ class ReLULayer(NeuronLayer):
         self._save_input(bottom, top)
         xp = bottom[0].xp
         x = bottom[0].data
-        if self.negative_slope == 0:
+        ke = kernels.get("elementwise") if kernels.usable(x, top[0].data, contiguous=True) else None
+        if ke is not None:  # compiled CPU kernel: same bits, fewer passes over memory
+            ke.relu_forward(x, top[0].data, self.negative_slope)
+        elif self.negative_slope == 0:
             xp.maximum(x, 0, out=top[0].data)
         else:
             top[0].data[...] = xp.where(x > 0, x, x * self.negative_slope)
@@ -115,7 +119,10 @@ class ReLULayer(NeuronLayer):
         xp = bottom[0].xp
         x = self._input(bottom)
         dy = top[0].diff
-        if self.negative_slope == 0:
+        ke = kernels.get("elementwise") if kernels.usable(x, dy, bottom[0].diff, contiguous=True) else None
+        if ke is not None:
+            ke.relu_backward(x, dy, bottom[0].diff, self.negative_slope)
+        elif self.negative_slope == 0:
             bottom[0].diff[...] = xp.where(x > 0, dy, 0)
         else:
             bottom[0].diff[...] = xp.where(x > 0, dy, dy * self.negative_slope)
