@@ -238,3 +238,19 @@ class Transformer:
     def set_input_scale(self, in_, scale) -> None:
         self.__check_input(in_)
         self.input_scale[in_] = scale
+
+
+def image_transformer(input_name: str, input_shape, mean=None, input_scale=None, raw_scale=None,
+                      channel_swap=None) -> Transformer:
+    """A Transformer for H x W x K images into a net input, as Classifier and Detector configure it."""
+    t = Transformer({input_name: input_shape})
+    t.set_transpose(input_name, (2, 0, 1))
+    if mean is not None:
+        t.set_mean(input_name, mean)
+    if input_scale is not None:
+        t.set_input_scale(input_name, input_scale)
+    if raw_scale is not None:
+        t.set_raw_scale(input_name, raw_scale)
+    if channel_swap is not None:
+        t.set_channel_swap(input_name, channel_swap)
+    return t
