@@ -126,6 +126,18 @@ def per_layer_times(net, repeats: int) -> list[tuple[str, str, float, float]]:
                                                                                               net.layers)]
 
 
+def conv_plans(net) -> dict[str, str]:
+    """Per conv layer: the lowering and its batching (``type1 p=2 b_p=8``)."""
+    out = {}
+    for layer in net.layers:
+        if layer.type not in ("Convolution", "Deconvolution"):
+            continue
+        low = layer.lowering
+        plan = low.plan(layer.geom, layer.num) if hasattr(low, "plan") else {"p": 1, "b_p": layer.num}
+        out[layer.name] = f"{low.name} p={plan['p']} b_p={plan['b_p']}"
+    return out
+
+
 def run_cct(model: str, batch: int, mode: str, iters: int, breakdown: bool) -> dict:
     from cct.lowering import engine
 
@@ -151,6 +163,8 @@ def run_cct(model: str, batch: int, mode: str, iters: int, breakdown: bool) -> d
         res["conv_gflops"] = conv_f / conv_t / 1e9 if conv_t else None
         res["conv_time_frac"] = conv_t / sum(f + b for _, _, f, b in layers)
     res["iter_gflops"] = sum(flops.values()) / t / 1e9
+    res["plans"] = conv_plans(solver.net)
+    res["load_avg"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     solver.net.close()
     return res
 
@@ -251,12 +265,13 @@ def main(argv=None) -> int:
                  "conv time"], rows)
     for r in runs:
         if "layers" in r:
-            print(f"\nper-layer breakdown: {r['model']} batch {r['batch']} ({r['mode']})")
+            print(f"\nper-layer breakdown: {r['model']} batch {r['batch']} ({r['mode']}); "
+                  + "; ".join(f"{k}: {v}" for k, v in r.get("plans", {}).items()))
             print_table(["layer", "type", "fwd ms", "bwd ms", "GFLOPS"],
                         [[x["name"], x["type"], x["fwd_ms"], x["bwd_ms"], x["gflops"]] for x in r["layers"]])
     path = write_json("bench_e2e_quick" if args.quick else "bench_e2e",
                       {"environment": env, "sgemm_peak_gflops": peak, "runs": runs})
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path}; load average now {os.getloadavg() if hasattr(os, 'getloadavg') else '?'}")
     return 0
 
 

@@ -359,6 +359,9 @@ def _mkl_gemm(a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:
     return out
 
 
+_ACC_BLOCK_BYTES = 512 << 10  # row-block size of accumulating (beta = 1) GEMMs into big outputs
+
+
 def gemm(a: Any, b: Any, out: Any = None, trans_a: bool = False, trans_b: bool = False,
          alpha: float = 1.0, beta: float = 0.0, backend: str | None = None) -> Any:
     """``out = alpha * op(a) @ op(b) + beta * out`` for 2-D float32/float64 arrays.
@@ -388,6 +391,18 @@ def gemm(a: Any, b: Any, out: Any = None, trans_a: bool = False, trans_b: bool =
         xp.matmul(opa, opb, out=out)
         if alpha != 1:
             out *= alpha
+    elif xp is np and beta == 1 and out.nbytes > _ACC_BLOCK_BYTES and shape[1] > 0:
+        # out += alpha * op(a) @ op(b) in row blocks whose product stays in cache: a big accumulated
+        # result (an InnerProduct's weight gradient) then makes 2 trips through DRAM instead of 4.
+        rows = max(1, _ACC_BLOCK_BYTES // (shape[1] * out.itemsize))
+        tmp = np.empty((min(rows, shape[0]), shape[1]), dtype=out.dtype)
+        for s0 in range(0, shape[0], rows):
+            s1 = min(shape[0], s0 + rows)
+            t = tmp[: s1 - s0]
+            np.matmul(opa[s0:s1], opb, out=t)
+            if alpha != 1:
+                t *= alpha
+            out[s0:s1] += t
     else:
         tmp = xp.matmul(opa, opb)
         if beta != 1:
@@ -463,10 +478,104 @@ def blas_threads(n: int | None, backend: str | None = None) -> Iterator[None]:
             finally:
                 lib.set_local(prev)
             return
+    ctls = _openblas_controllers()
+    if ctls:
+        prev = [c.get_num_threads() for c in ctls]
+        if all(p == n for p in prev):
+            yield
+            return
+        for c in ctls:
+            c.set_num_threads(n)
+        try:
+            yield
+        finally:
+            for c, p in zip(ctls, prev):
+                c.set_num_threads(p)
+        return
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(limits=n, user_api="blas"):
         yield
+
+
+_ob_ctls: list | None = None
+
+
+def _openblas_controllers() -> list:
+    """threadpoolctl's controllers of the loaded OpenBLAS libraries (numpy's first), looked up once.
+
+    Setting/reading a thread count through them is a plain C call (~0.1 us), while
+    ``threadpool_limits``/``threadpool_info`` rescan every loaded library (~0.2 ms a call).
+    """
+    global _ob_ctls
+    if _ob_ctls is None:
+        with _lock:
+            if _ob_ctls is None:
+                try:
+                    from threadpoolctl import ThreadpoolController
+
+                    ctl = ThreadpoolController().select(internal_api="openblas")
+                    libs = list(ctl.lib_controllers)
+                except Exception:  # noqa: BLE001 - threadpoolctl missing or failing: use the slow path
+                    libs = []
+                libs.sort(key=lambda c: "numpy" not in str(getattr(c, "filepath", "")))
+                _ob_ctls = libs
+    return _ob_ctls
+
+
+DEFAULT_THREAD_TIMEOUT = 16  # 2**16 cycles (~20 us) of spinning before an idle OpenBLAS worker sleeps
+_spin_done = False
+
+
+def limit_openblas_spin(exponent: int | None = None) -> bool:
+    """Make numpy's OpenBLAS workers sleep after ``2**exponent`` idle cycles (once per process).
+
+    OpenBLAS (pthreads build) keeps its worker threads spinning for ``2**28`` cycles (~0.1 s)
+    after every multi-threaded GEMM unless ``OPENBLAS_THREAD_TIMEOUT`` was set before it loaded.
+    On a machine with few cores that spinning steals the cores from everything that runs next
+    (numba kernels, concurrent batch partitions, other processes): measured on a 2-core box, cct's
+    cifar10_quick iteration ran ~1.3-1.5x faster with a short timeout. The timeout is only read when
+    the thread pool starts, so this sets the variable, re-reads OpenBLAS's environment and restarts
+    its (idle) pool. Call it when no GEMM is running (cct does at conv-layer setup).
+
+    ``exponent``: default ``$CCT_BLAS_THREAD_TIMEOUT`` or 16; ``0``/``off`` in that variable keeps
+    OpenBLAS as it is, and so does a user-set ``OPENBLAS_THREAD_TIMEOUT``. Returns True if applied.
+    """
+    global _spin_done
+    with _lock:
+        if _spin_done:
+            return False
+        # Restarting the pool is only safe while no other thread can be inside a GEMM: require the
+        # main thread and no live cct worker threads (devices, partitions); else try again later.
+        if threading.current_thread() is not threading.main_thread() or any(
+                t.name.startswith("cct-") and t.is_alive() for t in threading.enumerate()):
+            return False
+        _spin_done = True
+        env = os.environ.get("CCT_BLAS_THREAD_TIMEOUT", "").strip().lower()
+        if env in ("0", "off", "no", "false") or "OPENBLAS_THREAD_TIMEOUT" in os.environ:
+            return False
+        if exponent is None:
+            exponent = int(env) if env.isdigit() else DEFAULT_THREAD_TIMEOUT
+        ctls = _openblas_controllers()
+        if not ctls:
+            return False
+        path = getattr(ctls[0], "filepath", None)
+        try:
+            lib = ctypes.CDLL(path)
+            read_env = lib.openblas_read_env
+            shutdown = lib.blas_thread_shutdown_
+            init = lib.blas_thread_init
+        except (OSError, AttributeError, TypeError):
+            return False
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(max(4, min(30, int(exponent))))
+        try:
+            read_env()
+            shutdown()
+            init()
+        finally:
+            os.environ.pop("OPENBLAS_THREAD_TIMEOUT", None)
+            read_env()  # forget it again; the restarted pool keeps the timeout it read
+        return True
 
 
 def set_num_threads(n: int, backend: str | None = None) -> None:
@@ -487,6 +596,9 @@ def get_num_threads(backend: str | None = None) -> int:
     name = backend or get_backend()
     if name == "mkl":
         return _load_mkl().max_threads()
+    ctls = _openblas_controllers()
+    if ctls:
+        return int(ctls[0].get_num_threads())
     from threadpoolctl import threadpool_info
 
     for info in threadpool_info():

@@ -85,8 +85,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "layer 'conv1=type3,conv2=type1'")
     p.add_argument("--lowering_mode", default="cct", choices=["cct", "caffe"],
                    help="cct: cost-model choice + whole-batch lowering; caffe: type 1, one image per GEMM")
-    p.add_argument("--partitions", default="1",
-                   help="batch partitions run in parallel per conv layer (an int or 'auto')")
+    p.add_argument("--partitions", default="model",
+                   help="batch partitions run in parallel per conv layer: 'model' (the cost model's choice "
+                        "per layer), 'auto' (measured on the first batch) or an int")
 
 
 def _configure_engine(args, calibrate: bool) -> None:
@@ -95,7 +96,8 @@ def _configure_engine(args, calibrate: bool) -> None:
 
     from .lowering import engine
 
-    parts = args.partitions if args.partitions == "auto" else _positive_int(args.partitions, "--partitions")
+    parts = args.partitions if args.partitions in ("auto", "model") else _positive_int(args.partitions,
+                                                                                        "--partitions")
     overrides = None
     if args.lowering:
         overrides = args.lowering if "=" in args.lowering else {"*": args.lowering}
@@ -112,7 +114,7 @@ def _positive_int(s: str, flag: str) -> int:
     except ValueError:
         v = 0
     if v < 1:
-        raise CctError(f"{flag} must be a positive integer or 'auto', not '{s}'")
+        raise CctError(f"{flag} must be a positive integer, 'model' or 'auto', not '{s}'")
     return v
 
 

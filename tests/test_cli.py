@@ -20,7 +20,8 @@ GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.]+:\d+\] ")
 
 NET = """name: "TinyDigits"
 layer { name: "mnist" type: "Data" top: "data" top: "label" include { phase: TRAIN }
-  transform_param { scale: 0.00390625 mirror: true } data_param { source: "data/digits_train_lmdb" batch_size: 8 backend: LMDB } }
+  transform_param { scale: 0.00390625 mirror: true }
+  data_param { source: "data/digits_train_lmdb" batch_size: 8 backend: LMDB } }
 layer { name: "mnist" type: "Data" top: "data" top: "label" include { phase: TEST }
   transform_param { scale: 0.00390625 } data_param { source: "data/digits_test_lmdb" batch_size: 8 backend: LMDB } }
 layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"

@@ -16,7 +16,8 @@ def square(n, k, d, o, pad=0, stride=1, group=1):
 def flat_machine(gflops=100.0, copy_ns=1.0, add_ns=1.0):
     dims = [1, 100000]
     return cm.Machine(grid_dims=dims, gemm_bign=[[gflops] * 2] * 2, gemm_bigk=[[gflops] * 2] * 2,
-                      big_curve=[], copy_ns=copy_ns, add_ns=add_ns, zero_ns=0.0, gemm_overhead_s=0.0)
+                      big_curve=[], copy_ns=copy_ns, add_ns=add_ns, zero_ns=0.0, gemm_overhead_s=0.0,
+                      cache_bytes=1 << 60)  # no DRAM-streaming term unless a test asks for one
 
 
 @pytest.fixture(autouse=True)
@@ -124,9 +125,14 @@ def test_predictions_account_for_the_memory_budget():
     mach = flat_machine()
     free = opt.predictions(g, 8, mach, budget=10**15)
     tight = opt.predictions(g, 8, mach, budget=1)  # every lowering falls back to b_p = 1
+    over = mach.chunk_overhead_s
     for t in free:
-        assert free[t] == pytest.approx(cm.predict_seconds(t, g, 8, mach))
-        assert tight[t] == pytest.approx(8 * cm.predict_seconds(t, g, 1, mach))
+        # the cost model's best chunking: never worse than one whole-batch lowering
+        whole = cm.predict_seconds(t, g, 8, mach) + over
+        assert free[t] <= whole * (1 + 1e-9)
+        assert free[t] == pytest.approx(min(cm.chunked_seconds(t, g, 8, bp, mach, "fwd")
+                                            for bp in [cm.best_batch_partition(t, g, 8, mach)[0]]))
+        assert tight[t] == pytest.approx(8 * (cm.predict_seconds(t, g, 1, mach) + over))
     overheady = flat_machine()
     overheady.gemm_overhead_s = 1e-3
     assert opt.predictions(g, 8, overheady, budget=1)["type1"] > opt.predictions(g, 8, overheady)["type1"]
@@ -162,3 +168,48 @@ def test_calibrate_cli_quick(capsys):
     assert cal.main(["--quick", "--blas", "openblas"]) == 0
     out = capsys.readouterr().out
     assert "GEMM GFLOPS" in out and "kernel" in out
+
+
+def test_chunked_seconds_and_best_batch_partition():
+    g = square(16, 5, 32, 32, pad=2)
+    mach = flat_machine()
+    over = mach.chunk_overhead_s
+    # whole batch = one chunk; b_p = 1 = batch chunks; a remainder chunk is priced at its own size
+    assert cm.chunked_seconds("type1", g, 10, 10, mach, "fwd") == pytest.approx(
+        cm.predict_seconds("type1", g, 10, mach, "fwd") + over)
+    assert cm.chunked_seconds("type1", g, 10, 1, mach, "fwd") == pytest.approx(
+        10 * (cm.predict_seconds("type1", g, 1, mach, "fwd") + over))
+    assert cm.chunked_seconds("type1", g, 10, 4, mach, "fwd") == pytest.approx(
+        2 * (cm.predict_seconds("type1", g, 4, mach, "fwd") + over)
+        + cm.predict_seconds("type1", g, 2, mach, "fwd") + over)
+    cands = cm.batch_partition_candidates(100)
+    assert cands[0] == 1 and cands[-1] == 100 and {2, 4, 50, 34} <= set(cands)
+    assert cm.batch_partition_candidates(100, max_bp=10)[-1] == 10
+    # flat per-element costs: nothing favours small chunks, the per-chunk overhead favours one big one
+    assert cm.best_batch_partition("type1", g, 64, mach)[0] == 64
+    # cache effect: sweeps that stream from DRAM above ~1M elements cost 5x -> cache-sized chunks win
+    cachey = flat_machine()
+    cachey.lowering_curves = {"type1": {"lower": [(1e4, 0.2), (1e6, 0.2), (4e6, 1.0), (1e9, 1.0)],
+                                        "unlower": [(1e4, 0.2), (1e6, 0.2), (4e6, 1.0), (1e9, 1.0)]}}
+    bp, t = cm.best_batch_partition("type1", g, 64, cachey)
+    per_image = 32 * 25 * 256
+    assert 1 <= bp < 64 and bp * per_image <= 4e6
+    assert t < cm.chunked_seconds("type1", g, 64, 64, cachey, "total")
+
+
+def test_gemm_operands_beyond_the_cache_are_priced_as_streaming():
+    g = square(16, 5, 32, 32, pad=2)
+    roomy = flat_machine()
+    small = flat_machine()
+    small.cache_bytes, small.stream_ns_per_byte = 2 << 20, 0.05
+    ops = [op for op in cm.pass_ops("type1", g, 64, "fwd") if op[0] == "gemm"]
+    (_, m, n, k, count), = ops
+    extra = (4.0 * count * (m * k + k * n + m * n) - (2 << 20) * cm.CACHE_SHARE) * 0.05e-9
+    assert cm.predict_seconds("type1", g, 64, small, "fwd") == pytest.approx(
+        cm.predict_seconds("type1", g, 64, roomy, "fwd") + extra)
+    # one image's operands fit: no extra cost; so cache-sized chunks win despite the per-chunk overhead
+    one = cm.predict_seconds("type1", g, 1, roomy, "fwd")
+    assert cm.predict_seconds("type1", g, 1, small, "fwd") == pytest.approx(one)
+    assert cm.best_batch_partition("type1", g, 64, small)[0] < 64
+    assert small.streaming_seconds(1 << 18) == 0.0
+    assert cm.detect_cache_bytes() > 0

@@ -155,17 +155,31 @@ class ConvolutionLayer(_BaseConvolution):
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         w = self.blobs[0].data
         b = self.blobs[1].data if self.bias_term else None
+        lowering = self.lowering
+        into = getattr(lowering, "forward_into", None)
         for bt, tp in zip(bottom, top):
             x = bt.data.reshape(self._conv_in_shape())
-            y = self.lowering.forward(x, w, b, self.geom)
+            if into is not None and tp.data.flags.c_contiguous:  # straight into the top blob
+                into(x, w, b, self.geom, tp.data.reshape(self._conv_out_shape()))
+                continue
+            y = lowering.forward(x, w, b, self.geom)
             tp.data[...] = y.reshape(tp.shape)
 
     def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool], bottom: Sequence[Blob]) -> None:
         w = self.blobs[0].data
         pw = self.param_propagate_down[0]
         pb = self.bias_term and self.param_propagate_down[1]
+        into = getattr(self.lowering, "backward_into", None)
         for i, (tp, bt) in enumerate(zip(top, bottom)):
             dy = tp.diff.reshape(self._conv_out_shape())
+            want_dx = i < len(propagate_down) and propagate_down[i]
+            if into is not None and all(a.flags.c_contiguous for a in (tp.diff, bt.diff, self.blobs[0].diff)) \
+                    and (not pb or self.blobs[1].diff.flags.c_contiguous):
+                # one pass over the batch: weight, bias and data gradients per chunk (one lowering each)
+                into(dy, bt.data.reshape(self._conv_in_shape()) if pw else None, w, self.geom,
+                     dw=self.blobs[0].diff if pw else None, db=self.blobs[1].diff if pb else None,
+                     dx=bt.diff.reshape(self._conv_in_shape()) if want_dx else None)
+                continue
             if pw:
                 geom = self.geom if pb else dataclasses.replace(self.geom, bias_term=False)
                 dw, db = self.lowering.backward_weights(dy, bt.data.reshape(self._conv_in_shape()), geom)

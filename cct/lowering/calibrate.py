@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import blas
-from .cost_model import Machine, nominal_machine
+from .cost_model import Machine, detect_cache_bytes, nominal_machine
 
 FULL_DIMS = [4, 16, 64, 256, 1024, 4096]
 QUICK_DIMS = [8, 64, 512]
@@ -170,7 +170,8 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
     machine = Machine(grid_dims=list(dims), gemm_bign=bign, gemm_bigk=bigk, big_curve=curve,
                       copy_ns=ew["copy"][-1][1], add_ns=ew["add"][-1][1], zero_ns=ew["zero"][-1][1],
                       elem_curves=ew, lowering_curves=lw,
-                      gemm_overhead_s=overhead, threads=int(nthreads), backend=backend,
+                      gemm_overhead_s=overhead, cache_bytes=detect_cache_bytes(), threads=int(nthreads),
+                      backend=backend,
                       kernel=str(info.get("architecture") or ""), key=blas.machine_key(),
                       info={"quick": quick, "seconds": time.perf_counter() - t0, "measured_at": time.time(),
                             "blas": info})

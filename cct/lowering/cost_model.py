@@ -13,6 +13,13 @@ measured on two grids, "big N" (``(M, K)`` small/medium, N = the batch*pixel dim
 forward and data-gradient GEMMs) and "big K" (``(M, N)`` grid, K = batch*pixels, the weight
 gradient GEMM), interpolated bilinearly in log space, times a correction for a small "big"
 dimension (Caffe-style ``b_p = 1`` GEMMs).
+
+Batch chunks (:func:`chunked_seconds`, :func:`best_batch_partition`): a pass run as chunks of
+``b_p`` images is priced chunk by chunk -- sweeps at the chunk's size (the calibrated curves are
+per sweep size, so cache-resident sweeps are cheaper), GEMMs at ``N = b_p * P``, GEMM operands
+beyond the cache share priced as DRAM streaming (:meth:`Machine.streaming_seconds`), plus a
+per-chunk dispatch overhead. :class:`~cct.lowering.partition.BatchedLowering` and the optimizer
+pick ``b_p`` (and the number of parallel partitions) by these predictions.
 """
 from __future__ import annotations
 
@@ -50,6 +57,9 @@ class Machine:
     elem_curves: dict = field(default_factory=dict)  # kind -> [(elements, ns/element)], by sweep size
     lowering_curves: dict = field(default_factory=dict)  # lowering -> {"lower"|"unlower": [(elements, ns)]}
     gemm_overhead_s: float = 5e-6
+    chunk_overhead_s: float = 25e-6  # Python/numpy dispatch of one batch chunk (im2col, GEMMs, lifting calls)
+    cache_bytes: int = 0  # last-level cache; 0: detect (sysfs) when pricing
+    stream_ns_per_byte: float = 0.0  # extra cost of a byte streamed from DRAM; 0: derive from the copy curve
     threads: int = 1
     backend: str = "openblas"
     kernel: str = ""
@@ -90,6 +100,20 @@ class Machine:
             ns = {"copy": self.copy_ns, "add": self.add_ns, "zero": self.zero_ns}[kind]
         return elems * ns * 1e-9
 
+    def streaming_seconds(self, working_set_bytes: float) -> float:
+        """Extra seconds of a GEMM whose operands (``working_set_bytes``) exceed the cache.
+
+        The GEMM grids are measured on operands that stay cache-resident between repeats; a
+        whole-batch lowered matrix larger than the last-level cache is streamed from DRAM once
+        more by the GEMM. Priced per byte beyond the cache at the DRAM streaming rate.
+        """
+        cache = (self.cache_bytes or detect_cache_bytes()) * CACHE_SHARE
+        over = float(working_set_bytes) - cache
+        if over <= 0:
+            return 0.0
+        ns = self.stream_ns_per_byte or _stream_ns_from_curves(self)
+        return over * ns * 1e-9
+
     # -- persistence ----------------------------------------------------------------------
     def to_json(self) -> dict:
         """JSON-serializable dict (inverse of :meth:`from_json`)."""
@@ -110,6 +134,41 @@ class Machine:
                                 for n, c in d.get("lowering_curves", {}).items()}
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+_cache_size: int | None = None
+# Fraction of the last-level cache one GEMM's operands may count on: the layer's input, output and
+# gradient arrays, the other batch partitions and other processes share it (measured on a 2-core
+# Zen 5 with 32 MiB L3: chunks of up to ~1/4 of it per partition ran fastest for cifar10_quick).
+CACHE_SHARE = 0.5
+
+
+def detect_cache_bytes() -> int:
+    """Size of the last-level CPU cache (sysfs; 8 MiB if unknown)."""
+    global _cache_size
+    if _cache_size is None:
+        best = 0
+        import glob
+
+        for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+            try:
+                with open(path) as f:
+                    txt = f.read().strip().upper()
+                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
+                best = max(best, int(txt.rstrip("KMG")) * mult)
+            except (OSError, ValueError):
+                continue
+        _cache_size = best or (8 << 20)
+    return _cache_size
+
+
+def _stream_ns_from_curves(machine: Machine) -> float:
+    """ns per byte of DRAM streaming: the copy curve's rise from cache-sized to DRAM-sized sweeps
+    (a copy moves 8 bytes per float32 element); 0.03 ns/byte (~33 GB/s) without curves."""
+    curve = sorted(machine.elem_curves.get("copy") or [])
+    if len(curve) >= 2:
+        return max(0.0, (curve[-1][1] - min(v for _, v in curve)) / 8.0) or 0.01
+    return 0.03
 
 
 def nominal_machine(gflops: float = 100.0) -> Machine:
@@ -292,11 +351,14 @@ def predict_breakdown(name: str, geom: ConvGeometry, batch: int, machine: Machin
         machine = load_machine(measure_if_missing=False)
     passes = PASSES if pass_ == "total" else (pass_,)
     gemm = elem = 0.0
+    stream = getattr(machine, "streaming_seconds", None)
     for p in passes:
         for op in pass_ops(name, geom, batch, p):
             if op[0] == "gemm":
                 _, m, n, k, count = op
                 gemm += count * machine.gemm_seconds(m, n, k)
+                if stream is not None:  # operands bigger than the cache stream from DRAM
+                    gemm += stream(4.0 * count * (m * k + k * n + m * n))
             else:
                 elem += machine.elem_seconds(op[0], op[1], name)
     return {"gemm": gemm, "elementwise": elem, "total": gemm + elem}
@@ -306,6 +368,50 @@ def predict_seconds(name: str, geom: ConvGeometry, batch: int, machine: Machine 
                     pass_: str = "fwd") -> float:
     """Predicted seconds of ``pass_`` (``fwd``/``bwd_data``/``bwd_weights``/``total``) of a lowering."""
     return predict_breakdown(name, geom, batch, machine, pass_)["total"]
+
+
+def chunked_seconds(name: str, geom: ConvGeometry, batch: int, bp: int, machine: Machine,
+                    pass_: str = "total") -> float:
+    """Predicted seconds of ``pass_`` on ``batch`` images run as chunks of ``bp`` images.
+
+    Each chunk is priced at its own size: the element-wise sweeps by the calibrated per-size
+    curves (a chunk whose lowered matrix stays in cache sweeps faster than a whole-batch one that
+    streams through DRAM), the GEMMs at ``N = bp * P`` (thin GEMMs are slower), plus
+    ``machine.chunk_overhead_s`` of dispatch per chunk.
+    """
+    bp = max(1, min(int(bp), max(int(batch), 1)))
+    full, rem = divmod(max(int(batch), 0), bp)
+    over = getattr(machine, "chunk_overhead_s", 0.0)
+    t = full * (predict_seconds(name, geom, bp, machine, pass_) + over) if full else 0.0
+    if rem:
+        t += predict_seconds(name, geom, rem, machine, pass_) + over
+    return t
+
+
+def batch_partition_candidates(batch: int, max_bp: int | None = None) -> list[int]:
+    """The ``b_p`` values worth pricing: powers of two, ``ceil(batch / k)`` for small k, and ``max_bp``."""
+    top = max(1, min(int(max_bp) if max_bp else int(batch), int(batch) if batch else 1))
+    cands = {top}
+    v = 1
+    while v < top:
+        cands.add(v)
+        v *= 2
+    for k in range(1, 9):
+        c = -(-int(batch) // k) if batch else 1
+        if 1 <= c <= top:
+            cands.add(c)
+    return sorted(cands)
+
+
+def best_batch_partition(name: str, geom: ConvGeometry, batch: int, machine: Machine, pass_: str = "total",
+                         max_bp: int | None = None) -> tuple[int, float]:
+    """``(b_p, seconds)``: the chunk size with the least predicted time (ties: the larger chunk)."""
+    best = None
+    for bp in batch_partition_candidates(batch, max_bp):
+        t = chunked_seconds(name, geom, batch, bp, machine, pass_)
+        if best is None or t <= best[1] * (1 - 1e-9) or (abs(t - best[1]) <= 1e-12 and bp > best[0]):
+            best = (bp, t)
+    return best if best is not None else (1, 0.0)
 
 
 def workspace_bytes(name: str, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:

@@ -15,6 +15,7 @@ Log line format (:func:`describe_choice`)::
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 
 from . import type2, type3  # noqa: F401  (register "type2" / "type3")
 from .base import LoweringStrategy, get_strategy, strategy_names
-from .cost_model import KNOWN_TYPES, PASSES, Machine, predict_seconds
+from .cost_model import KNOWN_TYPES, PASSES, Machine, best_batch_partition, chunked_seconds, predict_seconds
 from .geometry import ConvGeometry
 
 
@@ -42,9 +43,11 @@ def predictions(geom: ConvGeometry, batch: int, machine: Machine | None = None, 
                 names: list[str] | None = None, budget: int | str | None = None) -> dict[str, float]:
     """Predicted seconds of ``pass_`` for every candidate lowering.
 
-    Memory-aware: a lowering whose workspace for the whole batch exceeds the memory budget
-    (:func:`cct.lowering.partition.memory_budget`) is priced as the ``b_p``-image chunks
-    :class:`~cct.lowering.partition.BatchedLowering` would run.
+    Chunk-aware: every lowering is priced as the ``b_p``-image chunks
+    :class:`~cct.lowering.partition.BatchedLowering` would run -- the chunk size with the least
+    predicted time among those whose workspace fits the memory budget
+    (:func:`cct.lowering.partition.memory_budget`), see
+    :func:`cct.lowering.cost_model.best_batch_partition`.
     """
     machine = _machine(machine)
     return {n: _chunked_seconds(n, geom, batch, machine, pass_, budget) for n in candidates(geom, names)}
@@ -54,12 +57,12 @@ def _chunked_seconds(name: str, geom: ConvGeometry, batch: int, machine: Machine
                      budget: int | str | None) -> float:
     from .partition import max_batch_partition
 
-    bp = max_batch_partition(get_strategy(name), geom, batch, 4, budget) if batch > 1 else max(batch, 1)
-    full, rem = divmod(batch, bp)
-    t = full * predict_seconds(name, geom, bp, machine, pass_)
-    if rem:
-        t += predict_seconds(name, geom, rem, machine, pass_)
-    return t
+    if batch <= 1:
+        return predict_seconds(name, geom, max(batch, 1), machine, pass_)
+    cap = max_batch_partition(get_strategy(name), geom, batch, 4, budget)
+    # the chunk size is chosen once for the whole iteration (all three passes), as BatchedLowering does
+    bp, _ = best_batch_partition(name, geom, batch, machine, "total", max_bp=cap)
+    return chunked_seconds(name, geom, batch, bp, machine, pass_)
 
 
 def choose_lowering(geom: ConvGeometry, batch: int, machine: Machine | None = None, pass_: str = "fwd",
@@ -100,7 +103,9 @@ class LoweringPlan:
         """A strategy object implementing this plan (plain or :class:`PerPassLowering`)."""
         if self.single is not None:
             return get_strategy(self.single)
-        return PerPassLowering(get_strategy(self.fwd), get_strategy(self.bwd_data), get_strategy(self.bwd_weights))
+        bwd_data = get_strategy(self.bwd_data)  # one object for both gradients when they agree (fused backward)
+        bwd_weights = bwd_data if self.bwd_weights == self.bwd_data else get_strategy(self.bwd_weights)
+        return PerPassLowering(get_strategy(self.fwd), bwd_data, bwd_weights)
 
     def predicted(self, pass_: str) -> float:
         """Predicted seconds of the chosen lowering for ``pass_`` (or ``total``)."""
@@ -154,6 +159,40 @@ class PerPassLowering(LoweringStrategy):
 
     def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
         return self.bwd_weights.backward_weights(dy, x, geom)
+
+    def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
+        """The forward delegate's result written into ``out``."""
+        into = getattr(self.fwd, "forward_into", None)
+        if into is not None:
+            return into(x, w, b, geom, out)
+        out[...] = self.fwd.forward(x, w, b, geom)
+        return out
+
+    def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
+                      dx: Any = None) -> None:
+        """``dw += ...``, ``db += ...`` by the weight delegate, ``dx[...] = ...`` by the data delegate
+        (one fused call when both are the same lowering object)."""
+        if self.bwd_weights is self.bwd_data and hasattr(self.bwd_data, "backward_into"):
+            self.bwd_data.backward_into(dy, x, w, geom, dw=dw, db=db, dx=dx)
+            return
+        if dw is not None or db is not None:
+            into = getattr(self.bwd_weights, "backward_into", None)
+            if into is not None:
+                into(dy, x, w, geom, dw=dw, db=db)
+            elif dw is not None:
+                wgeom = geom if db is not None else dataclasses.replace(geom, bias_term=False)
+                gw, gb = self.bwd_weights.backward_weights(dy, x, wgeom)
+                dw += gw.reshape(dw.shape)
+                if db is not None:
+                    db += gb
+            else:
+                db += dy.reshape(dy.shape[0], geom.channels_out, -1).sum(axis=(0, 2))
+        if dx is not None:
+            into = getattr(self.bwd_data, "backward_into", None)
+            if into is not None:
+                into(dy, None, w, geom, dx=dx)
+            else:
+                dx[...] = self.bwd_data.backward_data(dy, w, geom)
 
     def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:
         return self.fwd.cost(geom, batch, machine)

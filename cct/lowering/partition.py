@@ -7,11 +7,17 @@ Two knobs, both provided by the wrapper strategy :class:`BatchedLowering`:
   (:func:`memory_budget`: ``$CCT_LOWERING_MEMORY`` or a quarter of the available RAM), else
   the largest ``b_p`` that fits (:func:`max_batch_partition`). ``b_p = 1`` is Caffe's mode
   (lower and multiply one image at a time), kept for the benchmarks that compare against it.
+  With ``batch_partition="auto"`` the cost model picks ``b_p`` among the sizes that fit the
+  budget (:func:`cct.lowering.cost_model.best_batch_partition`): per-chunk sweeps are priced by
+  their size, so a chunk whose lowered matrix stays in cache beats one huge lowering for small
+  layers, while big layers (CaffeNet) keep large chunks for GEMM efficiency.
 * ``p`` (``partitions``): split the batch into ``p`` partitions processed concurrently by ``p``
   Python threads (numpy releases the GIL in the copies and in BLAS), each partition's GEMMs
   using ``threads // p`` BLAS threads (and ``threads // p`` threads for cct's compiled
   lowering kernels, whose count numba keeps per calling thread). ``partitions="auto"`` times each candidate ``p`` on the
-  first real call and keeps the fastest (cached on disk per machine and layer shape).
+  first real call and keeps the fastest (cached on disk per machine and layer shape);
+  ``partitions="model"`` lets the cost model decide, pricing each ``p`` with the constants
+  calibrated for ``threads // p`` BLAS threads (the calling thread runs partition 0 itself).
 
 Thread limits, as measured (see benchmarks/README.md): numpy's OpenBLAS is a pthreads build
 whose thread count is *process-wide* (threadpoolctl, ``openblas_set_num_threads``; its
@@ -28,6 +34,7 @@ Use from a conv layer (same interface as any lowering)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import threading
@@ -43,6 +50,7 @@ from .geometry import ConvGeometry
 
 DEFAULT_FRACTION = 0.25
 MIN_BUDGET = 64 << 20
+PARTITION_OVERHEAD_S = 30e-6  # handing a partition to a worker thread and joining it
 
 
 def parse_bytes(text: str) -> int:
@@ -132,30 +140,40 @@ def chunks(start: int, stop: int, size: int) -> list[tuple[int, int]]:
 class BatchedLowering(LoweringStrategy):
     """Run ``inner`` on batch chunks of ``b_p`` images, optionally in ``p`` parallel partitions.
 
-    ``batch_partition``: ``"auto"`` (largest that fits :func:`memory_budget`), an int, or
-    ``"caffe"`` (= 1). ``partitions``: an int or ``"auto"`` (measured on the first call).
-    ``threads``: total BLAS threads (default: the current BLAS setting); each partition's
+    ``batch_partition``: ``"auto"`` (the cost model's best size that fits :func:`memory_budget`),
+    ``"budget"`` (the largest size that fits, CcT's whole-batch lowering), an int, or ``"caffe"``
+    (= 1). ``partitions``: an int, ``"auto"`` (measured on the first call) or ``"model"`` (cost
+    model). ``threads``: total BLAS threads (default: the current BLAS setting); each partition's
     GEMMs get ``threads // p``. Results equal ``inner``'s up to float rounding.
+
+    Besides the three products, :meth:`forward_into` and :meth:`backward_into` write into given
+    arrays (the layer's top / parameter diffs / bottom diff) and, when ``inner`` has them too,
+    hand each chunk to the inner lowering's own ``forward_into``/``backward_into`` (type 1:
+    buffers reused across calls, weight and data gradients from one im2col per chunk).
     """
 
     def __init__(self, inner: LoweringStrategy, batch_partition: int | str = "auto",
                  partitions: int | str = 1, threads: int | None = None, budget: int | str | None = None,
-                 candidates: tuple[int, ...] | None = None):
+                 candidates: tuple[int, ...] | None = None, machine: Any = None):
         self.inner = inner
         self.name = inner.name
         if batch_partition == "caffe":
             batch_partition = 1
-        if not (batch_partition == "auto" or (isinstance(batch_partition, int) and batch_partition >= 1)):
-            raise ValueError(f"batch_partition must be 'auto', 'caffe' or a positive int, got {batch_partition!r}")
-        if not (partitions == "auto" or (isinstance(partitions, int) and partitions >= 1)):
-            raise ValueError(f"partitions must be 'auto' or a positive int, got {partitions!r}")
+        if not (batch_partition in ("auto", "budget") or (isinstance(batch_partition, int) and batch_partition >= 1)):
+            raise ValueError(f"batch_partition must be 'auto', 'budget', 'caffe' or a positive int, "
+                             f"got {batch_partition!r}")
+        if not (partitions in ("auto", "model") or (isinstance(partitions, int) and partitions >= 1)):
+            raise ValueError(f"partitions must be 'auto', 'model' or a positive int, got {partitions!r}")
         self.batch_partition = batch_partition
         self.partitions = partitions
         self.threads = threads
         self.budget = budget
         self.candidates = candidates
+        self.machine = machine  # cost-model constants (default: the calibrated ones per thread count)
         self._pool: ThreadPoolExecutor | None = None
         self._chosen: dict[tuple, int] = {}
+        self._plans: dict[tuple, dict] = {}
+        self._total_threads: int | None = None
         self.last_timings: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -166,21 +184,93 @@ class BatchedLowering(LoweringStrategy):
         return True if fn is None else bool(fn(geom))
 
     def total_threads(self) -> int:
-        """Total BLAS threads shared by the partitions."""
-        return int(self.threads) if self.threads else max(1, blas.get_num_threads())
+        """Total BLAS threads shared by the partitions (read once: the BLAS setting at first use)."""
+        if self.threads:
+            return int(self.threads)
+        if self._total_threads is None:
+            self._total_threads = max(1, blas.get_num_threads())
+        return self._total_threads
+
+    def _machine_for(self, threads: int):
+        if self.machine is not None:
+            return self.machine
+        from .calibrate import load_machine
+
+        return load_machine(measure_if_missing=False, threads=threads)
+
+    def _pass_types(self) -> dict[str, str] | None:
+        """The cost-model type run by each pass (a per-pass plan mixes them), or None if unknown."""
+        from .cost_model import KNOWN_TYPES, PASSES
+
+        names = {q: getattr(getattr(self.inner, q, None), "name", self.inner.name) for q in PASSES}
+        return names if all(n in KNOWN_TYPES for n in names.values()) else None
+
+    def _model_bp(self, geom: ConvGeometry, per_part: int, cap_bp: int, threads: int,
+                  parts: int = 1) -> tuple[int, float]:
+        from .cost_model import batch_partition_candidates, chunked_seconds, detect_cache_bytes
+
+        types = self._pass_types()
+        if types is None:  # a lowering without a cost model: CcT's default, the largest chunk that fits
+            return cap_bp, 0.0
+        mach = self._machine_for(threads)
+        if parts > 1 and hasattr(mach, "cache_bytes"):  # concurrent partitions share the last-level cache
+            mach = dataclasses.replace(mach, cache_bytes=max(1, (mach.cache_bytes or detect_cache_bytes()) // parts))
+        best: tuple[int, float] | None = None
+        for bp in batch_partition_candidates(per_part, cap_bp):
+            t = sum(chunked_seconds(name, geom, per_part, bp, mach, q) for q, name in types.items())
+            if best is None or t < best[1] * (1 - 1e-9):
+                best = (bp, t)
+        return best if best is not None else (cap_bp, 0.0)
+
+    def _model_partitions(self, geom: ConvGeometry, batch: int, itemsize: int) -> int:
+        """The ``p`` with the least predicted time (each partition priced at ``threads // p`` threads)."""
+        total = self.total_threads()
+        if self._pass_types() is None or self.batch_partition != "auto" or total <= 1 or batch <= 1:
+            return 1
+        best_p, best_t = 1, None
+        for p in _default_candidates(total, batch):
+            per = max(1, total // p)
+            mach = self._machine_for(per)
+            if p > 1 and getattr(mach, "nominal", False):
+                continue  # no measured constants for this thread count: do not guess
+            plan = self.plan(geom, batch, itemsize, partitions=p)
+            t = plan["predicted_s"] + (PARTITION_OVERHEAD_S * p if p > 1 else 0.0)
+            if best_t is None or t < best_t:
+                best_p, best_t = p, t
+        return best_p
 
     def plan(self, geom: ConvGeometry, batch: int, itemsize: int = 4, partitions: int | None = None) -> dict:
-        """``{"p": partitions, "b_p": images per GEMM, "ranges": [[(start, stop), ...] per partition]}``."""
-        p = partitions if partitions is not None else (self.partitions if isinstance(self.partitions, int) else 1)
-        p = max(1, min(p, batch)) if batch else 1
+        """``{"p": partitions, "b_p": images per GEMM, "ranges": [[(start, stop), ...] per partition]}``
+        (plus ``predicted_s`` when the cost model chose ``b_p``)."""
+        if partitions is None:
+            if isinstance(self.partitions, int):
+                partitions = self.partitions
+            elif self.partitions == "model":
+                key = ("p", geom, batch, itemsize)
+                if key not in self._chosen:
+                    self._chosen[key] = self._model_partitions(geom, batch, itemsize)
+                partitions = self._chosen[key]
+            else:
+                partitions = self._chosen.get((geom, batch, itemsize), 1)
+        key = (geom, batch, itemsize, partitions)
+        cached = self._plans.get(key)
+        if cached is not None:
+            return cached
+        p = max(1, min(partitions, batch)) if batch else 1
         parts = split(batch, p)
         per_part = max((e - s for s, e in parts), default=0)
-        if self.batch_partition == "auto":
+        predicted = None
+        if self.batch_partition in ("auto", "budget"):
             cap = memory_budget(self.budget) // p
             bp = max_batch_partition(self.inner, geom, max(per_part, 1), itemsize, cap)
+            if self.batch_partition == "auto" and per_part >= 1:
+                bp, predicted = self._model_bp(geom, per_part, bp, max(1, self.total_threads() // p), p)
         else:
             bp = min(int(self.batch_partition), max(per_part, 1))
-        return {"p": p, "b_p": bp, "ranges": [chunks(s, e, bp) for s, e in parts]}
+        out = {"p": p, "b_p": bp, "ranges": [chunks(s, e, bp) for s, e in parts]}
+        out["predicted_s"] = predicted if predicted is not None else 0.0
+        self._plans[key] = out
+        return out
 
     def _executor(self, p: int) -> ThreadPoolExecutor:
         with self._lock:
@@ -191,36 +281,50 @@ class BatchedLowering(LoweringStrategy):
             return self._pool
 
     def _run(self, geom: ConvGeometry, batch: int, itemsize: int, work: Callable[[int, int], Any],
-             partitions: int | None = None) -> list[list[Any]]:
-        """Run ``work(start, stop)`` over the plan's chunks; results per partition, in order."""
+             partitions: int | None = None, part_done: Callable[[int], Any] | None = None) -> list[list[Any]]:
+        """Run ``work(start, stop)`` over the plan's chunks; results per partition, in order.
+
+        ``part_done(i)`` (if given) runs in partition ``i``'s thread after its last chunk.
+        """
         plan = self.plan(geom, batch, itemsize, partitions)
         p = plan["p"]
         if p == 1:
-            return [[work(s, e) for s, e in plan["ranges"][0]]]
+            res = [work(s, e) for s, e in plan["ranges"][0]]
+            if part_done is not None:
+                part_done(0)
+            return [res]
         per = max(1, self.total_threads() // p)
         backend = blas.get_backend()
         local = blas.supports_thread_local_limits(backend)
 
-        def part(ranges):
+        def part(i):
             with contextlib.ExitStack() as stack:
                 if local:
                     stack.enter_context(blas.blas_threads(per, backend))
                 stack.enter_context(_kernel_threads(per))  # numba kernels (im2col...): per calling thread
-                return [work(s, e) for s, e in ranges]
+                res = [work(s, e) for s, e in plan["ranges"][i]]
+                if part_done is not None:
+                    part_done(i)
+                return res
 
-        pool = self._executor(p)
-        if local:
-            futures = [pool.submit(part, r) for r in plan["ranges"]]
-            return [f.result() for f in futures]
-        with blas.blas_threads(per, backend):  # process-wide (OpenBLAS): same limit for all partitions
-            futures = [pool.submit(part, r) for r in plan["ranges"]]
-            return [f.result() for f in futures]
+        pool = self._executor(p - 1)
+        with contextlib.ExitStack() as stack:
+            if not local:  # process-wide (OpenBLAS): same limit for all partitions
+                stack.enter_context(blas.blas_threads(per, backend))
+            futures = [pool.submit(part, i) for i in range(1, p)]
+            try:
+                first = part(0)  # the calling thread runs partition 0
+            finally:
+                rest = [f.result() for f in futures]
+            return [first] + rest
 
     def _partitions_for(self, geom: ConvGeometry, batch: int, itemsize: int,
                         measure: Callable[[int], float]) -> tuple[int, bool]:
         """``(p, measured)``: ``measured`` means the candidates just ran (outputs are filled)."""
-        if self.partitions != "auto":
+        if isinstance(self.partitions, int):
             return int(self.partitions), False
+        if self.partitions == "model":
+            return self.plan(geom, batch, itemsize)["p"], False
         key = (geom, batch, itemsize)
         if key in self._chosen:
             return self._chosen[key], False
@@ -242,14 +346,24 @@ class BatchedLowering(LoweringStrategy):
             pass
         return best, True
 
+    def _current_partitions(self, geom: ConvGeometry, batch: int, itemsize: int) -> int:
+        if isinstance(self.partitions, int):
+            return self.partitions
+        if self.partitions == "model":
+            return self.plan(geom, batch, itemsize)["p"]
+        return self._chosen.get((geom, batch, itemsize), 1)
+
     # -- the three passes -----------------------------------------------------------------------
-    def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(x)
+    def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
+        """``out[...] = conv(x, w) + b``, chunk by chunk (``out`` ``(N, M, *out)``, C-contiguous)."""
         n = x.shape[0]
-        y = xp.empty((n, geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
+        inner_into = getattr(self.inner, "forward_into", None)
 
         def work(s, e):
-            y[s:e] = self.inner.forward(x[s:e], w, b, geom)
+            if inner_into is not None:
+                inner_into(x[s:e], w, b, geom, out[s:e])
+            else:
+                out[s:e] = self.inner.forward(x[s:e], w, b, geom)
 
         def measure(p):
             t0 = time.perf_counter()
@@ -259,39 +373,75 @@ class BatchedLowering(LoweringStrategy):
         p, measured = self._partitions_for(geom, n, x.itemsize, measure)
         if not measured:
             self._run(geom, n, x.itemsize, work, p)
-        return y
+        return out
+
+    def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
+        xp = get_array_module(x)
+        y = xp.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
+        return self.forward_into(x, w, b, geom, y)
+
+    def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
+                      dx: Any = None) -> None:
+        """``dw += dL/dw``, ``db += dL/db``, ``dx[...] = dL/dx`` (each None to skip), chunk by chunk.
+
+        Each partition accumulates its weight/bias gradient privately; the sums are added to
+        ``dw``/``db`` at the end. With an inner ``backward_into`` one lowering per chunk feeds both
+        gradients.
+        """
+        xp = get_array_module(dy)
+        n = dy.shape[0]
+        p = self._current_partitions(geom, n, dy.itemsize)
+        plan = self.plan(geom, n, dy.itemsize, p)
+        parts = plan["p"]
+        inner_into = getattr(self.inner, "backward_into", None)
+        accs = []
+        for i in range(parts):
+            if i == 0 and parts == 1:
+                accs.append((dw, db))  # one partition: accumulate straight into the outputs
+            else:
+                accs.append((None if dw is None else xp.zeros(dw.shape, dtype=dw.dtype),
+                             None if db is None else xp.zeros(db.shape, dtype=db.dtype)))
+        owner = {}
+        for i, ranges in enumerate(plan["ranges"]):
+            for s, _ in ranges:
+                owner[s] = i
+        wgeom = geom if db is not None else dataclasses.replace(geom, bias_term=False)
+
+        def work(s, e):
+            adw, adb = accs[owner[s]]
+            if inner_into is not None:
+                inner_into(dy[s:e], x[s:e] if x is not None else None, w, geom, dw=adw, db=adb,
+                           dx=None if dx is None else dx[s:e])
+                return
+            if adw is not None:
+                gw, gb = self.inner.backward_weights(dy[s:e], x[s:e], wgeom)
+                adw += gw.reshape(adw.shape)
+                if adb is not None:
+                    adb += gb
+            elif adb is not None:
+                adb += dy[s:e].reshape(e - s, geom.channels_out, -1).sum(axis=(0, 2))
+            if dx is not None:
+                dx[s:e] = self.inner.backward_data(dy[s:e], w, geom)
+
+        self._run(geom, n, dy.itemsize, work, parts)
+        if parts > 1:
+            for adw, adb in accs:
+                if dw is not None:
+                    dw += adw
+                if db is not None:
+                    db += adb
 
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
         xp = get_array_module(dy)
-        n = dy.shape[0]
-        dx = xp.empty((n, geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
-
-        def work(s, e):
-            dx[s:e] = self.inner.backward_data(dy[s:e], w, geom)
-
-        p = self._chosen.get((geom, n, dy.itemsize), self.partitions if isinstance(self.partitions, int) else 1)
-        self._run(geom, n, dy.itemsize, work, p)
+        dx = xp.empty((dy.shape[0], geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
+        self.backward_into(dy, None, w, geom, dx=dx)
         return dx
 
     def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
-        n = dy.shape[0]
-
-        def work(s, e):
-            return self.inner.backward_weights(dy[s:e], x[s:e], geom)
-
-        p = self._chosen.get((geom, n, dy.itemsize), self.partitions if isinstance(self.partitions, int) else 1)
-        results = [r for part in self._run(geom, n, dy.itemsize, work, p) for r in part]
-        if not results:
-            xp = get_array_module(dy)
-            dw = xp.zeros(geom.weight_shape, dtype=dy.dtype)
-            return dw, (xp.zeros(geom.channels_out, dtype=dy.dtype) if geom.bias_term else None)
-        dw, db = results[0]
-        dw = dw.copy()
-        db = None if db is None else db.copy()
-        for dwi, dbi in results[1:]:
-            dw += dwi
-            if db is not None:
-                db += dbi
+        xp = get_array_module(dy)
+        dw = xp.zeros(geom.weight_shape, dtype=dy.dtype)
+        db = xp.zeros(geom.channels_out, dtype=dy.dtype) if geom.bias_term else None
+        self.backward_into(dy, x, None, geom, dw=dw, db=db)
         return dw, db
 
     def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:

@@ -171,13 +171,22 @@ class PartialLowering(LoweringStrategy):
     # -- the three passes -------------------------------------------------------------------
     def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
         """``y = conv(x, w) + b`` for the whole batch (one GEMM per group)."""
+        return self.forward_into(x, w, b, geom, None)
+
+    def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
+        """:meth:`forward` written into ``out`` ``(N, M, *out)`` (a new array if None); returns it."""
         xp = get_array_module(x)
         n = x.shape[0]
         nd, low, lift, ext = self._layout(geom)
         g, cg, mg = geom.group, geom.channels_in // geom.group, geom.channels_out // geom.group
         shape = (n, geom.channels_out) + tuple(geom.out_shape)
         empty = math.prod(shape) == 0 or x.size == 0
-        y = (xp.zeros if empty else xp.empty)(shape, dtype=x.dtype)  # the lifting writes every element
+        if out is None:
+            y = (xp.zeros if empty else xp.empty)(shape, dtype=x.dtype)  # the lifting writes every element
+        else:
+            y = out
+            if empty:
+                y[...] = 0
         if empty:
             if b is not None and y.size:
                 y += b.reshape((1, -1) + (1,) * nd)
