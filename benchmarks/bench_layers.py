@@ -261,8 +261,9 @@ def main(argv=None) -> int:
     path = common.write_json("bench_layers", {"environment": env, "kernels": kernels.info(), "dtype": str(dtype),
                                               "repeats": repeats, "statistic": "median", "results": results,
                                               "totals_s": totals}, args.out)
-    print("# relu*, lift*: cct.kernels.elementwise, not yet used by cct.layers.activation / cct.lowering.type1 "
-          "(not in the totals); lift* = type 1's lifting + bias (fwd) and _group_major (bwd, done twice per conv)")
+    print("# relu*, lift*: cct.kernels.elementwise (not in the totals); ReLU layers use relu*; lift* = type 1's "
+          "lifting + bias (fwd) and _group_major (bwd), which type 1 does not use (it writes GEMM results into "
+          "the top blob per chunk instead)")
     print(f"# wrote {path}")
     return 0
 
