@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..backend import get_array_module
 from .geometry import ConvGeometry
 
 
@@ -46,6 +47,37 @@ class LoweringStrategy:
 
     def __repr__(self) -> str:
         return f"<lowering {self.name}>"
+
+
+class IntoLowering(LoweringStrategy):
+    """A lowering that writes into caller-given arrays (``forward_into`` / ``backward_into``, which the
+    conv layer calls to write straight into its blobs); the whole-array passes derive from them."""
+
+    def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
+        raise NotImplementedError
+
+    def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
+                      dx: Any = None) -> None:
+        """Accumulate into ``dw``/``db`` (when given) and write ``dx`` (when given)."""
+        raise NotImplementedError
+
+    def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
+        xp = get_array_module(x)
+        y = xp.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
+        return self.forward_into(x, w, b, geom, y)
+
+    def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
+        xp = get_array_module(dy)
+        dx = xp.empty((dy.shape[0], geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
+        self.backward_into(dy, None, w, geom, dx=dx)
+        return dx
+
+    def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
+        xp = get_array_module(dy)
+        dw = xp.zeros(geom.weight_shape, dtype=dy.dtype)
+        db = xp.zeros(geom.channels_out, dtype=dy.dtype) if geom.bias_term else None
+        self.backward_into(dy, x, None, geom, dw=dw, db=db)
+        return dw, db
 
 
 _STRATEGIES: dict[str, Callable[[], LoweringStrategy]] = {}

@@ -45,7 +45,7 @@ from typing import Any
 
 from .. import blas
 from ..backend import get_array_module
-from .base import LoweringStrategy
+from .base import IntoLowering, LoweringStrategy
 from .geometry import ConvGeometry
 
 DEFAULT_FRACTION = 0.25
@@ -137,7 +137,7 @@ def chunks(start: int, stop: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, stop)) for s in range(start, stop, size)]
 
 
-class BatchedLowering(LoweringStrategy):
+class BatchedLowering(IntoLowering):
     """Run ``inner`` on batch chunks of ``b_p`` images, optionally in ``p`` parallel partitions.
 
     ``batch_partition``: ``"auto"`` (the cost model's best size that fits :func:`memory_budget`),
@@ -375,11 +375,6 @@ class BatchedLowering(LoweringStrategy):
             self._run(geom, n, x.itemsize, work, p)
         return out
 
-    def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(x)
-        y = xp.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
-        return self.forward_into(x, w, b, geom, y)
-
     def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
                       dx: Any = None) -> None:
         """``dw += dL/dw``, ``db += dL/db``, ``dx[...] = dL/dx`` (each None to skip), chunk by chunk.
@@ -430,19 +425,6 @@ class BatchedLowering(LoweringStrategy):
                     dw += adw
                 if db is not None:
                     db += adb
-
-    def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(dy)
-        dx = xp.empty((dy.shape[0], geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
-        self.backward_into(dy, None, w, geom, dx=dx)
-        return dx
-
-    def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
-        xp = get_array_module(dy)
-        dw = xp.zeros(geom.weight_shape, dtype=dy.dtype)
-        db = xp.zeros(geom.channels_out, dtype=dy.dtype) if geom.bias_term else None
-        self.backward_into(dy, x, None, geom, dw=dw, db=db)
-        return dw, db
 
     def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:
         """Inner cost summed over the chunks of one partition (partitions run concurrently)."""

@@ -28,7 +28,7 @@ from typing import Any
 
 from .. import blas
 from ..backend import get_array_module
-from .base import LoweringStrategy, register_strategy
+from .base import IntoLowering, register_strategy
 from .geometry import ConvGeometry
 from .im2col import col2im, im2col
 
@@ -54,7 +54,7 @@ def _group_major(a: Any, n: int, g: int, per_group: int, p: int, out: Any = None
     return out.reshape(g, per_group, n * p)
 
 
-class Type1Lowering(LoweringStrategy):
+class Type1Lowering(IntoLowering):
     """im2col over the batch, one GEMM per group, trivial lifting (see module docstring)."""
 
     name = "type1"
@@ -168,25 +168,6 @@ class Type1Lowering(LoweringStrategy):
         dcol = dcol.reshape((geom.channels_in,) + tuple(geom.kernel) + (n,) + tuple(geom.out_shape))
         col2im(_col_buffer_view(dcol, nd), geom.in_shape, geom.kernel, geom.pad, geom.stride, geom.dilation,
                out=dx)
-
-    # -- the three products (whole-array interface) ----------------------------------------------
-    def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(x)
-        y = xp.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
-        return self.forward_into(x, w, b, geom, y)
-
-    def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(dy)
-        dx = xp.empty((dy.shape[0], geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
-        self.backward_into(dy, None, w, geom, dx=dx)
-        return dx
-
-    def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
-        xp = get_array_module(dy)
-        dw = xp.zeros(geom.weight_shape, dtype=dy.dtype)
-        db = xp.zeros(geom.channels_out, dtype=dy.dtype) if geom.bias_term else None
-        self.backward_into(dy, x, None, geom, dw=dw, db=db)
-        return dw, db
 
 
 register_strategy("type1", Type1Lowering)
