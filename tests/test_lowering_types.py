@@ -5,11 +5,13 @@ gradient -- on randomized N-d geometries (padding, stride, dilation, rectangular
 groups), in float32 and float64, and pass a finite-difference gradient check through the
 Convolution layer.
 """
+import contextlib
 import itertools
 
 import numpy as np
 import pytest
 
+from cct import blas
 from cct.io.prototxt import parse_text
 from cct.layers.base import create_layer
 from cct.lowering import ConvGeometry, get_strategy
@@ -251,3 +253,48 @@ def test_gradient_through_conv_layer(name, case):
     bottom = [make_blob(rng.standard_normal(shape))]
     top = [make_blob(np.zeros(1))]
     check_gradient(layer, bottom, top, stepsize=1e-4, threshold=1e-6)
+
+
+# -- the same gradient checks on every BLAS backend and partition count ------------------------
+BLAS_BACKENDS = ["openblas"] + (["mkl"] if blas.mkl_available() else [])
+
+
+@contextlib.contextmanager
+def _backend(name):
+    previous = blas._explicit
+    blas.set_backend(name)
+    try:
+        yield
+    finally:
+        blas._explicit = previous
+
+
+@pytest.mark.parametrize("backend", BLAS_BACKENDS)
+@pytest.mark.parametrize("partitions", [1, 2])
+@pytest.mark.parametrize("name", TYPES)
+def test_gradient_on_each_blas_backend_and_partition_count(backend, partitions, name):
+    ltype, text, shape = CONV_CASES[0]
+    param = parse_text(
+        f'name: "conv" type: "{ltype}" convolution_param {{ {text} '
+        'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }',
+        caffe_pb2.LayerParameter())
+    layer = create_layer(param)
+    layer.lowering = BatchedLowering(get_strategy(name), batch_partition=1, partitions=partitions)
+    rng = np.random.default_rng(6)
+    bottom = [make_blob(rng.standard_normal(shape))]
+    top = [make_blob(np.zeros(1))]
+    with _backend(backend):
+        check_gradient(layer, bottom, top, stepsize=1e-4, threshold=1e-6)
+
+
+@pytest.mark.parametrize("backend", BLAS_BACKENDS)
+def test_inner_product_gradient_on_each_blas_backend(backend):
+    param = parse_text('name: "ip" type: "InnerProduct" inner_product_param { num_output: 3 '
+                       'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }',
+                       caffe_pb2.LayerParameter())
+    layer = create_layer(param)
+    rng = np.random.default_rng(7)
+    bottom = [make_blob(rng.standard_normal((4, 5)))]
+    top = [make_blob(np.zeros(1))]
+    with _backend(backend):
+        check_gradient(layer, bottom, top, stepsize=1e-4, threshold=1e-6)
