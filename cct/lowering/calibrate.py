@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ from .cost_model import Machine, detect_cache_bytes, nominal_machine
 FULL_DIMS = [4, 16, 64, 256, 1024, 4096]
 QUICK_DIMS = [8, 64, 512]
 _memo: dict[str, Machine] = {}
+
+log = logging.getLogger("cct")
 
 
 def _cache_name(threads: int, backend: str) -> str:
@@ -206,6 +209,8 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
             pass
     if not measure_if_missing:
         return nominal_machine()
+    log.info("Calibrating the lowering cost model for this machine (%s, %d BLAS threads) once; "
+             "cached in %s (cct calibrate re-measures)", backend, n, blas.cache_dir())
     return calibrate(threads=threads)
 
 
