@@ -289,7 +289,6 @@ def cmd_test(argv: Sequence[str]) -> int:
     """``cct test``: run a model's TEST phase for N batches and report each output's mean."""
     import numpy as np
 
-    from .backend import to_numpy
     from .net import Net
 
     p = _parser("test", "Score a model: run N batches and print per-batch and mean outputs.")
@@ -317,16 +316,13 @@ def cmd_test(argv: Sequence[str]) -> int:
     loss = np.float32(0)
     for i in range(args.iterations):
         loss += np.float32(net.forward())
-        idx = 0
-        for name in net.output_blob_names:
-            for v in np.asarray(to_numpy(net.blobs[name].data), dtype=np.float32).ravel():
-                if i == 0:
-                    scores.append(np.float32(v))
-                    names.append(name)
-                else:
-                    scores[idx] += v
-                idx += 1
-                log.info("Batch %d, %s = %g", i, name, v)
+        for idx, (name, v) in enumerate(net.output_values()):
+            if i == 0:
+                scores.append(v)
+                names.append(name)
+            else:
+                scores[idx] += v
+            log.info("Batch %d, %s = %g", i, name, v)
     loss /= np.float32(args.iterations)
     log.info("Loss: %g", loss)
     for name, s in zip(names, scores):

@@ -337,6 +337,14 @@ class Net:
     def output_blobs(self) -> list[Blob]:
         return [self.blobs[n] for n in self.output_blob_names]
 
+    def output_values(self) -> list[tuple[str, np.float32]]:
+        """Every element of every output blob as (blob name, float32 value), in Caffe's order
+        (what ``caffe test`` and the solver's test pass accumulate)."""
+        from ..backend import to_numpy
+
+        return [(name, np.float32(v)) for name in self.output_blob_names
+                for v in np.asarray(to_numpy(self.blobs[name].data), dtype=np.float32).ravel()]
+
     @property
     def layer_params(self) -> OrderedDict[str, list[Blob]]:
         """Layer name -> its parameter blobs, for layers that have any (pycaffe's ``net.params``)."""

@@ -453,15 +453,12 @@ class Solver:
             iter_loss = net.forward()
             if p.test_compute_loss:
                 loss += np.float32(iter_loss)
-            idx = 0
-            for name in net.output_blob_names:
-                for v in np.asarray(_to_numpy(net.blobs[name].data), dtype=np.float32).ravel():
-                    if i == 0:
-                        scores.append(np.float32(v))
-                        score_names.append(name)
-                    else:
-                        scores[idx] += np.float32(v)
-                    idx += 1
+            for idx, (name, v) in enumerate(net.output_values()):
+                if i == 0:
+                    scores.append(v)
+                    score_names.append(name)
+                else:
+                    scores[idx] += v
         if self.requested_early_exit:
             log.info("Test interrupted.")
             return []
