@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from ..errors import CctError, ProtoParseError
+from ..errors import CctError
 from ..proto import caffe_pb2
 
 
@@ -74,17 +74,9 @@ def array_to_blobproto(arr, diff=None, legacy_4d: bool = False) -> caffe_pb2.Blo
 
 def read_binaryproto(path: str | os.PathLike) -> caffe_pb2.BlobProto:
     """Read a ``.binaryproto`` file (e.g. a mean file) as a BlobProto."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise CctError(f"cannot read binaryproto '{path}': {e.strerror}") from None
-    proto = caffe_pb2.BlobProto()
-    try:
-        proto.ParseFromString(raw)
-    except Exception as e:
-        raise ProtoParseError(f"{path}: not a valid BlobProto ({e})") from None
-    return proto
+    from .binary import read_binary_message
+
+    return read_binary_message(path, caffe_pb2.BlobProto(), "binaryproto")
 
 
 def write_binaryproto(path: str | os.PathLike, proto: caffe_pb2.BlobProto) -> None:

@@ -5,45 +5,21 @@ import os
 from collections import OrderedDict
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
-from ..errors import CctError, ProtoParseError
+from ..errors import CctError
 from ..proto import caffe_pb2
+from .binary import read_binary_message
 from .blobproto import blobproto_to_array
 
 HDF5_EXTENSIONS = (".h5", ".hdf5")
-
-
-def _read_bytes(path: str | os.PathLike, what: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise CctError(f"cannot read {what} '{os.fspath(path)}': {e.strerror}") from None
-
-
-def parse_net_binary(raw: bytes, source: str = "<bytes>") -> caffe_pb2.NetParameter:
-    """Parse serialized NetParameter bytes (no upgrade); a bad message raises ProtoParseError naming ``source``."""
-    net = caffe_pb2.NetParameter()
-    try:
-        # upb (the protobuf runtime in use) has no 64 MB total-size limit, unlike Caffe's C++ reader
-        # (which raises it to 2 GB); nesting depth is the only limit and a NetParameter is shallow.
-        net.ParseFromString(raw)
-    except (DecodeError, RuntimeError, ValueError) as e:
-        raise ProtoParseError(f"{source}: not a valid binary NetParameter (.caffemodel): {e}") from None
-    if raw and not net.ListFields():
-        # Every byte went to unknown fields: some other kind of file (text prototxt, HDF5, image...).
-        raise ProtoParseError(f"{source}: not a binary NetParameter (.caffemodel): no NetParameter field found")
-    return net
 
 
 def read_caffemodel(path: str | os.PathLike) -> caffe_pb2.NetParameter:
     """Read a binary ``.caffemodel`` and upgrade legacy (V0/V1, input fields) definitions as Caffe does."""
     from .upgrade import upgrade_net
 
-    source = os.fspath(path)
-    net = parse_net_binary(_read_bytes(path, "caffemodel"), source)
-    return upgrade_net(net, source=source)
+    net = read_binary_message(path, caffe_pb2.NetParameter(), "binary NetParameter (.caffemodel)")
+    return upgrade_net(net, source=os.fspath(path))
 
 
 def write_caffemodel(path: str | os.PathLike, net_param: caffe_pb2.NetParameter) -> None:

@@ -24,10 +24,10 @@ import os
 from typing import Any
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from ..errors import CctError, ProtoParseError
 from ..io.atomic import atomic_write_bytes
+from ..io.binary import read_binary_message
 from ..io.blobproto import array_to_blobproto, blobproto_to_array
 from ..proto import caffe_pb2
 
@@ -75,18 +75,7 @@ def read_solverstate(path: str) -> dict:
         from ..io.hdf5 import read_hdf5_solverstate
 
         return read_hdf5_solverstate(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise CctError(f"cannot read solver state '{path}': {e.strerror}") from None
-    state = caffe_pb2.SolverState()
-    try:
-        state.ParseFromString(raw)
-    except (DecodeError, RuntimeError, ValueError) as e:
-        raise ProtoParseError(f"{path}: not a valid SolverState (.solverstate): {e}") from None
-    if raw and not state.ListFields():
-        raise ProtoParseError(f"{path}: not a SolverState (.solverstate): no SolverState field found")
+    state = read_binary_message(path, caffe_pb2.SolverState(), "SolverState (.solverstate)")
     try:
         history = [blobproto_to_array(b) for b in state.history]
     except CctError as e:
