@@ -608,3 +608,16 @@ def test_gpu_and_cpu_split_matches_single_device():
         cfg.close()
     for p, r in zip(net.learnable_params, ref.learnable_params):
         np.testing.assert_allclose(p.data, r.data, rtol=1e-3, atol=1e-5)
+
+
+def test_model_parallel_flag_reaches_the_executor():
+    ap = argparse.ArgumentParser()
+    scheduler.add_device_arguments(ap)
+    cfg = scheduler.devices_from_args(ap.parse_args(["--devices", "cpu:0:threads=1,cpu:1:threads=1",
+                                                     "--share", "0.5,0.5", "--model_parallel", "never"]))
+    try:
+        assert cfg.model_parallel == "never"
+    finally:
+        cfg.close()
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--model_parallel", "sometimes"])

@@ -305,6 +305,9 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--share", action="append", default=None, metavar="SHARES",
                         help="batch shares per device: 'auto' (measured FLOPS, default), 'peak', "
                              "'0.15,0.85' (must sum to 1), or per layer 'conv1=0.3,0.7' (repeatable)")
+    parser.add_argument("--model_parallel", default="auto", choices=["auto", "always", "never"],
+                        help="split InnerProduct layers across devices by output channels instead of by batch "
+                             "(auto: when the layer has more outputs than the batch has images)")
 
 
 def devices_from_args(args: argparse.Namespace, solver_param: caffe_pb2.SolverParameter | None = None
@@ -318,6 +321,13 @@ def devices_from_args(args: argparse.Namespace, solver_param: caffe_pb2.SolverPa
     """
     share_values = getattr(args, "share", None)
     shares, layer_shares = parse_shares(share_values)
+    cfg = _devices_from_args(args, solver_param, shares, layer_shares, share_values)
+    if cfg is not None:
+        cfg.model_parallel = getattr(args, "model_parallel", "auto")
+    return cfg
+
+
+def _devices_from_args(args, solver_param, shares, layer_shares, share_values) -> DeviceConfig | None:
     spec = getattr(args, "devices", None)
     if spec:
         return make_config(spec, shares, layer_shares)
