@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 from PIL import Image
-from scipy.ndimage import zoom
 
 from cct.proto import caffe_pb2
 
@@ -98,6 +97,8 @@ def resize_image(im: np.ndarray, new_dims, interp_order: int = 1) -> np.ndarray:
     As pycaffe: 1- and 3-channel images are resampled at pixel centers (scikit-image's resize),
     other channel counts with ``scipy.ndimage.zoom``'s corner-aligned grid.
     """
+    from scipy.ndimage import zoom  # imported here: scipy.ndimage takes a quarter second to import
+
     im = np.asarray(im)
     new_dims = tuple(int(d) for d in new_dims)
     scale = tuple(np.array(new_dims, dtype=float) / np.array(im.shape[:2]))

@@ -245,6 +245,66 @@ def test_im2col_col2im_bitwise(hw, k, p, s, d, dtype, layout):
     assert_bits(a, b)
 
 
+# Chunk-shaped cases (type 1 lowers b_p images per call): every row path of the kernels -- padded
+# scratch planes vs in-place reads, unit stride in whole vectors + a scalar tail, strided gathers.
+CHUNK_CASES = [
+    # n, c, (h, w), kernel, pad, stride, dilation
+    (1, 2, (16, 16), (5, 5), (2, 2), (1, 1), (1, 1)),  # cifar10_quick conv2, one image: rows of 16
+    (37, 3, (12, 12), (5, 5), (0, 0), (1, 1), (1, 1)),  # LeNet conv2, many images: rows of 8, no pad
+    (6, 2, (8, 8), (5, 5), (2, 2), (1, 1), (1, 1)),  # cifar10_quick conv3: pad as wide as half the row
+    (5, 2, (11, 13), (3, 5), (1, 2), (1, 1), (1, 1)),  # rectangular kernel, rows of 13 (vector + tail)
+    (2, 1, (5, 30), (1, 3), (0, 0), (1, 1), (1, 1)),  # rows of 28: three vectors + 4
+    (4, 3, (17, 19), (3, 3), (1, 1), (2, 2), (1, 1)),  # stride 2
+    (3, 2, (13, 20), (3, 2), (2, 1), (1, 1), (2, 2)),  # dilation 2 with pad
+    (2, 2, (9, 9), (3, 3), (0, 0), (2, 3), (2, 1)),  # mixed stride and dilation, no pad
+    (3, 2, (6, 7), (4, 4), (0, 0), (3, 3), (1, 1)),  # no pad, last window hangs over (scratch plane)
+]
+
+
+@needs_numba
+@pytest.mark.parametrize("threads", [1, None])
+@pytest.mark.parametrize("layout", ["c", "type1"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,c,hw,k,p,s,d", CHUNK_CASES)
+def test_im2col_col2im_chunks_bitwise(n, c, hw, k, p, s, d, dtype, layout, threads):
+    g = np.random.default_rng(17)
+    x = g.standard_normal((n, c) + hw).astype(dtype)
+    x.reshape(-1)[:3] = [-0.0, np.inf, np.nan]
+    cshape = (n, c) + k + li.output_shape(hw, k, p, s, d)
+
+    def lower():
+        out = _layout(layout, cshape, dtype)
+        out[...] = np.nan  # every entry must be written
+        return li.im2col(x, k, p, s, d, out=out).copy()
+
+    col = _layout(layout, cshape, dtype)
+    col[...] = g.standard_normal(cshape)
+    col.reshape(-1)[:4] = [-0.0, -0.0, np.inf, -1e30]  # -0.0 sums: 0.0 + -0.0 is 0.0 only in the right order
+    col[0, 0, 0, 0] = -0.0
+    with kernels.num_threads(threads):
+        cols = both(lower)
+        grads = both(lambda: li.col2im(col, hw, k, p, s, d, out=np.full((n, c) + hw, np.nan, dtype)))
+    assert_bits(*cols)
+    assert_bits(*grads)
+    # the lowered columns are the input's windows (direct check, not only "same as numpy")
+    xp = np.pad(x, ((0, 0), (0, 0), (p[0], p[0] + s[0] * k[0] * d[0]), (p[1], p[1] + s[1] * k[1] * d[1])))
+    oh, ow = cshape[4:]
+    for i in range(k[0]):
+        for j in range(k[1]):
+            ref = xp[:, :, i * d[0]:i * d[0] + (oh - 1) * s[0] + 1:s[0], j * d[1]:j * d[1] + (ow - 1) * s[1] + 1:s[1]]
+            assert_bits(ref, cols[1][:, :, i, j])
+
+
+@needs_numba
+def test_col2im_type1_col_into_strided_out():
+    hw, k, p, s, d = (7, 9), (3, 3), (1, 1), (1, 1), (1, 1)
+    cshape = (3, 2) + k + li.output_shape(hw, k, p, s, d)
+    col = _layout("type1", cshape, np.float32)
+    col[...] = np.random.default_rng(18).standard_normal(cshape)
+    a, b = both(lambda: li.col2im(col, hw, k, p, s, d, out=np.full((3, 2) + hw + (2,), np.nan, np.float32)[..., 0]))
+    assert_bits(a, b)
+
+
 @needs_numba
 @pytest.mark.parametrize("lead", [(), (3,), (2, 3), (2, 1, 3)])
 def test_im2col_lead_axes_and_generic_strides(lead):

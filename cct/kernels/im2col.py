@@ -1,13 +1,22 @@
-"""numba kernels of 2-D im2col / col2im over ``(N, C, H, W)``, parallel over ``N * C`` planes.
+"""numba kernels of 2-D im2col / col2im over ``(N, C, H, W)``, parallel over channels x runs of images.
 
-Layout as :mod:`cct.lowering.im2col`: columns ``(N, C, kh, kw, OH, OW)``, any strides. A view
-whose ``(C, kh, kw, N, OH, OW)`` transpose is C-contiguous (the type-1 lowering's buffer) is
-walked in that order, so both common layouts get contiguous (vectorizable) inner loops. Padding
-and dilation as Caffe; windows that hang over the padded input read zeros.
+Layout as :mod:`cct.lowering.im2col`: columns ``(N, C, kh, kw, OH, OW)``, any strides. The two
+C-contiguous layouts are walked directly: C order, and a view whose ``(C, kh, kw, N, OH, OW)``
+transpose is C-contiguous (the type-1 lowering's buffer); anything else goes through a C-order
+copy. Padding and dilation as Caffe; windows that hang over the padded input read zeros.
+
+Each task takes one channel of a run of images. With padding (or a last window hanging over the
+input) it first copies the run's planes into a zeroed, padded scratch plane per image, so every
+row of a lowered block is ONE branch-free copy ``OW`` long (a contiguous run for stride 1) --
+no per-row border logic, which dominated for the 8..16-float rows of small images (LeNet,
+cifar10_quick) -- moved in whole 8-element vectors plus a scalar tail. Without padding the
+input planes are read in place. Per call, ``(N / run) * C`` tasks of ``run`` images (~8 tasks
+per numba thread of the calling thread; see :mod:`cct.kernels` for thread budgets).
 
 * im2col is a pure copy (bitwise equal to the numpy path).
-* col2im zeroes each plane, then adds the columns kernel offset by kernel offset (row-major),
-  the numpy path's order, so each input position sums the same terms in the same order.
+* col2im accumulates into zeroed (padded scratch or output) planes, kernel offset by kernel
+  offset in row-major order -- the numpy path's order, so each input position sums the same
+  terms in the same order -- then copies the interior of the padded planes out.
 """
 from __future__ import annotations
 
@@ -15,157 +24,182 @@ from collections.abc import Sequence
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 _OPTS = dict(nogil=True, cache=True, error_model="numpy",
              parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
                            numpy=False, stencil=False, fusion=False))
 
 
-@nb.njit(cache=True)
-def _ow_range(coff, sw, w, ow_n):  # pragma: no cover (compiled)
-    """Output columns ``ow`` with ``0 <= ow * sw + coff < w``: [lo, hi)."""
-    lo = 0
-    if coff < 0:
-        lo = (-coff + sw - 1) // sw
-    hi = 0
-    if w - coff > 0:
-        hi = (w - 1 - coff) // sw + 1
-    lo = min(lo, ow_n)
-    hi = max(min(hi, ow_n), lo)
-    return lo, hi
+# Unit-stride rows move _V elements per (unaligned) vector load/store, then a scalar tail: LLVM's
+# own loop vectorizer (runtime alias checks, 16 x 4 floats per iteration on AVX-512) leaves rows of
+# 8..32 elements -- every row of LeNet and cifar10_quick -- to its scalar remainder loop. The adds
+# are plain IEEE ``fadd`` (no fast-math), the same operation per element as the scalar code.
+_V = 8
 
 
-@nb.njit(cache=True)
-def _im2col_block(src, blk, roff, coff, lo, hi, h, sh, sw, zero):  # pragma: no cover (compiled)
-    """One (image, channel, kernel offset): ``blk`` (OH, OW) from the input plane ``src`` (H, W);
-    output columns [lo, hi) read inside the input (the rest are padding)."""
-    oh_n, ow_n = blk.shape
-    ulo = nb.uint64(lo)
-    cnt = nb.uint64(hi - lo)
-    s0 = nb.uint64(lo * sw + coff if hi > lo else 0)
-    usw = nb.uint64(sw)
-    uown = nb.uint64(ow_n)
-    for oh in range(oh_n):
-        d = blk[oh]
-        r = oh * sh + roff
-        if r < 0 or r >= h:
-            for ow in range(uown):
-                d[ow] = zero
-            continue
-        srow = src[nb.uint64(r)]
-        for ow in range(ulo):
-            d[ow] = zero
-        if sw == 1:
-            for t in range(cnt):
-                d[ulo + t] = srow[s0 + t]
-        else:
-            for t in range(cnt):
-                d[ulo + t] = srow[s0 + t * usw]
-        for ow in range(ulo + cnt, uown):
-            d[ow] = zero
+def _vec_ptrs(context, builder, sig, args):
+    """Pointers to ``_V``-element vectors at ``dst.data + d`` and ``src.data + s``."""
+    dst, d, src, s = args
+    darr = context.make_array(sig.args[0])(context, builder, dst)
+    sarr = context.make_array(sig.args[2])(context, builder, src)
+    vec = ir.VectorType(context.get_data_type(sig.args[0].dtype), _V).as_pointer()
+    return builder.bitcast(builder.gep(darr.data, [d]), vec), builder.bitcast(builder.gep(sarr.data, [s]), vec)
 
 
-@nb.njit(cache=True)
-def _col2im_block(blk, dst, roff, coff, lo, hi, h, sh, sw):  # pragma: no cover (compiled)
-    """One (image, channel, kernel offset): add ``blk`` (OH, OW) columns [lo, hi) into the plane ``dst`` (H, W)."""
-    oh_n = blk.shape[0]
-    if lo >= hi:
-        return
-    ulo = nb.uint64(lo)
-    cnt = nb.uint64(hi - lo)
-    d0 = nb.uint64(lo * sw + coff)
-    usw = nb.uint64(sw)
-    for oh in range(oh_n):
-        r = oh * sh + roff
-        if r < 0 or r >= h:
-            continue
-        srow = blk[oh]
-        drow = dst[nb.uint64(r)]
-        if sw == 1:
-            for t in range(cnt):
-                drow[d0 + t] += srow[ulo + t]
-        else:
-            for t in range(cnt):
-                drow[d0 + t * usw] += srow[ulo + t]
+@intrinsic
+def _vcopy(typingctx, dst, d, src, s):  # pragma: no cover (compiled)
+    """``dst[d:d + _V] = src[s:s + _V]`` as one unaligned vector load and store."""
+
+    def codegen(context, builder, sig, args):
+        dp, sp = _vec_ptrs(context, builder, sig, args)
+        builder.store(builder.load(sp, align=1), dp, align=1)
+        return context.get_dummy_value()
+
+    return types.void(dst, d, src, s), codegen
 
 
-@nb.njit(cache=True)
-def _zero_plane(dst, zero):  # pragma: no cover (compiled)
-    for r in range(dst.shape[0]):
-        drow = dst[r]
-        for q in range(dst.shape[1]):
-            drow[q] = zero
+@intrinsic
+def _vadd(typingctx, dst, d, src, s):  # pragma: no cover (compiled)
+    """``dst[d:d + _V] += src[s:s + _V]`` elementwise (IEEE adds, ``dst + src`` as the scalar code)."""
 
+    def codegen(context, builder, sig, args):
+        dp, sp = _vec_ptrs(context, builder, sig, args)
+        builder.store(builder.fadd(builder.load(dp, align=1), builder.load(sp, align=1)), dp, align=1)
+        return context.get_dummy_value()
 
-@nb.njit(cache=True)
-def _col_ranges(kw, sw, pw, dw, w, ow_n):  # pragma: no cover (compiled)
-    """Per kernel column j: the output columns [lo[j], hi[j]) that read inside the input."""
-    lo = np.empty(kw, np.int64)
-    hi = np.empty(kw, np.int64)
-    for j in range(kw):
-        lo[j], hi[j] = _ow_range(j * dw - pw, sw, w, ow_n)
-    return lo, hi
+    return types.void(dst, d, src, s), codegen
 
 
 @nb.njit(**_OPTS)
-def _im2col(x, out, kmajor, kh, kw, sh, sw, ph, pw, dh, dw, zero, ijchunk):  # pragma: no cover (compiled)
-    """``out`` is (N, C, kh, kw, OH, OW), or with ``kmajor`` (C, kh, kw, N, OH, OW); C-contiguous."""
+def _im2col(x, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, ow_n, run,
+            zero):  # pragma: no cover (compiled)
+    """``x`` (N, C, H, W) and ``out`` C-contiguous; ``out``'s element (b, ch, i, j, oh, ow) at
+    ``b * sb + ch * sc + (i * kw + j) * sij + oh * OW + ow``. ``hp, wp``: the padded plane."""
     n, c, h, w = x.shape
-    lo, hi = _col_ranges(kw, sw, pw, dw, w, out.shape[5])
-    if kmajor:
-        # One task per (channel, run of kernel offsets): each offset's (N, OH, OW) block is written
-        # sequentially while the channel's input planes stay in cache.
-        kk = kh * kw
-        nchunks = (kk + ijchunk - 1) // ijchunk
-        for task in nb.prange(c * nchunks):
-            ch = task // nchunks
-            ij0 = (task - ch * nchunks) * ijchunk
-            for ij in range(ij0, min(ij0 + ijchunk, kk)):
-                i = ij // kw
-                j = ij - i * kw
-                for b in range(n):
-                    _im2col_block(x[b, ch], out[ch, i, j, b], i * dh - ph, j * dw - pw, lo[j], hi[j], h, sh, sw,
-                                  zero)
-    else:
-        for nc in nb.prange(n * c):  # one task per input plane
-            b = nc // c
-            ch = nc - b * c
-            for i in range(kh):
-                for j in range(kw):
-                    _im2col_block(x[b, ch], out[b, ch, i, j], i * dh - ph, j * dw - pw, lo[j], hi[j], h, sh, sw,
-                                  zero)
+    xf = x.reshape(-1)
+    of = out.reshape(-1)
+    kk = kh * kw
+    plane = hp * wp
+    padded = ph != 0 or pw != 0 or hp != h or wp != w
+    nruns = (n + run - 1) // run
+    uow = nb.uint64(ow_n)
+    usw = nb.uint64(sw)
+    uw = nb.uint64(w)
+    unit = sw == 1
+    uv = nb.uint64(_V)
+    nv = uow // uv * uv
+    zero_u = nb.uint64(0)
+    for task in nb.prange(c * nruns):
+        ch = task // nruns
+        b0 = (task - ch * nruns) * run
+        b1 = min(b0 + run, n)
+        if padded:  # the run's planes of this channel, zero-padded
+            src = np.empty((b1 - b0) * plane, x.dtype)
+            for q in range(src.size):
+                src[q] = zero
+            for b in range(b0, b1):
+                for r in range(h):
+                    d = nb.uint64((b - b0) * plane + (r + ph) * wp + pw)
+                    s = nb.uint64(((b * c + ch) * h + r) * w)
+                    for t in range(uw):
+                        src[d + t] = xf[s + t]
+            sbase = -b0 * plane
+            bstride = plane
+        else:
+            src = xf
+            sbase = ch * plane
+            bstride = c * plane
+        for ij in range(kk):
+            i = ij // kw
+            j = ij - i * kw
+            soff = i * dh * wp + j * dw
+            for b in range(b0, b1):
+                s0 = sbase + b * bstride + soff
+                d0 = b * sb + ch * sc + ij * sij
+                if unit:  # each row: whole vectors, then a scalar tail
+                    for oh in range(oh_n):
+                        d = nb.uint64(d0 + oh * ow_n)
+                        s = nb.uint64(s0 + oh * sh * wp)
+                        for t in range(zero_u, nv, uv):
+                            _vcopy(of, d + t, src, s + t)
+                        for t in range(nv, uow):
+                            of[d + t] = src[s + t]
+                else:
+                    for oh in range(oh_n):
+                        d = nb.uint64(d0 + oh * ow_n)
+                        s = nb.uint64(s0 + oh * sh * wp)
+                        for t in range(uow):
+                            of[d + t] = src[s + t * usw]
 
 
 @nb.njit(**_OPTS)
-def _col2im(col, kmajor, out, kh, kw, sh, sw, ph, pw, dh, dw, zero, chunk):  # pragma: no cover (compiled)
-    """``col`` is (N, C, kh, kw, OH, OW), or with ``kmajor`` (C, kh, kw, N, OH, OW); C-contiguous.
-    Every output position receives its terms in row-major kernel-offset order."""
+def _col2im(col, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, ow_n, run,
+            zero):  # pragma: no cover (compiled)
+    """Adjoint of :func:`_im2col` (same strides); every position of a zeroed (padded) plane receives
+    its terms in row-major kernel-offset order, then the interior is written to ``out``."""
     n, c, h, w = out.shape
-    lo, hi = _col_ranges(kw, sw, pw, dw, w, col.shape[5])
-    if kmajor:
-        # One task per (channel, run of ``chunk`` images): for each kernel offset the run's column
-        # blocks are read sequentially.
-        nchunks = (n + chunk - 1) // chunk
-        for task in nb.prange(c * nchunks):
-            ch = task // nchunks
-            b0 = (task - ch * nchunks) * chunk
-            b1 = min(b0 + chunk, n)
+    cf = col.reshape(-1)
+    of = out.reshape(-1)
+    kk = kh * kw
+    plane = hp * wp
+    padded = ph != 0 or pw != 0 or hp != h or wp != w
+    nruns = (n + run - 1) // run
+    uow = nb.uint64(ow_n)
+    usw = nb.uint64(sw)
+    uw = nb.uint64(w)
+    unit = sw == 1
+    uv = nb.uint64(_V)
+    nv = uow // uv * uv
+    zero_u = nb.uint64(0)
+    for task in nb.prange(c * nruns):
+        ch = task // nruns
+        b0 = (task - ch * nruns) * run
+        b1 = min(b0 + run, n)
+        if padded:
+            acc = np.empty((b1 - b0) * plane, out.dtype)
+            for q in range(acc.size):
+                acc[q] = zero
+            abase = -b0 * plane
+            bstride = plane
+        else:
+            acc = of
             for b in range(b0, b1):
-                _zero_plane(out[b, ch], zero)
-            for i in range(kh):
-                for j in range(kw):
-                    for b in range(b0, b1):
-                        _col2im_block(col[ch, i, j, b], out[b, ch], i * dh - ph, j * dw - pw, lo[j], hi[j], h, sh,
-                                      sw)
-    else:
-        for nc in nb.prange(n * c):  # one task per output plane
-            b = nc // c
-            ch = nc - b * c
-            dst = out[b, ch]
-            _zero_plane(dst, zero)
-            for i in range(kh):
-                for j in range(kw):
-                    _col2im_block(col[b, ch, i, j], dst, i * dh - ph, j * dw - pw, lo[j], hi[j], h, sh, sw)
+                p0 = (b * c + ch) * plane
+                for q in range(p0, p0 + plane):
+                    acc[q] = zero
+            abase = ch * plane
+            bstride = c * plane
+        for ij in range(kk):
+            i = ij // kw
+            j = ij - i * kw
+            aoff = i * dh * wp + j * dw
+            for b in range(b0, b1):
+                a0 = abase + b * bstride + aoff
+                c0 = b * sb + ch * sc + ij * sij
+                if unit:
+                    for oh in range(oh_n):
+                        a = nb.uint64(a0 + oh * sh * wp)
+                        s = nb.uint64(c0 + oh * ow_n)
+                        for t in range(zero_u, nv, uv):
+                            _vadd(acc, a + t, cf, s + t)
+                        for t in range(nv, uow):
+                            acc[a + t] += cf[s + t]
+                else:
+                    for oh in range(oh_n):
+                        a = nb.uint64(a0 + oh * sh * wp)
+                        s = nb.uint64(c0 + oh * ow_n)
+                        for t in range(uow):
+                            acc[a + t * usw] += cf[s + t]
+        if padded:
+            for b in range(b0, b1):
+                for r in range(h):
+                    d = nb.uint64(((b * c + ch) * h + r) * w)
+                    s = nb.uint64((b - b0) * plane + (r + ph) * wp + pw)
+                    for t in range(uw):
+                        of[d + t] = acc[s + t]
 
 
 def _canonical(col: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -187,6 +221,22 @@ def _ints(kernel, pad, stride, dilation) -> tuple[int, ...]:
             int(dilation[0]), int(dilation[1]))
 
 
+def _layout(arr: np.ndarray, kmajor: bool, n: int, c: int, h: int, w: int, kh: int, kw: int, sh: int, sw: int,
+            ph: int, pw: int, dh: int, dw: int) -> tuple[int, ...]:
+    """``(sb, sc, sij, hp, wp, OH, OW, run)``: element strides of the columns per image / channel /
+    kernel offset, the padded plane (as the numpy path's), and images per task (~8 tasks per thread)."""
+    oh, ow = int(arr.shape[4]), int(arr.shape[5])
+    blk, kk = oh * ow, kh * kw
+    if kmajor:
+        sb, sc, sij = blk, kk * n * blk, n * blk
+    else:
+        sb, sc, sij = c * kk * blk, kk * blk, blk
+    hp = max(h + 2 * ph, (oh - 1) * sh + dh * (kh - 1) + 1)
+    wp = max(w + 2 * pw, (ow - 1) * sw + dw * (kw - 1) + 1)
+    run = max(1, min(n, -(-n * c // (8 * _threads()))))
+    return sb, sc, sij, hp, wp, oh, ow, run
+
+
 def im2col(x: np.ndarray, out: np.ndarray, kernel: Sequence[int], pad: Sequence[int], stride: Sequence[int],
            dilation: Sequence[int]) -> np.ndarray:
     """Fill ``out`` ``(N, C, kh, kw, OH, OW)`` (any strides) with the columns of ``x`` ``(N, C, H, W)``."""
@@ -198,9 +248,9 @@ def im2col(x: np.ndarray, out: np.ndarray, kernel: Sequence[int], pad: Sequence[
         out[...] = tmp
         return out
     x = np.ascontiguousarray(x)
-    kk = kh * kw
-    nchunks = max(1, min(kk, -(-8 * _threads() // x.shape[1])))  # ~8 tasks per thread
-    _im2col(x, dst, kmajor, kh, kw, sh, sw, ph, pw, dh, dw, out.dtype.type(0), -(-kk // nchunks))
+    n, c, h, w = x.shape
+    geo = _layout(out, kmajor, n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw)
+    _im2col(x, dst, *geo[:3], kh, kw, sh, sw, ph, pw, dh, dw, *geo[3:], out.dtype.type(0))
     return out
 
 
@@ -213,10 +263,10 @@ def col2im(col: np.ndarray, out: np.ndarray, kernel: Sequence[int], pad: Sequenc
         src, kmajor = np.ascontiguousarray(col), False
     if not out.flags.c_contiguous:
         tmp = np.empty(out.shape, out.dtype)
-        col2im(src, tmp, kernel, pad, stride, dilation)
+        col2im(src if not kmajor else col, tmp, kernel, pad, stride, dilation)
         out[...] = tmp
         return out
-    n, c = out.shape[:2]
-    chunk = max(1, min(n, -(-n * c // (8 * _threads()))))  # ~8 tasks per thread
-    _col2im(src, kmajor, out, kh, kw, sh, sw, ph, pw, dh, dw, out.dtype.type(0), chunk)
+    n, c, h, w = out.shape
+    geo = _layout(col, kmajor, n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw)
+    _col2im(src, out, *geo[:3], kh, kw, sh, sw, ph, pw, dh, dw, *geo[3:], out.dtype.type(0))
     return out
