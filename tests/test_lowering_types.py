@@ -204,9 +204,12 @@ def test_batch_partition_respects_budget():
     assert max_batch_partition(s, g, 64, 4, budget=10 * per_image) == 10
     assert max_batch_partition(s, g, 64, 4, budget=10**15) == 64
     assert max_batch_partition(s, g, 64, 4, budget=1) == 1
-    wrapped = BatchedLowering(s, budget=10 * per_image)
+    wrapped = BatchedLowering(s, batch_partition="budget", budget=10 * per_image)  # CcT: largest that fits
     plan = wrapped.plan(g, 64, 4)
     assert plan["b_p"] == 10 and sum(e - st for st, e in plan["ranges"][0]) == 64
+    # the cost model's choice ("auto", the default) also stays within the budget
+    auto = BatchedLowering(s, budget=10 * per_image).plan(g, 64, 4)
+    assert 1 <= auto["b_p"] <= 10 and sum(e - st for st, e in auto["ranges"][0]) == 64
     assert split(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert BatchedLowering(s, partitions=4, batch_partition=3).plan(g, 10)["ranges"] == [
         [(0, 3)], [(3, 6)], [(6, 8)], [(8, 10)]]
