@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from naive import naive_conv
 
 from cct import rng
 from cct.blob import Blob
@@ -62,26 +63,6 @@ def gradcheck(text, xs, ntop=1, phase=TRAIN, **kw):
 
 
 # -- naive references --------------------------------------------------------------------------------
-def naive_conv(x, w, b, pad, stride, dil, group):
-    """2-D convolution by definition (Caffe's cross-correlation with zero padding)."""
-    n, c, h, wd = x.shape
-    m, cg, kh, kw = w.shape
-    (ph, pw), (sh, sw), (dh, dw) = pad, stride, dil
-    oh = (h + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
-    ow = (wd + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
-    y = np.zeros((n, m, oh, ow))
-    mg = m // group
-    for i, o, a, bb in itertools.product(range(n), range(m), range(oh), range(ow)):
-        g = o // mg
-        s = 0.0
-        for ci, p, q in itertools.product(range(cg), range(kh), range(kw)):
-            r, col = a * sh - ph + p * dh, bb * sw - pw + q * dw
-            if 0 <= r < h and 0 <= col < wd:
-                s += x[i, g * cg + ci, r, col] * w[o, ci, p, q]
-        y[i, o, a, bb] = s + (0.0 if b is None else b[o])
-    return y
-
-
 def naive_deconv(x, w, b, pad, stride, dil, group):
     """Transposed convolution by scattering: weights (C_in, C_out/group, kh, kw)."""
     n, c, h, wd = x.shape

@@ -3,6 +3,7 @@ import itertools
 
 import numpy as np
 import pytest
+from naive import naive_conv
 
 from cct.errors import CctError
 from cct.io.prototxt import parse_text
@@ -26,31 +27,6 @@ def geom(text: str, shape, reverse=False) -> ConvGeometry:
 
 
 # -- naive references -------------------------------------------------------------------------
-def naive_conv2d(x, w, b, pad, stride, dil, group):
-    n, c, h, wd = x.shape
-    m, cg, kh, kw = w.shape
-    (ph, pw), (sh, sw), (dh, dw) = pad, stride, dil
-    oh = (h + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
-    ow = (wd + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
-    y = np.zeros((n, m, oh, ow))
-    mg = m // group
-    for i in range(n):
-        for o in range(m):
-            g = o // mg
-            for a in range(oh):
-                for bb in range(ow):
-                    s = 0.0
-                    for ci in range(cg):
-                        for p in range(kh):
-                            for q in range(kw):
-                                r = a * sh - ph + p * dh
-                                col = bb * sw - pw + q * dw
-                                if 0 <= r < h and 0 <= col < wd:
-                                    s += x[i, g * cg + ci, r, col] * w[o, ci, p, q]
-                    y[i, o, a, bb] = s + (b[o] if b is not None else 0.0)
-    return y
-
-
 def naive_im2col(x, kernel, pad, stride, dil, out_shape):
     """Per image, Caffe's column buffer: (C * prod(k), prod(out)); returned for the batch."""
     n, c = x.shape[:2]
@@ -191,7 +167,7 @@ def _rand_conv(text, shape, seed=0, dtype=np.float64):
 def test_type1_forward_matches_naive(text, shape):
     g, x, w, b = _rand_conv(text, shape)
     y = get_strategy("type1").forward(x, w, b, g)
-    ref = naive_conv2d(x, w, b, g.pad, g.stride, g.dilation, g.group)
+    ref = naive_conv(x, w, b, g.pad, g.stride, g.dilation, g.group)
     assert y.shape == ref.shape == (shape[0], g.channels_out) + g.out_shape
     np.testing.assert_allclose(y, ref, rtol=1e-10, atol=1e-10)
 
@@ -213,7 +189,7 @@ def test_type1_backward_is_adjoint(text, shape):
     idx = (0, 0, 1, 2)
     e = np.zeros_like(x)
     e[idx] = 1.0
-    np.testing.assert_allclose(dx[idx], np.sum(naive_conv2d(e, w, None, g.pad, g.stride, g.dilation, g.group) * dy),
+    np.testing.assert_allclose(dx[idx], np.sum(naive_conv(e, w, None, g.pad, g.stride, g.dilation, g.group) * dy),
                                rtol=1e-10, atol=1e-12)
 
 
@@ -243,7 +219,7 @@ def test_type1_float32():
     low = get_strategy("type1")
     y = low.forward(x, w, b, g)
     assert y.dtype == np.float32
-    ref = naive_conv2d(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), g.pad, g.stride,
+    ref = naive_conv(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64), g.pad, g.stride,
                        g.dilation, g.group)
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
     assert low.backward_data(y, w, g).dtype == np.float32
