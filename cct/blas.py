@@ -335,9 +335,8 @@ def _as_cblas_operand(x: np.ndarray, trans: bool) -> tuple[np.ndarray, bool, int
     return _as_cblas_operand(np.ascontiguousarray(x), trans)
 
 
-def _mkl_gemm(a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:
-    lib = _load_mkl()
-    fn = lib.sgemm if a.dtype == np.float32 else lib.dgemm
+def _cblas_gemm(fn: Any, a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:
+    """``out = alpha * op(a) @ op(b) + beta * out`` through a ctypes ``cblas_?gemm`` (row-major)."""
     m = a.shape[1] if trans_a else a.shape[0]
     k = a.shape[0] if trans_a else a.shape[1]
     n = b.shape[0] if trans_b else b.shape[1]
@@ -357,6 +356,50 @@ def _mkl_gemm(a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:
     if target is not out:
         out[...] = target
     return out
+
+
+def _mkl_gemm(a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:
+    lib = _load_mkl()
+    return _cblas_gemm(lib.sgemm if a.dtype == np.float32 else lib.dgemm, a, b, out, trans_a, trans_b,
+                       alpha, beta)
+
+
+class _OpenBLAS:
+    """ctypes binding of numpy's bundled OpenBLAS ``cblas_?gemm`` (numpy's matmul has no ``beta``)."""
+
+    # (sgemm, dgemm, 64-bit integers): scipy-openblas (numpy >= 2), openblas64_ (older wheels), plain
+    SYMBOLS = (("scipy_cblas_sgemm64_", "scipy_cblas_dgemm64_", True), ("cblas_sgemm64_", "cblas_dgemm64_", True),
+               ("scipy_cblas_sgemm", "scipy_cblas_dgemm", False), ("cblas_sgemm", "cblas_dgemm", False))
+
+    def __init__(self, path: str):
+        self.lib = ctypes.CDLL(path)
+        for sname, dname, wide in self.SYMBOLS:
+            if hasattr(self.lib, sname) and hasattr(self.lib, dname):
+                i, P = (ctypes.c_int64 if wide else ctypes.c_int), ctypes.c_void_p
+                self.sgemm, self.dgemm = getattr(self.lib, sname), getattr(self.lib, dname)
+                for f, real in ((self.sgemm, ctypes.c_float), (self.dgemm, ctypes.c_double)):
+                    f.restype = None
+                    f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i, i, i, real, P, i, P, i, real, P, i]
+                return
+        raise AttributeError(f"no cblas_sgemm entry point in {path}")
+
+
+_openblas: _OpenBLAS | None | bool = None
+
+
+def _load_openblas() -> _OpenBLAS | None:
+    """numpy's OpenBLAS through ctypes, or None when it cannot be found (then numpy's matmul is used)."""
+    global _openblas
+    if _openblas is None:
+        with _lock:
+            if _openblas is None:
+                ctls = _openblas_controllers()
+                path = getattr(ctls[0], "filepath", None) if ctls else None
+                try:
+                    _openblas = _OpenBLAS(path) if path else False
+                except (OSError, AttributeError, TypeError):
+                    _openblas = False
+    return _openblas or None
 
 
 _ACC_BLOCK_BYTES = 512 << 10  # row-block size of accumulating (beta = 1) GEMMs into big outputs
@@ -387,6 +430,11 @@ def gemm(a: Any, b: Any, out: Any = None, trans_a: bool = False, trans_b: bool =
         use_mkl = name == "mkl"
     if use_mkl:
         return _mkl_gemm(a, b, out, trans_a, trans_b, float(alpha), float(beta))
+    if beta != 0 and xp is np and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
+        ob = _load_openblas()  # accumulate inside the GEMM: no temporary, no extra sweep over out
+        if ob is not None:
+            fn = ob.sgemm if a.dtype == np.float32 else ob.dgemm
+            return _cblas_gemm(fn, a, b, out, trans_a, trans_b, float(alpha), float(beta))
     if beta == 0:
         xp.matmul(opa, opb, out=out)
         if alpha != 1:

@@ -147,3 +147,20 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
     assert blas.cache_dir() == tmp_path / "xdg" / "cct"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert blas.cache_dir().parts[-2:] == (".cache", "cct")
+
+
+def test_openblas_accumulating_gemm_goes_through_cblas():
+    """beta != 0 on OpenBLAS is one cblas call into numpy's own library (no temporary), also for a
+    strided output and a transposed operand."""
+    ob = blas._load_openblas()
+    assert ob is not None and ob.sgemm is not None
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((40, 30)).astype(np.float32)
+    b = rng.standard_normal((20, 30)).astype(np.float32)  # used transposed
+    base = rng.standard_normal((40, 60)).astype(np.float32)
+    before = base.copy()
+    out = base[:, ::3]  # non-contiguous
+    expect = out + a @ b.T
+    blas.gemm(a, b, out=out, trans_b=True, beta=1.0, backend="openblas")
+    np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(base[:, 1::3], before[:, 1::3])  # the columns in between stay

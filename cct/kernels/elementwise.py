@@ -61,6 +61,24 @@ def _relu_bwd(x, dy, dx, slope, zero, has_slope):  # pragma: no cover (compiled)
 
 
 @nb.njit(**_OPTS)
+def _relu_bwd_inplace(x, g, slope, zero, has_slope):  # pragma: no cover (compiled)
+    # dx is dy (an in-place ReLU): two arrays, so LLVM's overlap check passes and the loop vectorizes
+    # (with dx aliasing dy the three-array loop above runs scalar, ~6x slower)
+    n = x.size
+    for t in nb.prange((n + _CHUNK - 1) // _CHUNK):
+        lo = t * _CHUNK
+        hi = min(n, lo + _CHUNK)
+        xs, gs = x[lo:hi], g[lo:hi]
+        if has_slope:
+            for i in range(xs.size):
+                v = gs[i]
+                gs[i] = v if xs[i] > zero else v * slope
+        else:
+            for i in range(xs.size):
+                gs[i] = gs[i] if xs[i] > zero else zero
+
+
+@nb.njit(**_OPTS)
 def _swap01(src, out, bias, has_bias):  # pragma: no cover (compiled)
     a_n, b_n, p = src.shape
     for ab in nb.prange(a_n * b_n):
@@ -93,7 +111,10 @@ def relu_forward(x: np.ndarray, out: np.ndarray, negative_slope: float = 0.0) ->
 def relu_backward(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, negative_slope: float = 0.0) -> np.ndarray:
     """``dx[...] = where(x > 0, dy, 0 or dy * slope)``; ``x`` may be the layer's output when slope >= 0."""
     t = x.dtype.type
-    _relu_bwd(_flat(x), _flat(dy), _flat(dx), t(negative_slope), t(0), negative_slope != 0)
+    if dx is dy or (dx.ctypes.data == dy.ctypes.data and dx.shape == dy.shape):
+        _relu_bwd_inplace(_flat(x), _flat(dx), t(negative_slope), t(0), negative_slope != 0)
+    else:
+        _relu_bwd(_flat(x), _flat(dy), _flat(dx), t(negative_slope), t(0), negative_slope != 0)
     return dx
 
 

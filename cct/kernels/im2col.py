@@ -73,6 +73,67 @@ def _vadd(typingctx, dst, d, src, s):  # pragma: no cover (compiled)
     return types.void(dst, d, src, s), codegen
 
 
+def _tail_mask(builder, r):
+    """``<_V x i1>``: lane ``i`` is set when ``i < r``."""
+    i32 = ir.IntType(32)
+    vi = ir.VectorType(i32, _V)
+    rv = builder.trunc(r, i32) if r.type.width > 32 else r
+    splat = builder.insert_element(ir.Constant(vi, None), rv, ir.Constant(i32, 0))
+    splat = builder.shuffle_vector(splat, splat, ir.Constant(vi, [0] * _V))
+    return builder.icmp_unsigned("<", ir.Constant(vi, list(range(_V))), splat)
+
+
+def _masked_fns(builder, vec, ptr, mask):
+    """The ``llvm.masked.load`` / ``llvm.masked.store`` intrinsics for ``vec`` (declared once per module)."""
+    i32 = ir.IntType(32)
+    suffix = f"v{_V}f{32 if vec.element == ir.FloatType() else 64}.p0"
+    mod = builder.module
+    fns = []
+    for name, fnty in ((f"llvm.masked.load.{suffix}", ir.FunctionType(vec, [ptr, i32, mask, vec])),
+                       (f"llvm.masked.store.{suffix}", ir.FunctionType(ir.VoidType(), [vec, ptr, i32, mask]))):
+        fns.append(mod.globals[name] if name in mod.globals else ir.Function(mod, fnty, name=name))
+    return fns
+
+
+@intrinsic
+def _vcopy_tail(typingctx, dst, d, src, s, r):  # pragma: no cover (compiled)
+    """``dst[d:d + r] = src[s:s + r]`` for ``r < _V`` as one masked vector load and store (the masked-off
+    lanes are never touched, so this may run up to the end of either array)."""
+
+    def codegen(context, builder, sig, args):
+        dp, sp = _vec_ptrs(context, builder, sig, args[:4])
+        mask = _tail_mask(builder, args[4])
+        vec = dp.type.pointee if hasattr(dp.type, "pointee") else ir.VectorType(
+            context.get_data_type(sig.args[0].dtype), _V)
+        load, store = _masked_fns(builder, vec, dp.type, mask.type)
+        i32 = ir.IntType(32)
+        v = builder.call(load, [sp, ir.Constant(i32, 1), mask, ir.Constant(vec, None)])
+        builder.call(store, [v, dp, ir.Constant(i32, 1), mask])
+        return context.get_dummy_value()
+
+    return types.void(dst, d, src, s, r), codegen
+
+
+@intrinsic
+def _vadd_tail(typingctx, dst, d, src, s, r):  # pragma: no cover (compiled)
+    """``dst[d:d + r] += src[s:s + r]`` for ``r < _V`` with masked vector loads and store."""
+
+    def codegen(context, builder, sig, args):
+        dp, sp = _vec_ptrs(context, builder, sig, args[:4])
+        mask = _tail_mask(builder, args[4])
+        vec = dp.type.pointee if hasattr(dp.type, "pointee") else ir.VectorType(
+            context.get_data_type(sig.args[0].dtype), _V)
+        load, store = _masked_fns(builder, vec, dp.type, mask.type)
+        i32 = ir.IntType(32)
+        undef = ir.Constant(vec, None)
+        a = builder.call(load, [dp, ir.Constant(i32, 1), mask, undef])
+        b = builder.call(load, [sp, ir.Constant(i32, 1), mask, undef])
+        builder.call(store, [builder.fadd(a, b), dp, ir.Constant(i32, 1), mask])
+        return context.get_dummy_value()
+
+    return types.void(dst, d, src, s, r), codegen
+
+
 @nb.njit(**_OPTS)
 def _im2col(x, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, ow_n, run,
             zero):  # pragma: no cover (compiled)
@@ -125,8 +186,8 @@ def _im2col(x, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, o
                         s = nb.uint64(s0 + oh * sh * wp)
                         for t in range(zero_u, nv, uv):
                             _vcopy(of, d + t, src, s + t)
-                        for t in range(nv, uow):
-                            of[d + t] = src[s + t]
+                        if nv < uow:
+                            _vcopy_tail(of, d + nv, src, s + nv, uow - nv)
                 else:
                     for oh in range(oh_n):
                         d = nb.uint64(d0 + oh * ow_n)
@@ -185,8 +246,8 @@ def _col2im(col, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n,
                         s = nb.uint64(c0 + oh * ow_n)
                         for t in range(zero_u, nv, uv):
                             _vadd(acc, a + t, cf, s + t)
-                        for t in range(nv, uow):
-                            acc[a + t] += cf[s + t]
+                        if nv < uow:
+                            _vadd_tail(acc, a + nv, cf, s + nv, uow - nv)
                 else:
                     for oh in range(oh_n):
                         a = nb.uint64(a0 + oh * sh * wp)

@@ -389,9 +389,15 @@ class BatchedLowering(IntoLowering):
         plan = self.plan(geom, n, dy.itemsize, p)
         parts = plan["p"]
         inner_into = getattr(self.inner, "backward_into", None)
+        # the inner lowering accumulates dW^T per partition (one transpose-add at the end, not per chunk)
+        transposed = dw is not None and inner_into is not None and getattr(self.inner, "transposed_weight_grad", False)
+        g, kd = geom.group, geom.kernel_dim
         accs = []
         for i in range(parts):
-            if i == 0 and parts == 1:
+            if transposed:
+                accs.append((xp.zeros((g, kd, geom.channels_out // g), dtype=dw.dtype),
+                             db if parts == 1 else None if db is None else xp.zeros(db.shape, dtype=db.dtype)))
+            elif i == 0 and parts == 1:
                 accs.append((dw, db))  # one partition: accumulate straight into the outputs
             else:
                 accs.append((None if dw is None else xp.zeros(dw.shape, dtype=dw.dtype),
@@ -404,6 +410,10 @@ class BatchedLowering(IntoLowering):
 
         def work(s, e):
             adw, adb = accs[owner[s]]
+            if transposed:
+                inner_into(dy[s:e], x[s:e] if x is not None else None, w, geom, dwt=adw, db=adb,
+                           dx=None if dx is None else dx[s:e])
+                return
             if inner_into is not None:
                 inner_into(dy[s:e], x[s:e] if x is not None else None, w, geom, dw=adw, db=adb,
                            dx=None if dx is None else dx[s:e])
@@ -419,7 +429,15 @@ class BatchedLowering(IntoLowering):
                 dx[s:e] = self.inner.backward_data(dy[s:e], w, geom)
 
         self._run(geom, n, dy.itemsize, work, parts)
-        if parts > 1:
+        if transposed:
+            total = accs[0][0]
+            for adw, _ in accs[1:]:
+                total += adw
+            dw.reshape(g, geom.channels_out // g, kd)[...] += total.transpose(0, 2, 1)
+            if db is not None and parts > 1:
+                for _, adb in accs:
+                    db += adb
+        elif parts > 1:
             for adw, adb in accs:
                 if dw is not None:
                     dw += adw

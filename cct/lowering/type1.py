@@ -124,10 +124,19 @@ class Type1Lowering(IntoLowering):
             out.reshape(n, m, p)[...] = lifted
         return out
 
+    #: :meth:`backward_into` can accumulate the weight gradient transposed (``dwt``), see there
+    transposed_weight_grad = True
+
     def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
-                      dx: Any = None) -> None:
+                      dx: Any = None, dwt: Any = None) -> None:
         """Gradients of a chunk from one im2col: ``dw += ...`` (``weight_shape`` or ``(G, M/G, K)``),
-        ``db += ...`` (``(M,)``), ``dx[...] = ...`` (``(n, C, *in)``); each None to skip."""
+        ``db += ...`` (``(M,)``), ``dx[...] = ...`` (``(n, C, *in)``); each None to skip.
+
+        ``dwt`` (instead of ``dw``): a ``(G, K, M/G)`` array the *transposed* weight gradient is
+        accumulated into by the GEMM itself (``beta = 1``). A caller running many chunks
+        (:class:`~cct.lowering.partition.BatchedLowering`) passes one and transposes it into ``dw``
+        once at the end, instead of one strided transpose-add of the whole weight per chunk.
+        """
         xp = get_array_module(dy)
         n = dy.shape[0]
         if n == 0:
@@ -138,14 +147,14 @@ class Type1Lowering(IntoLowering):
         mg, kd = m // g, geom.kernel_dim
         if db is not None:
             db += dy.reshape(n, m, p).sum(axis=(0, 2))
-        if dw is None and dx is None:
+        if dw is None and dwt is None and dx is None:
             return
         if n == 1:
             dyg = dy.reshape(g, mg, p)
         else:
             dyg = _group_major(dy, n, g, mg, p, out=self._buffer("dyg", (g, mg, n * p), dy.dtype, xp))
         col = None
-        if dw is not None:
+        if dw is not None or dwt is not None:
             if geom.is_1x1:
                 col = x.reshape(g, kd, p) if n == 1 else _group_major(
                     x, n, g, kd, p, out=self._buffer("xg", (g, kd, n * p), x.dtype, xp))
@@ -153,9 +162,13 @@ class Type1Lowering(IntoLowering):
                 col = self.lower(x, geom, out=self._col(n, geom, x.dtype, xp))
             # dW^T = col @ dy^T: OpenBLAS runs this orientation about 2x faster than dy @ col^T
             # (measured for thin M, both contracting over the contiguous pixel axis)
-            tmp = self._buffer("dwt", (g, kd, mg), dy.dtype, xp)
-            blas.matmul(col, dyg.transpose(0, 2, 1), out=tmp)
-            dw.reshape(g, mg, kd)[...] += tmp.transpose(0, 2, 1)
+            if dwt is not None:
+                for gi in range(g):
+                    blas.gemm(col[gi], dyg[gi], out=dwt[gi], trans_b=True, beta=1.0)
+            else:
+                tmp = self._buffer("dwt", (g, kd, mg), dy.dtype, xp)
+                blas.matmul(col, dyg.transpose(0, 2, 1), out=tmp)
+                dw.reshape(g, mg, kd)[...] += tmp.transpose(0, 2, 1)
         if dx is None:
             return
         wt = w.reshape(g, mg, kd).transpose(0, 2, 1)  # (G, K, M/G)

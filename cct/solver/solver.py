@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .. import rng
+from .. import kernels, rng
 from ..backend import get_array_module
 from ..errors import CctError, SolverError
 from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
@@ -491,8 +491,9 @@ class Solver:
         updates.clip_gradients([b.diff for b in params], p.clip_gradients)
         for pid in range(len(params)):
             self.normalize(pid)
-            self.regularize(pid)
-            self.compute_update_value(pid, rate)
+            if not self.fused_update(pid, rate):
+                self.regularize(pid)
+                self.compute_update_value(pid, rate)
         if self.net.debug_info:
             self.net.update_debug_info()
         self.net.update()
@@ -516,6 +517,11 @@ class Solver:
     def compute_update_value(self, param_id: int, rate: float) -> None:
         """Replace the param's diff by the update to subtract (the solver's rule)."""
         raise NotImplementedError
+
+    def fused_update(self, param_id: int, rate: float) -> bool:
+        """Do :meth:`regularize` + :meth:`compute_update_value` in one compiled pass if this solver
+        has one for the parameter (same result bits); False to take the two steps."""
+        return False
 
     # -- snapshots -------------------------------------------------------------------------------
     def snapshot_filename(self, extension: str) -> str:
@@ -633,6 +639,25 @@ class SGDSolver(Solver):
     def compute_update_value(self, param_id: int, rate: float) -> None:
         blob = self.net.learnable_params[param_id]
         updates.sgd(blob.diff, self.history[param_id], self.local_rate(param_id, rate), self.param.momentum)
+
+    def fused_update(self, param_id: int, rate: float) -> bool:
+        """L2 decay + momentum SGD in one pass (:func:`cct.kernels.update.sgd_l2`) for plain SGD
+        with numpy float parameters; subclasses and overridden steps take the general path."""
+        cls = type(self)
+        if (cls.compute_update_value is not SGDSolver.compute_update_value or cls.regularize is not Solver.regularize
+                or self.param.regularization_type != "L2"):
+            return False
+        blob = self.net.learnable_params[param_id]
+        history = self.history[param_id]
+        if not kernels.usable(blob.data, blob.diff, history, contiguous=True):
+            return False
+        ku = kernels.get("update")
+        if ku is None:
+            return False
+        dt = blob.diff.dtype.type
+        decay = dt(self.param.weight_decay) * dt(self.net.params_weight_decay[param_id])
+        ku.sgd_l2(blob.data, blob.diff, history, decay, self.local_rate(param_id, rate), self.param.momentum)
+        return True
 
 
 @register_solver
