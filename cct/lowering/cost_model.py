@@ -314,8 +314,8 @@ def pass_ops(name: str, geom: ConvGeometry, batch: int, pass_: str = "fwd") -> l
         if t["lifted"]:
             ops.append(("zero", g * mg * kf * cols))
             ops.append(("copy", kf * M * P))
-        else:
-            ops.append(("copy", M * P))  # type 1: dy to group-major
+        elif batch > 1:
+            ops.append(("copy", M * P))  # type 1: dy to group-major (one image's dy already is)
 
     if pass_ == "fwd":
         lower()
