@@ -1,9 +1,10 @@
-"""Compiled CPU kernels (numba) for the non-GEMM hot loops: pooling, im2col/col2im, LRN, ReLU.
+"""Compiled CPU kernels (numba) for the non-GEMM hot loops: pooling, im2col/col2im, LRN, ReLU, SGD update.
 
 The layers keep their array-module (numpy/cupy) code as the general path and as the reference;
 for numpy ``float32``/``float64`` arrays they dispatch here when the kernels are enabled
-(:mod:`cct.layers.pooling`, :mod:`cct.layers.lrn`, :mod:`cct.lowering.im2col`; the ReLU kernels of
-:mod:`.elementwise` are not wired into :mod:`cct.layers.activation` yet).
+(:mod:`cct.layers.pooling`, :mod:`cct.layers.lrn`, :mod:`cct.lowering.im2col`,
+:mod:`cct.layers.activation` (ReLU, :mod:`.elementwise`) and the SGD solver's update
+(:mod:`.update`)).
 Every kernel gives the same results as the numpy path: bitwise for copies, maxima and argmax
 indices, and for sums too, since each kernel adds in the numpy path's order (LRN's ``pow`` is
 computed by numpy itself, so LRN is bitwise as well). tests/test_kernels.py checks this.

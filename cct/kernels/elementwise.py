@@ -1,12 +1,15 @@
 """numba kernels of fused elementwise/copy passes (ReLU; the type-1 lowering's transposes), parallel.
 
-Each replaces a numpy expression of :mod:`cct.layers.activation` or :mod:`cct.lowering.type1`
-(whose owners have not wired them in yet) with one pass over memory on all kernel threads,
-with the same result bits:
+Each replaces a numpy expression of :mod:`cct.layers.activation` (the ReLU layer uses them) or
+of :mod:`cct.lowering.type1` (``swap01``: not used by the lowering, which writes GEMM results
+straight into the top per chunk) with one pass over memory on all kernel threads, with the same
+result bits:
 
 * :func:`relu_forward`: ``np.maximum(x, 0)`` (slope 0; NaN propagates, ``-0.0`` gives ``+0.0``)
   or ``np.where(x > 0, x, x * slope)``.
-* :func:`relu_backward`: ``np.where(x > 0, dy, 0)`` or ``np.where(x > 0, dy, dy * slope)``.
+* :func:`relu_backward`: ``np.where(x > 0, dy, 0)`` or ``np.where(x > 0, dy, dy * slope)``; in place
+  (``dx is dy``) through a two-array loop, which LLVM vectorizes (the three-array one runs scalar
+  when two of its arrays alias).
 * :func:`swap01`: ``out[...] = src.swapaxes(0, 1) (+ bias[:, None, None])`` for 3-D arrays
   ``(A, B, P) -> (B, A, P)``: type 1's lifting ``(M, N*P) -> (N, M, P)`` plus bias, and its
   ``_group_major`` ``(N, M, P) -> (M, N*P)``.
