@@ -213,3 +213,18 @@ def test_gemm_operands_beyond_the_cache_are_priced_as_streaming():
     assert cm.best_batch_partition("type1", g, 64, small)[0] < 64
     assert small.streaming_seconds(1 << 18) == 0.0
     assert cm.detect_cache_bytes() > 0
+
+
+def test_type1_single_image_backward_has_no_group_major_copy():
+    """Type 1 reshapes one image's dy in place (no copy); a chunk of several images copies it group-major.
+    The model prices exactly that, which is what makes b_p = 1 win for CaffeNet's conv1/conv2."""
+    g = square(27, 5, 96, 256, pad=2, group=2)
+    per_image = g.channels_out * g.out_size
+    copies = {n: [op for op in cm.pass_ops("type1", g, n, "bwd_weights") if op[0] == "copy"] for n in (1, 4)}
+    assert copies[1] == []
+    assert copies[4] == [("copy", 4 * per_image)]
+    # the data-gradient pass likewise
+    assert not [op for op in cm.pass_ops("type1", g, 1, "bwd_data") if op[0] == "copy"]
+    mach = flat_machine()
+    assert cm.predict_seconds("type1", g, 4, mach, "bwd_weights") > 4 * cm.predict_seconds("type1", g, 1, mach,
+                                                                                           "bwd_weights")
