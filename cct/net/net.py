@@ -14,6 +14,7 @@ from ..io.prototxt import read_net_prototxt
 from ..layers import create_layer
 from ..layers.base import Layer
 from ..layers.python_layer import extra_sys_path
+from ..malloc import tune_malloc
 from ..proto import caffe_pb2
 from .graph import filter_net, insert_splits
 
@@ -66,6 +67,7 @@ class Net:
             del param.state.stage[:]
             param.state.stage.extend(stages)
         self.dtype = np.dtype(dtype)
+        tune_malloc()  # once per process: freed work arrays stay in the heap (see cct.malloc)
         # Runs each layer's forward/backward; the device scheduler replaces it to split batches.
         self.executor = None
         self._init(param)
