@@ -95,18 +95,22 @@ def _masked_fns(builder, vec, ptr, mask):
     return fns
 
 
+def _masked_setup(context, builder, sig, args):
+    """``(dst ptr, src ptr, mask, vector type, masked load, masked store, i32)`` of a tail intrinsic."""
+    dp, sp = _vec_ptrs(context, builder, sig, args[:4])
+    mask = _tail_mask(builder, args[4])
+    vec = ir.VectorType(context.get_data_type(sig.args[0].dtype), _V)
+    load, store = _masked_fns(builder, vec, dp.type, mask.type)
+    return dp, sp, mask, vec, load, store, ir.IntType(32)
+
+
 @intrinsic
 def _vcopy_tail(typingctx, dst, d, src, s, r):  # pragma: no cover (compiled)
     """``dst[d:d + r] = src[s:s + r]`` for ``r < _V`` as one masked vector load and store (the masked-off
     lanes are never touched, so this may run up to the end of either array)."""
 
     def codegen(context, builder, sig, args):
-        dp, sp = _vec_ptrs(context, builder, sig, args[:4])
-        mask = _tail_mask(builder, args[4])
-        vec = dp.type.pointee if hasattr(dp.type, "pointee") else ir.VectorType(
-            context.get_data_type(sig.args[0].dtype), _V)
-        load, store = _masked_fns(builder, vec, dp.type, mask.type)
-        i32 = ir.IntType(32)
+        dp, sp, mask, vec, load, store, i32 = _masked_setup(context, builder, sig, args)
         v = builder.call(load, [sp, ir.Constant(i32, 1), mask, ir.Constant(vec, None)])
         builder.call(store, [v, dp, ir.Constant(i32, 1), mask])
         return context.get_dummy_value()
@@ -119,15 +123,9 @@ def _vadd_tail(typingctx, dst, d, src, s, r):  # pragma: no cover (compiled)
     """``dst[d:d + r] += src[s:s + r]`` for ``r < _V`` with masked vector loads and store."""
 
     def codegen(context, builder, sig, args):
-        dp, sp = _vec_ptrs(context, builder, sig, args[:4])
-        mask = _tail_mask(builder, args[4])
-        vec = dp.type.pointee if hasattr(dp.type, "pointee") else ir.VectorType(
-            context.get_data_type(sig.args[0].dtype), _V)
-        load, store = _masked_fns(builder, vec, dp.type, mask.type)
-        i32 = ir.IntType(32)
-        undef = ir.Constant(vec, None)
-        a = builder.call(load, [dp, ir.Constant(i32, 1), mask, undef])
-        b = builder.call(load, [sp, ir.Constant(i32, 1), mask, undef])
+        dp, sp, mask, vec, load, store, i32 = _masked_setup(context, builder, sig, args)
+        a = builder.call(load, [dp, ir.Constant(i32, 1), mask, ir.Constant(vec, None)])
+        b = builder.call(load, [sp, ir.Constant(i32, 1), mask, ir.Constant(vec, None)])
         builder.call(store, [builder.fadd(a, b), dp, ir.Constant(i32, 1), mask])
         return context.get_dummy_value()
 
