@@ -228,3 +228,26 @@ def test_type1_single_image_backward_has_no_group_major_copy():
     mach = flat_machine()
     assert cm.predict_seconds("type1", g, 4, mach, "bwd_weights") > 4 * cm.predict_seconds("type1", g, 1, mach,
                                                                                            "bwd_weights")
+
+
+def test_recalibrate_kernels_keeps_gemm_grids_and_remeasures_curves(monkeypatch):
+    """``cct calibrate --kernels``: the cached GEMM grids stay, the copy/lowering curves are measured
+    anew (for real, quickly: small sizes); with nothing cached it is a full calibration."""
+    from cct import blas
+
+    real_ew, real_lw = cal.measure_elementwise, cal.measure_lowerings
+    monkeypatch.setattr(cal, "measure_elementwise", lambda sizes, repeats: real_ew((1 << 12, 1 << 14), 1))
+    monkeypatch.setattr(cal, "measure_lowerings", lambda sizes, repeats: real_lw(((16, 2),), 1))
+    full = []
+    monkeypatch.setattr(cal, "calibrate", lambda **kw: full.append(kw) or "full")
+    assert cal.recalibrate_kernels(threads=1) == "full" and full  # nothing cached yet
+    m = flat_machine(gflops=123.0)
+    m.threads, m.backend = 1, blas.get_backend()
+    m.lowering_curves = {"type1": {"lower": [(1, 99.0)]}}
+    blas.write_cache(cal._cache_name(1, m.backend), m.to_json())
+    new = cal.recalibrate_kernels(threads=1)
+    assert new.gemm_bign == m.gemm_bign and new.gemm_bigk == m.gemm_bigk
+    assert new.lowering_curves["type1"]["lower"] != [(1, 99.0)]
+    assert set(new.elem_curves) >= {"copy", "add", "zero"} and new.copy_ns == new.elem_curves["copy"][-1][1]
+    again = cal.Machine.from_json(blas.read_cache(cal._cache_name(1, m.backend)))
+    assert again.lowering_curves == new.lowering_curves and "kernels_measured_at" in again.info

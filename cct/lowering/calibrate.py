@@ -189,6 +189,32 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
     return machine
 
 
+def recalibrate_kernels(threads: int | None = None, repeats: int = 2, save: bool = True) -> Machine:
+    """Re-measure only the element-wise and lowering curves of the cached Machine for ``threads``
+    (after the copy/lowering kernels changed), keeping its GEMM grids; a full :func:`calibrate` if
+    none is cached. ``cct calibrate --kernels``."""
+    backend = blas.get_backend()
+    with blas.blas_threads(threads):
+        nthreads = blas.get_num_threads()
+    cached = blas.read_cache(_cache_name(nthreads, backend))
+    if not cached:
+        return calibrate(threads=threads, save=save)
+    machine = Machine.from_json(cached)
+    with blas.blas_threads(threads):
+        ew = measure_elementwise((1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25), repeats)
+        lw = measure_lowerings(((32, 4), (256, 16), (512, 32)), repeats)
+    machine.elem_curves, machine.lowering_curves = ew, lw
+    machine.copy_ns, machine.add_ns, machine.zero_ns = ew["copy"][-1][1], ew["add"][-1][1], ew["zero"][-1][1]
+    machine.info = dict(machine.info, kernels_measured_at=time.time())
+    if save:
+        try:
+            blas.write_cache(_cache_name(machine.threads, backend), machine.to_json())
+        except OSError:
+            pass
+    _memo[_cache_name(machine.threads, backend)] = machine
+    return machine
+
+
 def load_machine(measure_if_missing: bool = True, threads: int | None = None) -> Machine:
     """The cached Machine for this machine/backend/thread count; measured (and cached) if absent.
 
@@ -243,16 +269,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="BLAS threads to calibrate for")
     ap.add_argument("--blas", choices=("auto", "openblas", "mkl"), default=None, help="BLAS backend")
     ap.add_argument("--show", action="store_true", help="print the cached constants, measure nothing")
+    ap.add_argument("--kernels", action="store_true",
+                    help="re-measure only the copy/lowering curves, keep the cached GEMM grids")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.blas is not None:
         if args.blas == "auto":
             blas.choose_backend(force=not args.show)
         blas.set_backend(args.blas)
-    elif not args.show:
+    elif not args.show and not args.kernels:
         blas.calibrate(force=True)
     if args.show:
         m = load_machine(measure_if_missing=False, threads=args.threads)
+    elif args.kernels:
+        m = recalibrate_kernels(threads=args.threads)
     else:
         m = calibrate(quick=args.quick, threads=args.threads)
     if args.json:
