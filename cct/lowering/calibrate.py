@@ -180,13 +180,7 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
                             "blas": info})
     if verbose:
         print(summary(machine))
-    if save and not quick:
-        try:
-            blas.write_cache(_cache_name(machine.threads, backend), machine.to_json())
-        except OSError:
-            pass
-    _memo[_cache_name(machine.threads, backend)] = machine
-    return machine
+    return _store(machine, backend, save and not quick)
 
 
 def recalibrate_kernels(threads: int | None = None, repeats: int = 2, save: bool = True) -> Machine:
@@ -206,6 +200,11 @@ def recalibrate_kernels(threads: int | None = None, repeats: int = 2, save: bool
     machine.elem_curves, machine.lowering_curves = ew, lw
     machine.copy_ns, machine.add_ns, machine.zero_ns = ew["copy"][-1][1], ew["add"][-1][1], ew["zero"][-1][1]
     machine.info = dict(machine.info, kernels_measured_at=time.time())
+    return _store(machine, backend, save)
+
+
+def _store(machine: Machine, backend: str, save: bool) -> Machine:
+    """Remember ``machine`` for this process and (``save``) in the user cache; returns it."""
     if save:
         try:
             blas.write_cache(_cache_name(machine.threads, backend), machine.to_json())
