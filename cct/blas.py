@@ -371,8 +371,8 @@ class _OpenBLAS:
     SYMBOLS = (("scipy_cblas_sgemm64_", "scipy_cblas_dgemm64_", True), ("cblas_sgemm64_", "cblas_dgemm64_", True),
                ("scipy_cblas_sgemm", "scipy_cblas_dgemm", False), ("cblas_sgemm", "cblas_dgemm", False))
 
-    def __init__(self, path: str):
-        self.lib = ctypes.CDLL(path)
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
         for sname, dname, wide in self.SYMBOLS:
             if hasattr(self.lib, sname) and hasattr(self.lib, dname):
                 i, P = (ctypes.c_int64 if wide else ctypes.c_int), ctypes.c_void_p
@@ -381,7 +381,7 @@ class _OpenBLAS:
                     f.restype = None
                     f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, i, i, i, real, P, i, P, i, real, P, i]
                 return
-        raise AttributeError(f"no cblas_sgemm entry point in {path}")
+        raise AttributeError(f"no cblas_sgemm entry point in {getattr(lib, '_name', lib)}")
 
 
 _openblas: _OpenBLAS | None | bool = None
@@ -393,13 +393,29 @@ def _load_openblas() -> _OpenBLAS | None:
     if _openblas is None:
         with _lock:
             if _openblas is None:
-                ctls = _openblas_controllers()
-                path = getattr(ctls[0], "filepath", None) if ctls else None
+                lib = _numpy_openblas_cdll()
                 try:
-                    _openblas = _OpenBLAS(path) if path else False
-                except (OSError, AttributeError, TypeError):
+                    _openblas = _OpenBLAS(lib) if lib is not None else False
+                except (AttributeError, TypeError):
                     _openblas = False
     return _openblas or None
+
+
+_ob_cdll: ctypes.CDLL | None | bool = None
+
+
+def _numpy_openblas_cdll() -> ctypes.CDLL | None:
+    """numpy's OpenBLAS library as a ctypes handle (loaded once; call under ``_lock``), or None when it
+    cannot be found."""
+    global _ob_cdll
+    if _ob_cdll is None:
+        ctls = _openblas_controllers()
+        path = getattr(ctls[0], "filepath", None) if ctls else None
+        try:
+            _ob_cdll = ctypes.CDLL(path) if path else False
+        except (OSError, TypeError):
+            _ob_cdll = False
+    return _ob_cdll or None
 
 
 _ACC_BLOCK_BYTES = 512 << 10  # row-block size of accumulating (beta = 1) GEMMs into big outputs
@@ -604,12 +620,10 @@ def limit_openblas_spin(exponent: int | None = None) -> bool:
             return False
         if exponent is None:
             exponent = int(env) if env.isdigit() else DEFAULT_THREAD_TIMEOUT
-        ctls = _openblas_controllers()
-        if not ctls:
+        lib = _numpy_openblas_cdll()
+        if lib is None:
             return False
-        path = getattr(ctls[0], "filepath", None)
         try:
-            lib = ctypes.CDLL(path)
             read_env = lib.openblas_read_env
             shutdown = lib.blas_thread_shutdown_
             init = lib.blas_thread_init

@@ -28,6 +28,9 @@ from .cost_model import Machine, detect_cache_bytes, nominal_machine
 
 FULL_DIMS = [4, 16, 64, 256, 1024, 4096]
 QUICK_DIMS = [8, 64, 512]
+# sweep sizes (elements) of the element-wise curves and (d, batch) points of the lowering curves
+FULL_ELEM_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25)
+FULL_LOWERING_SIZES = ((32, 4), (256, 16), (512, 32))
 _memo: dict[str, Machine] = {}
 
 log = logging.getLogger("cct")
@@ -166,9 +169,8 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
             curve.append((int(big), min(1.0, _gemm_gflops(256, big, 256, repeats, rng) / ref)))
         small = np.ones((2, 2), np.float32)
         overhead = _best_time(lambda: blas.gemm(small, small), 20)
-    ew = measure_elementwise((1 << 14, 1 << 18) if quick else (1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25),
-                             repeats)
-    lw = measure_lowerings(((16, 2), (64, 8)) if quick else ((32, 4), (256, 16), (512, 32)), repeats)
+    ew = measure_elementwise((1 << 14, 1 << 18) if quick else FULL_ELEM_SIZES, repeats)
+    lw = measure_lowerings(((16, 2), (64, 8)) if quick else FULL_LOWERING_SIZES, repeats)
     info = blas.blas_info()
     machine = Machine(grid_dims=list(dims), gemm_bign=bign, gemm_bigk=bigk, big_curve=curve,
                       copy_ns=ew["copy"][-1][1], add_ns=ew["add"][-1][1], zero_ns=ew["zero"][-1][1],
@@ -189,14 +191,13 @@ def recalibrate_kernels(threads: int | None = None, repeats: int = 2, save: bool
     none is cached. ``cct calibrate --kernels``."""
     backend = blas.get_backend()
     with blas.blas_threads(threads):
-        nthreads = blas.get_num_threads()
-    cached = blas.read_cache(_cache_name(nthreads, backend))
+        cached = blas.read_cache(_cache_name(blas.get_num_threads(), backend))
+        if cached:
+            ew = measure_elementwise(FULL_ELEM_SIZES, repeats)
+            lw = measure_lowerings(FULL_LOWERING_SIZES, repeats)
     if not cached:
         return calibrate(threads=threads, save=save)
     machine = Machine.from_json(cached)
-    with blas.blas_threads(threads):
-        ew = measure_elementwise((1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25), repeats)
-        lw = measure_lowerings(((32, 4), (256, 16), (512, 32)), repeats)
     machine.elem_curves, machine.lowering_curves = ew, lw
     machine.copy_ns, machine.add_ns, machine.zero_ns = ew["copy"][-1][1], ew["add"][-1][1], ew["zero"][-1][1]
     machine.info = dict(machine.info, kernels_measured_at=time.time())
