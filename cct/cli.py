@@ -90,11 +90,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "per layer), 'auto' (measured on the first batch) or an int")
 
 
-def _configure_engine(args, calibrate: bool) -> None:
-    """Apply the lowering flags; calibrate the machine once (cached) unless CCT_CALIBRATE=0."""
+def _configure_engine(args, calibrate: bool):
+    """The engine settings of the lowering flags; calibrate the machine once (cached) unless CCT_CALIBRATE=0."""
     import os
 
-    from .lowering import engine
+    from .lowering.engine import EngineConfig
 
     parts = args.partitions if args.partitions in ("auto", "model") else _positive_int(args.partitions,
                                                                                         "--partitions")
@@ -102,8 +102,8 @@ def _configure_engine(args, calibrate: bool) -> None:
     if args.lowering:
         overrides = args.lowering if "=" in args.lowering else {"*": args.lowering}
     try:
-        engine.configure(mode=args.lowering_mode, partitions=parts, overrides=overrides,
-                         calibrate=calibrate and os.environ.get("CCT_CALIBRATE", "1") != "0")
+        return EngineConfig(mode=args.lowering_mode, partitions=parts, overrides=overrides or {},
+                            calibrate=calibrate and os.environ.get("CCT_CALIBRATE", "1") != "0")
     except (KeyError, ValueError) as e:
         raise CctError(f"--lowering/--partitions: {e}") from None
 
@@ -155,14 +155,18 @@ def _select_gpus(flag: str | None) -> list[int]:
     return ids
 
 
-def _use_devices(args, solver_param=None) -> None:
-    """Select the devices for this run: --devices/--share, --gpu, or the solver's solver_mode."""
+def _use_devices(args, engine, solver_param=None):
+    """This run's :class:`cct.config.Config`: the engine settings and the devices (--devices/--share, --gpu,
+    or the solver's solver_mode). It becomes the process default too (so a later run in the same process
+    closes these devices) and is handed to the solver or net."""
+    from .config import update_default
     from .scheduler import devices_from_args, set_devices
 
     cfg = devices_from_args(args, solver_param)
     if cfg is None:
         log.info("Use CPU.")
     set_devices(cfg)
+    return update_default(engine=engine)
 
 
 # -- progress bar ------------------------------------------------------------------------------
@@ -238,7 +242,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     signals.check_effect(args.sighup_effect)
     progress = _Progress(sys.stderr, 1) if sys.stderr.isatty() and not args.quiet else None
     _init_logging(args.quiet, stream=progress)
-    _configure_engine(args, calibrate=True)
+    engine = _configure_engine(args, calibrate=True)
 
     from .proto import caffe_pb2
     from .solver import get_solver, read_solver_param
@@ -246,7 +250,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     param = read_solver_param(solver_path)
     param.train_state.level = args.level
     param.train_state.stage.extend(_stages(args.stage))
-    _use_devices(args, param)
+    config = _use_devices(args, engine, param)
     # The solver itself must not log the GPU fallback a second time.
     param.solver_mode = caffe_pb2.SolverParameter.CPU
     if args.iterations is not None:
@@ -260,7 +264,7 @@ def cmd_train(argv: Sequence[str]) -> int:
         param.weights.append(args.weights)
 
     handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
-    solver = get_solver(param, _source=solver_path)
+    solver = get_solver(param, _source=solver_path, config=config)
     solver.set_action_function(handler.get_action_function())
     if progress is not None:
         progress.total = max(param.max_iter, 1)
@@ -306,9 +310,8 @@ def cmd_test(argv: Sequence[str]) -> int:
     if args.iterations < 1:
         raise CctError(f"--iterations must be >= 1, not {args.iterations}")
     _init_logging(args.quiet)
-    _configure_engine(args, calibrate=False)
-    _use_devices(args)
-    net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage))
+    config = _use_devices(args, _configure_engine(args, calibrate=False))
+    net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage), config=config)
     _load_weights(net, args.weights)
     log.info("Running for %d iterations.", args.iterations)
     scores: list[np.float32] = []
@@ -351,9 +354,8 @@ def cmd_time(argv: Sequence[str]) -> int:
     if args.iterations < 1:
         raise CctError(f"--iterations must be >= 1, not {args.iterations}")
     _init_logging(args.quiet)
-    _configure_engine(args, calibrate=True)
-    _use_devices(args)
-    net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage))
+    config = _use_devices(args, _configure_engine(args, calibrate=True))
+    net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage), config=config)
     if args.weights:
         _load_weights(net, args.weights)
     log.info("Performing Forward")

@@ -5,7 +5,8 @@ import threading
 import numpy as np
 import pytest
 
-from cct import blas
+from cct import blas, config
+from cct.blas import choice, mkl, multiply, openblas
 from cct.errors import CctError
 
 BACKENDS = ["openblas"] + (["mkl"] if blas.mkl_available() else [])
@@ -14,10 +15,12 @@ BACKENDS = ["openblas"] + (["mkl"] if blas.mkl_available() else [])
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(blas, "_explicit", None)
-    monkeypatch.setattr(blas, "_resolved_auto", None)
+    monkeypatch.setattr(choice, "_resolved_auto", None)
     monkeypatch.delenv("CCT_BLAS", raising=False)
+    saved = config.default()
+    config.update_default(blas=config.BlasConfig())
     yield
+    config.set_default(saved)  # set_backend changes the process default
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -55,7 +58,7 @@ def test_gemm_strided_operands_and_output(backend):
 
 def test_sgemm_uses_selected_backend(monkeypatch):
     calls = []
-    monkeypatch.setattr(blas, "_mkl_gemm", lambda *a: calls.append(1) or a[2])
+    monkeypatch.setattr(multiply, "_mkl_gemm", lambda *a: calls.append(1) or a[2])
     blas.set_backend("openblas")
     x = np.ones((2, 3), np.float32)
     np.testing.assert_allclose(blas.sgemm(x, x, trans_b=True), np.full((2, 2), 3.0))
@@ -86,23 +89,23 @@ def test_auto_benchmarks_once_and_caches(monkeypatch, tmp_path):
         seen.append(name)
         return speeds[name]
 
-    monkeypatch.setattr(blas, "_time_backend", fake)
-    monkeypatch.setattr(blas, "mkl_available", lambda: True)
+    monkeypatch.setattr(choice, "_time_backend", fake)
+    monkeypatch.setattr(choice, "mkl_available", lambda: True)
     monkeypatch.setenv("CCT_BLAS", "auto")
     assert blas.choose_backend() == "mkl"
     files = list(tmp_path.glob("blas-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["best"] == "mkl"
     n = len(seen)
-    monkeypatch.setattr(blas, "_resolved_auto", None)
+    monkeypatch.setattr(choice, "_resolved_auto", None)
     assert blas.choose_backend() == "mkl" and len(seen) == n  # from the cache, no re-measurement
     speeds["openblas"] = 900.0
     assert blas.calibrate(force=True)["best"] == "openblas" and len(seen) > n
 
 
 def test_missing_mkl_gives_clean_error(monkeypatch):
-    monkeypatch.setattr(blas, "_mkl", None)
-    monkeypatch.setattr(blas, "_mkl_error", None)
-    monkeypatch.setattr(blas, "_find_mkl_rt", lambda: None)
+    monkeypatch.setattr(mkl, "_mkl", None)
+    monkeypatch.setattr(mkl, "_mkl_error", None)
+    monkeypatch.setattr(mkl, "find_mkl_rt", lambda: None)
     with pytest.raises(blas.BlasUnavailable, match="pip install mkl"):
         blas.set_backend("mkl")
     assert not blas.mkl_available()
@@ -152,7 +155,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 def test_openblas_accumulating_gemm_goes_through_cblas():
     """beta != 0 on OpenBLAS is one cblas call into numpy's own library (no temporary), also for a
     strided output and a transposed operand."""
-    ob = blas._load_openblas()
+    ob = openblas.load_openblas()
     assert ob is not None and ob.sgemm is not None
     rng = np.random.default_rng(3)
     a = rng.standard_normal((40, 30)).astype(np.float32)
@@ -164,3 +167,41 @@ def test_openblas_accumulating_gemm_goes_through_cblas():
     blas.gemm(a, b, out=out, trans_b=True, beta=1.0, backend="openblas")
     np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(base[:, 1::3], before[:, 1::3])  # the columns in between stay
+
+
+def test_scoped_backend_wins_over_default_and_environment_and_is_per_thread(monkeypatch):
+    monkeypatch.setenv("CCT_BLAS", "openblas")
+    blas.set_backend("openblas")
+    seen = []
+    with config.using_config(blas={"backend": "auto"}):
+        monkeypatch.setattr(choice, "_resolved_auto", "mkl")  # what 'auto' measured
+        assert blas.get_backend() == "mkl"
+        t = threading.Thread(target=lambda: seen.append(blas.get_backend()))
+        t.start()
+        t.join()
+    assert seen == ["openblas"]  # another thread is outside the block: the process default
+    assert blas.get_backend() == "openblas"
+    with pytest.raises(CctError, match="unknown BLAS backend"):
+        config.BlasConfig("atlas")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gemm_timer_modes(backend):
+    """The one GEMM timer: best-of-repeats and fixed-duration rates are positive and of the same order."""
+    shapes = [(32, 64, 48), (16, 128, 32)]
+    best = blas.gemm_gflops(shapes, repeats=2, backend=backend)
+    sustained = blas.gemm_gflops(shapes, duration=0.02, backend=backend)
+    assert best > 0 and sustained > 0
+    assert sustained < best * 5  # both time the same GEMMs; best-of is the faster measure
+    assert blas.best_time(lambda: None, 3) >= 0
+
+
+def test_gemm_timer_aborts_the_barrier_when_setup_fails():
+    barrier = threading.Barrier(2)
+
+    def broken(_):
+        raise MemoryError("no room")
+
+    with pytest.raises(MemoryError):
+        blas.gemm_gflops([(4, 4, 4)], duration=0.01, asarray=broken, barrier=barrier)
+    assert barrier.broken  # the other device does not wait for ever

@@ -5,13 +5,13 @@ gradient -- on randomized N-d geometries (padding, stride, dilation, rectangular
 groups), in float32 and float64, and pass a finite-difference gradient check through the
 Convolution layer.
 """
-import contextlib
 import itertools
 
 import numpy as np
 import pytest
 
 from cct import blas
+from cct.config import using_config
 from cct.io.prototxt import parse_text
 from cct.layers.base import create_layer
 from cct.lowering import ConvGeometry, get_strategy
@@ -262,14 +262,8 @@ def test_gradient_through_conv_layer(name, case):
 BLAS_BACKENDS = ["openblas"] + (["mkl"] if blas.mkl_available() else [])
 
 
-@contextlib.contextmanager
 def _backend(name):
-    previous = blas._explicit
-    blas.set_backend(name)
-    try:
-        yield
-    finally:
-        blas._explicit = previous
+    return using_config(blas={"backend": name})
 
 
 @pytest.mark.parametrize("backend", BLAS_BACKENDS)

@@ -40,22 +40,11 @@ def _cache_name(threads: int, backend: str) -> str:
     return f"machine-{blas.machine_key()}-{backend}-t{threads}.json"
 
 
-def _best_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+_best_time = blas.best_time  # the timer of the element-wise and lowering curves
 
 
-def _gemm_gflops(m: int, n: int, k: int, repeats: int, rng) -> float:
-    a = rng.standard_normal((m, k), dtype=np.float32)
-    b = rng.standard_normal((k, n), dtype=np.float32)
-    c = np.empty((m, n), np.float32)
-    t = _best_time(lambda: blas.gemm(a, b, out=c), repeats)
-    return 2.0 * m * n * k / max(t, 1e-9) / 1e9
+def _gemm_gflops(m: int, n: int, k: int, repeats: int) -> float:
+    return blas.gemm_gflops([(m, n, k)], repeats=repeats)
 
 
 def _big(m: int, k: int, budget: float, lo: int, hi: int) -> int:
@@ -145,7 +134,6 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
     over the GEMM grids (each point keeps its best). The result is cached unless ``save`` is False.
     """
     backend = blas.get_backend()
-    rng = np.random.default_rng(0)
     dims = QUICK_DIMS if quick else FULL_DIMS
     repeats = repeats if repeats is not None else (1 if quick else 2)
     budget = 2e7 if quick else 2e8
@@ -160,13 +148,13 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
         for _ in range(1 if quick else passes):
             for i, m in enumerate(dims):
                 for j, d in enumerate(dims):
-                    bign[i][j] = max(bign[i][j], _gemm_gflops(m, _big(m, d, budget, lo, hi), d, repeats, rng))
-                    bigk[i][j] = max(bigk[i][j], _gemm_gflops(m, d, _big(m, d, budget, lo, hi), repeats, rng))
+                    bign[i][j] = max(bign[i][j], _gemm_gflops(m, _big(m, d, budget, lo, hi), d, repeats))
+                    bigk[i][j] = max(bigk[i][j], _gemm_gflops(m, d, _big(m, d, budget, lo, hi), repeats))
         ref_big = _big(256, 256, budget, lo, hi)
-        ref = _gemm_gflops(256, ref_big, 256, repeats, rng)
+        ref = _gemm_gflops(256, ref_big, 256, repeats)
         curve = []
         for big in ((32, 256, ref_big) if quick else (16, 64, 256, 1024, 4096, ref_big)):
-            curve.append((int(big), min(1.0, _gemm_gflops(256, big, 256, repeats, rng) / ref)))
+            curve.append((int(big), min(1.0, _gemm_gflops(256, big, 256, repeats) / ref)))
         small = np.ones((2, 2), np.float32)
         overhead = _best_time(lambda: blas.gemm(small, small), 20)
     ew = measure_elementwise((1 << 14, 1 << 18) if quick else FULL_ELEM_SIZES, repeats)

@@ -21,6 +21,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from ..config import current, update_default
 from .base import LoweringStrategy, get_strategy
 from .geometry import ConvGeometry
 
@@ -29,66 +30,70 @@ log = logging.getLogger("cct")
 MODES = ("cct", "caffe")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Engine-wide lowering settings (see module docstring)."""
+    """Engine-wide lowering settings (see module docstring); part of a :class:`cct.config.Config`.
+
+    Validated when built (ValueError, or KeyError naming the known lowerings); ``overrides`` may be
+    given as the ``CCT_LOWERING`` string form.
+    """
 
     mode: str = "cct"
     partitions: int | str = "model"
     overrides: dict[str, str] = field(default_factory=dict)
     calibrate: bool = os.environ.get("CCT_CALIBRATE", "0").lower() in ("1", "true", "yes")
 
+    def __post_init__(self) -> None:
+        from .optimizer import parse_overrides
 
-_config = EngineConfig()
+        if self.mode not in MODES:
+            raise ValueError(f"unknown lowering mode '{self.mode}' (use one of {', '.join(MODES)})")
+        p = self.partitions
+        if not (p in ("auto", "model") or (isinstance(p, int) and not isinstance(p, bool) and p >= 1)):
+            raise ValueError(f"partitions must be 'auto', 'model' or a positive int, got {p!r}")
+        parsed = parse_overrides(self.overrides) if isinstance(self.overrides, str) else dict(self.overrides)
+        for name in parsed.values():
+            get_strategy(name)  # unknown names fail here, naming the known ones
+        object.__setattr__(self, "overrides", parsed)
+        object.__setattr__(self, "calibrate", bool(self.calibrate))
 
 
 def configure(mode: str | None = None, partitions: int | str | None = None,
               overrides: dict[str, str] | str | None = None, calibrate: bool | None = None) -> EngineConfig:
-    """Change the engine settings used by nets built from now on; returns the settings."""
-    from .optimizer import parse_overrides
-
-    if mode is not None:
-        if mode not in MODES:
-            raise ValueError(f"unknown lowering mode '{mode}' (use one of {', '.join(MODES)})")
-        _config.mode = mode
-    if partitions is not None:
-        if not (partitions in ("auto", "model") or (isinstance(partitions, int) and partitions >= 1)):
-            raise ValueError(f"partitions must be 'auto', 'model' or a positive int, got {partitions!r}")
-        _config.partitions = partitions
-    if overrides is not None:
-        parsed = parse_overrides(overrides) if isinstance(overrides, str) else dict(overrides)
-        for name in parsed.values():
-            get_strategy(name)  # unknown names fail here, naming the known ones
-        _config.overrides = parsed
-    if calibrate is not None:
-        _config.calibrate = bool(calibrate)
-    return _config
+    """Change the engine settings of the process default configuration (nets built from now on
+    outside a ``using_config`` block or an explicit ``config=``); returns the new settings."""
+    changes = {k: v for k, v in (("mode", mode), ("partitions", partitions), ("overrides", overrides),
+                                 ("calibrate", calibrate)) if v is not None}
+    return update_default(engine=changes).engine
 
 
 def config() -> EngineConfig:
-    """The current engine settings."""
-    return _config
+    """The engine settings in effect now (:func:`cct.config.current`)."""
+    return current().engine
 
 
-def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int) -> LoweringStrategy:
-    """The lowering a conv layer should run for ``geom`` at ``batch`` images; logs the choice."""
+def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
+                  config: EngineConfig | None = None) -> LoweringStrategy:
+    """The lowering a conv layer should run for ``geom`` at ``batch`` images under ``config`` (None: the
+    current configuration's engine settings); logs the choice."""
     from .. import blas
     from .calibrate import load_machine
     from .optimizer import lowering_for_layer, parse_overrides
     from .partition import BatchedLowering
 
+    cfg = config if config is not None else current().engine
     blas.limit_openblas_spin()  # once per process: idle OpenBLAS workers must not spin for ~0.1 s
-    if _config.mode == "caffe":
+    if cfg.mode == "caffe":
         log.info("%s: lowering type 1, one image per GEMM (Caffe-style mode)", layer_name)
         return BatchedLowering(get_strategy("type1"), batch_partition="caffe", partitions=1)
     overrides = dict(parse_overrides())  # CCT_LOWERING from the environment
-    overrides.update(_config.overrides)
-    machine = load_machine(measure_if_missing=_config.calibrate)
-    if _config.calibrate and _config.partitions == "model" and machine.threads > 1:
+    overrides.update(cfg.overrides)
+    machine = load_machine(measure_if_missing=cfg.calibrate)
+    if cfg.calibrate and cfg.partitions == "model" and machine.threads > 1:
         # constants for two partitions too (more partitions are only considered once calibrated)
         load_machine(measure_if_missing=True, threads=machine.threads // 2)
     strategy, _plan, line = lowering_for_layer(layer_name, geom, batch, machine=machine, overrides=overrides)
-    lowering = BatchedLowering(strategy, batch_partition="auto", partitions=_config.partitions)
+    lowering = BatchedLowering(strategy, batch_partition="auto", partitions=cfg.partitions)
     try:
         from .partition import describe
 

@@ -45,6 +45,7 @@ from typing import Any
 
 from .. import blas
 from ..backend import get_array_module
+from ..config import submit_in_context
 from .base import IntoLowering, LoweringStrategy
 from .geometry import ConvGeometry
 
@@ -311,7 +312,7 @@ class BatchedLowering(IntoLowering):
         with contextlib.ExitStack() as stack:
             if not local:  # process-wide (OpenBLAS): same limit for all partitions
                 stack.enter_context(blas.blas_threads(per, backend))
-            futures = [pool.submit(part, i) for i in range(1, p)]
+            futures = [submit_in_context(pool.submit, part, i) for i in range(1, p)]  # under this config
             try:
                 first = part(0)  # the calling thread runs partition 0
             finally:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..blob import Blob
+from ..config import Config, current, runs_in_own_config
 from ..errors import CctError, LayerError, NetError
 from ..io.prototxt import read_net_prototxt
 from ..layers import create_layer
@@ -38,6 +39,9 @@ class Net:
 
     ``Net(prototxt_or_NetParameter, phase, weights=None, level=0, stages=())``. Layers run
     in prototxt order; ``forward()`` returns the total loss, ``backward()`` fills diffs.
+    ``config`` (a :class:`cct.config.Config`; default :func:`cct.config.current`) is kept as
+    ``net.config``: its engine settings plan the convolutions, its devices split the batches, its
+    BLAS choice runs the GEMMs, also when the net runs later outside any ``using_config`` block.
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class Net:
         level: int | None = None,
         stages: Iterable[str] | None = None,
         dtype=np.float32,
+        config: Config | None = None,
     ):
         if isinstance(net, caffe_pb2.NetParameter):
             from ..io.upgrade import upgrade_net
@@ -67,6 +72,7 @@ class Net:
             del param.state.stage[:]
             param.state.stage.extend(stages)
         self.dtype = np.dtype(dtype)
+        self.config = config if config is not None else current()
         tune_malloc()  # once per process: freed work arrays stay in the heap (see cct.malloc)
         # Runs each layer's forward/backward; the device scheduler replaces it to split batches.
         self.executor = None
@@ -74,13 +80,12 @@ class Net:
         if weights is not None:
             for w in [weights] if isinstance(weights, (str, os.PathLike)) else weights:
                 self.copy_from(w)
-        from ..scheduler.config import get_devices
-
-        devices = get_devices()  # cct.set_devices / --devices: split batches over several devices
+        devices = self.config.devices  # --devices / cct.set_devices: split batches over several devices
         if devices is not None:
             devices.attach(self, strict=False)
 
     # -- construction --------------------------------------------------------------
+    @runs_in_own_config
     def _init(self, in_param: caffe_pb2.NetParameter) -> None:
         self.phase = in_param.state.phase
         filtered = filter_net(in_param, in_param.state)
@@ -362,6 +367,7 @@ class Net:
         return int(name_or_index)
 
     # -- running -----------------------------------------------------------------------
+    @runs_in_own_config
     def forward_from_to(self, start: int, end: int) -> float:
         """Run layers start..end inclusive; return the loss they contribute."""
         if not (0 <= start <= end < len(self.layers)):
@@ -387,6 +393,7 @@ class Net:
         """Forward over all layers (or from/to a named layer); returns the total loss."""
         return self.forward_from_to(self._index(start, 0), self._index(end, len(self.layers) - 1))
 
+    @runs_in_own_config
     def backward_from_to(self, start: int, end: int) -> None:
         """Backward from layer ``start`` down to ``end`` (inclusive), skipping layers that need none."""
         if not (0 <= end <= start < len(self.layers)):
@@ -412,6 +419,7 @@ class Net:
         self.backward()
         return loss
 
+    @runs_in_own_config
     def reshape(self) -> None:
         """Propagate changed input shapes through every layer."""
         for layer, bottom, top, names in zip(self.layers, self.bottom_vecs, self.top_vecs, self.top_names):

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import config as config_mod
 from ..errors import CctError
 from ..proto import caffe_pb2
 from .devices import (
@@ -225,31 +226,30 @@ def make_config(devices: str | Sequence[str] | Sequence[Device], shares: ShareSp
     return cfg
 
 
-_current: DeviceConfig | None = None
-
-
 def set_devices(devices: str | Sequence[str] | Sequence[Device] | DeviceConfig | None, shares: ShareSpec = "auto",
                 layer_shares: Mapping[str, Sequence[float]] | None = None) -> DeviceConfig | None:
-    """Select the devices cct trains on (``cct.set_devices(["cpu", "cpu:1"], shares="auto")``).
+    """Select the devices of the process default configuration (``cct.set_devices(["cpu", "cpu:1"],
+    shares="auto")``); a thin wrapper over :func:`cct.config.update_default`.
 
     ``shares``: "auto" (measured FLOPS), "peak", or one fraction per device summing to 1;
     ``layer_shares``: layer name -> fractions. ``None`` goes back to the plain single-device
-    path. Nets built afterwards get the executor (``cct.Net`` attaches it when it is built);
-    returns the new configuration.
+    path. Nets built afterwards without a config of their own get the executor; the previous
+    default devices are closed. Returns the new device configuration.
     """
-    global _current
-    if _current is not None:
-        _current.close()
-        _current = None
-    if devices is None:
-        return None
-    _current = devices if isinstance(devices, DeviceConfig) else make_config(devices, shares, layer_shares)
-    return _current
+    previous = config_mod.default().devices
+    if previous is not None and previous is not devices:
+        previous.close()
+    cfg = None
+    if devices is not None:
+        cfg = devices if isinstance(devices, DeviceConfig) else make_config(devices, shares, layer_shares)
+    config_mod.update_default(devices=cfg)
+    return cfg
 
 
 def get_devices() -> DeviceConfig | None:
-    """The configuration set by :func:`set_devices` (None: plain single-device execution)."""
-    return _current
+    """The devices of the configuration in effect (:func:`cct.config.current`; None: plain
+    single-device execution)."""
+    return config_mod.current().devices
 
 
 def attach(net: Any, devices: str | Sequence[str] | Sequence[Device] | DeviceConfig | None = None,
@@ -257,16 +257,18 @@ def attach(net: Any, devices: str | Sequence[str] | Sequence[Device] | DeviceCon
            strict: bool = True) -> DataParallelExecutor | None:
     """Install the data-parallel executor on ``net``.
 
-    ``devices`` None: the configuration of :func:`set_devices` (returns None and leaves the net
-    alone when there is none). ``strict=False`` tolerates per-layer shares naming layers the net
-    lacks (a TEST net without TRAIN-only layers).
+    ``devices`` None: the devices of the net's own configuration, else those of
+    :func:`cct.config.current` (returns None and leaves the net alone when there are none).
+    ``strict=False`` tolerates per-layer shares naming layers the net lacks (a TEST net without
+    TRAIN-only layers).
     """
     if isinstance(devices, DeviceConfig):
         cfg = devices
     elif devices is None:
-        if _current is None:
+        own = getattr(net, "config", None)
+        cfg = own.devices if own is not None and own.devices is not None else get_devices()
+        if cfg is None:
             return None
-        cfg = _current
         if shares is not None or layer_shares is not None:
             fr, g, source = resolve_shares(cfg.devices, shares) if shares is not None else (
                 cfg.shares, cfg.gflops, cfg.share_source)

@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import blas
 from ..backend import cupy_available
+from ..config import submit_in_context
 from ..errors import CctError
 
 log = logging.getLogger("cct")
@@ -99,8 +100,9 @@ class Device:
             return self._pool
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
-        """Run ``fn(*args)`` on this device's worker thread."""
-        return self._executor().submit(fn, *args)
+        """Run ``fn(*args)`` on this device's worker thread, in a copy of the caller's context (so under
+        the caller's :func:`cct.config.current`)."""
+        return submit_in_context(self._executor().submit, fn, *args)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the worker and wait for its result (exceptions propagate)."""
@@ -174,7 +176,7 @@ class CpuDevice(Device):
         if name not in blas.BACKENDS:
             raise CctError(f"cpu:{index}: unknown BLAS backend '{name}' (use one of {', '.join(blas.BACKENDS)})")
         if name == "mkl":
-            blas._load_mkl()  # clear BlasUnavailable (a CctError) when MKL is missing
+            blas.load_mkl()  # clear BlasUnavailable (a CctError) when MKL is missing
         if name != default and not per_thread and not query_only:
             raise CctError(
                 f"cpu:{index}: BLAS backend '{name}' cannot be used by a device yet: cct.blas cannot select the "
@@ -186,7 +188,7 @@ class CpuDevice(Device):
         if set_tb is not None:
             set_tb(self.blas)
         if self.blas == "mkl":
-            lib = blas._load_mkl()
+            lib = blas.load_mkl()
             if lib.set_local is not None:
                 lib.set_local(self.threads)
 
@@ -197,7 +199,7 @@ class CpuDevice(Device):
         """The BLAS kernel this device's GEMMs run (threadpoolctl's architecture / MKL version)."""
         if self.blas == "mkl":
             try:
-                return blas._load_mkl().version()
+                return blas.load_mkl().version()
             except CctError:  # pragma: no cover
                 return "?"
         from threadpoolctl import threadpool_info

@@ -14,8 +14,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from .. import blas
 from .devices import CpuDevice, Device
 
@@ -30,42 +28,9 @@ def _cache_name() -> str:
 
 def _measure(device: Device, shapes: Sequence[tuple[int, int, int]], duration: float,
              barrier: threading.Barrier | None) -> float:
-    """Runs in the device's worker: GFLOPS over ``duration`` seconds of GEMMs."""
-    xp = device.xp
-    rng = np.random.default_rng(0)
-    ops = []
-
-    def gemm(a, b, c):
-        if isinstance(device, CpuDevice):
-            blas.gemm(a, b, out=c, backend=device.blas)
-        else:
-            xp.matmul(a, b, out=c)
-
-    try:
-        for m, n, k in shapes:
-            a = device.asarray(rng.standard_normal((m, k), dtype=np.float32))
-            b = device.asarray(rng.standard_normal((k, n), dtype=np.float32))
-            c = xp.empty((m, n), dtype=np.float32)
-            ops.append((a, b, c, 2.0 * m * n * k))
-        for a, b, c, _ in ops:  # warm-up (library init, page faults)
-            gemm(a, b, c)
-        device.synchronize()
-    except BaseException:
-        if barrier is not None:
-            barrier.abort()  # the other devices must not wait for this one
-        raise
-    if barrier is not None:
-        barrier.wait(timeout=120)
-    flops = 0.0
-    t0 = time.perf_counter()
-    elapsed = 0.0
-    while elapsed < duration:
-        for a, b, c, f in ops:
-            gemm(a, b, c)
-            flops += f
-        device.synchronize()
-        elapsed = time.perf_counter() - t0
-    return flops / elapsed / 1e9
+    """Runs in the device's worker: GFLOPS over ``duration`` seconds of GEMMs (the one GEMM timer)."""
+    return blas.gemm_gflops(shapes, duration=duration, backend=device.blas if isinstance(device, CpuDevice) else None,
+                            asarray=device.asarray, synchronize=device.synchronize, barrier=barrier)
 
 
 def measure_gflops(devices: Sequence[Device], duration: float = 0.25, concurrent: bool = True,

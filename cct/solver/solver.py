@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import kernels, rng
 from ..backend import get_array_module
+from ..config import Config, current
 from ..errors import CctError, SolverError
 from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
 from ..net import Net
@@ -91,7 +92,8 @@ class Solver:
 
     Attributes: ``param`` (SolverParameter), ``net``, ``test_nets``, ``iter``, ``current_step``,
     ``lr`` (the rate used by the last update), ``history`` (the update-history arrays Caffe
-    snapshots). Subclasses implement :meth:`compute_update_value`.
+    snapshots), ``config`` (the :class:`cct.config.Config` it gives its nets; default
+    :func:`cct.config.current`). Subclasses implement :meth:`compute_update_value`.
     """
 
     type: ClassVar[str] = ""
@@ -99,12 +101,14 @@ class Solver:
     history_sets: ClassVar[int] = 1
 
     def __init__(self, param: str | os.PathLike | caffe_pb2.SolverParameter, *,
-                 action_function: Callable[[], str] | None = None, _source: str | None = None):
+                 action_function: Callable[[], str] | None = None, _source: str | None = None,
+                 config: Config | None = None):
         if not isinstance(param, caffe_pb2.SolverParameter):
             _source = os.fspath(param)
             param = read_solver_param(param)
         self.param = param
         self.source = _source or "<SolverParameter>"
+        self.config = config if config is not None else current()  # handed to every net it builds
         log.info("Initializing solver from parameters: \n%s", to_text(param))
         if param.average_loss < 1:
             raise SolverError(f"{self.source}: average_loss should be non-negative "
@@ -147,13 +151,13 @@ class Solver:
             self.history.extend(p.xp.zeros_like(p.data) for p in self.net.learnable_params)
 
     def _log_mode(self) -> None:
-        """Caffe's solver_mode/device_id, unless devices were chosen already (cct.set_devices, the CLI)."""
-        from ..scheduler.config import devices_for_solver_mode, get_devices, set_devices
+        """Caffe's solver_mode/device_id, unless the config names devices already (--devices, set_devices)."""
+        from ..scheduler.config import devices_for_solver_mode
 
-        if get_devices() is None:
+        if self.config.devices is None:
             cfg = devices_for_solver_mode(self.param)
             if cfg is not None:
-                set_devices(cfg)
+                self.config = self.config.replace(devices=cfg)
 
     def _read_net_file(self, path: str) -> caffe_pb2.NetParameter:
         try:
@@ -202,7 +206,7 @@ class Solver:
         state.MergeFrom(net_param.state)
         state.MergeFrom(p.train_state)
         net_param.state.CopyFrom(state)
-        net = Net(net_param)
+        net = Net(net_param, config=self.config)
         self._load_weights(net)
         return net
 
@@ -255,7 +259,7 @@ class Solver:
                 state.MergeFrom(p.test_state[i])
             q.state.CopyFrom(state)
             log.info("Creating test net (#%d) specified by %s", i, src)
-            net = Net(q)
+            net = Net(q, config=self.config)
             net.debug_info = p.debug_info
             self._load_weights(net)
             net.share_weights_with(self.net)

@@ -1,0 +1,60 @@
+"""OpenBLAS spin control: idle OpenBLAS workers must not keep the cores busy after each GEMM."""
+from __future__ import annotations
+
+import os
+import threading
+
+from .openblas import numpy_openblas_cdll
+
+DEFAULT_THREAD_TIMEOUT = 16  # 2**16 cycles (~20 us) of spinning before an idle OpenBLAS worker sleeps
+_lock = threading.Lock()
+_spin_done = False
+
+
+def limit_openblas_spin(exponent: int | None = None) -> bool:
+    """Make numpy's OpenBLAS workers sleep after ``2**exponent`` idle cycles (once per process).
+
+    OpenBLAS (pthreads build) keeps its worker threads spinning for ``2**28`` cycles (~0.1 s)
+    after every multi-threaded GEMM unless ``OPENBLAS_THREAD_TIMEOUT`` was set before it loaded.
+    On a machine with few cores that spinning steals the cores from everything that runs next
+    (numba kernels, concurrent batch partitions, other processes): measured on a 2-core box, cct's
+    cifar10_quick iteration ran ~1.3-1.5x faster with a short timeout. The timeout is only read when
+    the thread pool starts, so this sets the variable, re-reads OpenBLAS's environment and restarts
+    its (idle) pool. Call it when no GEMM is running (cct does at conv-layer setup).
+
+    ``exponent``: default ``$CCT_BLAS_THREAD_TIMEOUT`` or 16; ``0``/``off`` in that variable keeps
+    OpenBLAS as it is, and so does a user-set ``OPENBLAS_THREAD_TIMEOUT``. Returns True if applied.
+    """
+    global _spin_done
+    with _lock:
+        if _spin_done:
+            return False
+        # Restarting the pool is only safe while no other thread can be inside a GEMM: require the
+        # main thread and no live cct worker threads (devices, partitions); else try again later.
+        if threading.current_thread() is not threading.main_thread() or any(
+                t.name.startswith("cct-") and t.is_alive() for t in threading.enumerate()):
+            return False
+        _spin_done = True
+        env = os.environ.get("CCT_BLAS_THREAD_TIMEOUT", "").strip().lower()
+        if env in ("0", "off", "no", "false") or "OPENBLAS_THREAD_TIMEOUT" in os.environ:
+            return False
+        if exponent is None:
+            exponent = int(env) if env.isdigit() else DEFAULT_THREAD_TIMEOUT
+        lib = numpy_openblas_cdll()
+        if lib is None:
+            return False
+        try:
+            read_env = lib.openblas_read_env
+            shutdown = lib.blas_thread_shutdown_
+            init = lib.blas_thread_init
+        except (OSError, AttributeError, TypeError):
+            return False
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(max(4, min(30, int(exponent))))
+        try:
+            read_env()
+            shutdown()
+            init()
+        finally:
+            os.environ.pop("OPENBLAS_THREAD_TIMEOUT", None)
+            read_env()  # forget it again; the restarted pool keeps the timeout it read
+        return True

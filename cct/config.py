@@ -1,0 +1,180 @@
+"""Run configuration: engine settings, devices and BLAS choice as one object handed to nets and solvers.
+
+A :class:`Config` holds everything that used to be process-wide state::
+
+    from cct.config import Config, using_config
+    from cct.lowering.engine import EngineConfig
+
+    fast = Config(engine=EngineConfig(mode="cct"))
+    caffe_like = fast.replace(engine={"mode": "caffe"}, blas={"backend": "openblas"})
+    a = cct.Net("lenet.prototxt", cct.TEST, config=fast)        # each net keeps its own config
+    b = cct.Net("lenet.prototxt", cct.TEST, config=caffe_like)
+    solver = cct.solver.get_solver("solver.prototxt", config=fast)  # and hands it to its nets
+
+    with using_config(engine={"partitions": 1}):                 # scoped override (Chainer style)
+        c = cct.Net("lenet.prototxt", cct.TEST)                  # built with the override
+
+:func:`current` is the configuration in effect for the calling thread: the innermost
+:func:`using_config` block (a :mod:`contextvars` variable, so every thread, and every task that
+does not copy the context, starts outside any block), else the process default. A net or solver
+built without ``config=`` takes :func:`current` at construction and keeps it; while it runs, its
+own config is current (``Net.forward``/``backward``/``reshape`` enter it), so the GEMMs, lowering
+plans and Python-layer checks of that net see it. Work a net hands to other threads (device
+workers, batch partitions) runs in a copy of the submitting context.
+
+The old functions (``cct.set_devices``, ``cct.blas.set_backend``,
+``cct.lowering.engine.configure``) are thin wrappers that change the process default
+(:func:`update_default`); they do not touch a config already given to a net.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .errors import CctError
+
+if TYPE_CHECKING:
+    from .lowering.engine import EngineConfig
+    from .scheduler.config import DeviceConfig
+
+BLAS_REQUESTS = ("openblas", "mkl", "auto")
+
+
+@dataclass(frozen=True)
+class BlasConfig:
+    """The GEMM backend request: ``"openblas"``, ``"mkl"``, ``"auto"`` (measured once per machine), or
+    None to follow ``$CCT_BLAS`` (default ``auto``). A device's own ``blas=`` option wins in its worker."""
+
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend is not None:
+            name = str(self.backend).strip().lower()
+            if name not in BLAS_REQUESTS:
+                raise CctError(f"unknown BLAS backend {self.backend!r}: expected one of {', '.join(BLAS_REQUESTS)}")
+            object.__setattr__(self, "backend", name)
+
+
+def _default_engine() -> EngineConfig:
+    from .lowering.engine import EngineConfig
+
+    return EngineConfig()
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a net or solver needs to know about how to run (see module docstring).
+
+    ``engine``: lowering settings (:class:`cct.lowering.engine.EngineConfig`); ``devices``: the
+    devices each batch is split over (:class:`cct.scheduler.DeviceConfig`; None: the plain
+    single-device path); ``blas``: the GEMM backend (:class:`BlasConfig`); ``python_layers``:
+    whether ``type: "Python"`` layers may be built (the switch for nets from untrusted sources).
+    """
+
+    engine: EngineConfig = field(default_factory=_default_engine)
+    devices: DeviceConfig | None = None
+    blas: BlasConfig = field(default_factory=BlasConfig)
+    python_layers: bool = True
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes``; a mapping for ``engine`` or ``blas`` changes only those fields
+        (``cfg.replace(engine={"mode": "caffe"})``)."""
+        for name in ("engine", "blas"):
+            value = changes.get(name)
+            if isinstance(value, Mapping):
+                changes[name] = dataclasses.replace(getattr(self, name), **value)
+        return dataclasses.replace(self, **changes)
+
+    def close(self) -> None:
+        """Stop the devices' worker threads and restore their BLAS thread limits."""
+        if self.devices is not None:
+            self.devices.close()
+
+
+_lock = threading.Lock()
+_default: Config | None = None
+_scoped: contextvars.ContextVar[Config | None] = contextvars.ContextVar("cct_config", default=None)
+
+
+def default() -> Config:
+    """The process default configuration (what a net built outside any :func:`using_config` gets)."""
+    global _default
+    if _default is None:
+        with _lock:
+            if _default is None:
+                _default = Config()
+    return _default
+
+
+def set_default(config: Config | None) -> Config:
+    """Make ``config`` (None: a fresh ``Config()``) the process default; returns it. Nets built
+    earlier keep the config they were given."""
+    global _default
+    with _lock:
+        _default = config if config is not None else Config()
+        return _default
+
+
+def update_default(**changes: Any) -> Config:
+    """Apply ``changes`` (as :meth:`Config.replace`) to the process default; returns the new default.
+    What the old setters (``set_devices``, ``blas.set_backend``, ``engine.configure``) do."""
+    global _default
+    with _lock:
+        _default = (_default or Config()).replace(**changes)
+        return _default
+
+
+def current() -> Config:
+    """The configuration in effect in the calling context (see module docstring)."""
+    cfg = _scoped.get()
+    return cfg if cfg is not None else default()
+
+
+class using_config:  # noqa: N801 - used as a context manager, named like one (Chainer's using_config)
+    """``with using_config(cfg):`` or ``with using_config(engine={"mode": "caffe"}):`` makes ``cfg``
+    (or :func:`current` with the changes) current in this thread until the block ends, also when
+    it raises. Blocks nest; other threads are unaffected."""
+
+    __slots__ = ("config", "_tokens")
+
+    def __init__(self, config: Config | None = None, /, **changes: Any):
+        base = config if config is not None else (current() if changes else None)
+        if base is None:
+            raise TypeError("using_config() needs a Config or changes")
+        self.config = base.replace(**changes) if changes else base
+        self._tokens: list[contextvars.Token] = []
+
+    def __enter__(self) -> Config:
+        self._tokens.append(_scoped.set(self.config))
+        return self.config
+
+    def __exit__(self, *exc: object) -> None:
+        _scoped.reset(self._tokens.pop())
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def runs_in_own_config(method: F) -> F:
+    """Method decorator: run the method with ``self.config`` current (a net's forward/backward)."""
+
+    @functools.wraps(method)
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        token = _scoped.set(self.config)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _scoped.reset(token)
+
+    return run  # type: ignore[return-value]
+
+
+def submit_in_context(submit: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> Any:
+    """``submit(fn, *args)`` so that ``fn`` runs in a copy of the calling context (the current config
+    follows work handed to a worker thread)."""
+    return submit(contextvars.copy_context().run, fn, *args)
