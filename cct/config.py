@@ -96,7 +96,7 @@ class Config:
             self.devices.close()
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _default: Config | None = None
 _scoped: contextvars.ContextVar[Config | None] = contextvars.ContextVar("cct_config", default=None)
 

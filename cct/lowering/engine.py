@@ -1,7 +1,8 @@
 """Lowering choice at net setup: the optimizer's pick per conv layer, wrapped for batching.
 
 A Convolution/Deconvolution layer calls :func:`plan_lowering` when its geometry or batch size
-changes (unless the user set ``layer.lowering`` by hand). The engine-wide settings live here:
+changes (unless the user set ``layer.lowering`` by hand). The engine settings (:class:`EngineConfig`, part
+of the :class:`cct.config.Config` a net is given):
 
 * ``mode``: ``"cct"`` (cost-model choice, whole-batch lowering bounded by the memory budget) or
   ``"caffe"`` (Caffe-style: type 1, one image per GEMM, the baseline benchmarks compare against);
