@@ -4,6 +4,7 @@ gradient aggregation with backward (Le et al., Table 3 style).
     python benchmarks/bench_split.py --quick           # smoke: batch 8 conv1, CaffeNet batch 4, 5 shares
     python benchmarks/bench_split.py                   # full: batch 32 conv1, CaffeNet batch 16, p step 0.05
     python benchmarks/bench_split.py --pair homo       # two OpenBLAS devices (default: heterogeneous if possible)
+    python benchmarks/bench_split.py --devices gpu:0,cpu:0:threads=16   # a GPU beside the host CPU
 
 Devices: ``cpu:0`` = numpy's OpenBLAS with 1 thread, ``cpu:1`` = MKL with 1 thread (``--pair hetero``,
 needs per-thread backend selection in cct.blas), or two 1-thread OpenBLAS devices (``--pair homo``).
@@ -33,7 +34,7 @@ from cct.proto import caffe_pb2  # noqa: E402
 from cct.scheduler.devices import per_thread_blas_supported  # noqa: E402
 from cct.scheduler.split import ShareTable, shares_to_counts  # noqa: E402
 
-CAFFENET_DEPLOY = "/work/shared/caffe-models/bvlc_reference_caffenet/deploy.prototxt"
+CAFFENET_DEPLOY = os.path.join(ROOT, "..", "shared", "caffe-models", "bvlc_reference_caffenet", "deploy.prototxt")
 
 
 def caffenet_param(batch: int, conv1_only: bool = False) -> caffe_pb2.NetParameter:
@@ -72,17 +73,29 @@ def build_net(batch: int, conv1_only: bool) -> cct.Net:
     return net
 
 
+SYNC: list = []  # devices to synchronize before each clock reading (GPUs run asynchronously)
+
+
+def _sync() -> None:
+    for d in SYNC:
+        d.synchronize()
+
+
 def iteration(net: cct.Net, lr: float = 1e-4, update: bool = True) -> dict:
     """One training iteration: forward, backward (with aggregation), SGD update; seconds per phase."""
     net.clear_param_diffs()
+    _sync()
     t0 = time.perf_counter()
     net.forward()
+    _sync()
     t1 = time.perf_counter()
     net.backward()
+    _sync()
     t2 = time.perf_counter()
     if update:
         for p in net.learnable_params:
             p.data -= lr * p.diff
+    _sync()
     t3 = time.perf_counter()
     return {"forward": t1 - t0, "backward": t2 - t1, "update": t3 - t2, "total": t3 - t0}
 
@@ -110,7 +123,8 @@ def sweep(name: str, net: cct.Net, cfg, ps: list[float], heuristics: dict, iters
         scheduler.detach(net)
     best_p = min(points, key=lambda q: points[q]["median_s"])
     best = points[best_p]["median_s"]
-    alone = {"cpu:0 alone (p=1)": points[1.0]["median_s"], "cpu:1 alone (p=0)": points[0.0]["median_s"]}
+    names = [d.name for d in cfg.devices]
+    alone = {f"{names[0]} alone (p=1)": points[1.0]["median_s"], f"{names[1]} alone (p=0)": points[0.0]["median_s"]}
     fastest_alone = min(alone.values())
     rows = []
     for p, r in points.items():
@@ -118,7 +132,7 @@ def sweep(name: str, net: cct.Net, cfg, ps: list[float], heuristics: dict, iters
         rows.append([f"{p:.3f}", "/".join(map(str, r["images"])), r["median_s"] * 1e3, r["best_s"] * 1e3,
                      fastest_alone / r["median_s"],
                      ",".join(tags) + ("  <- best" if p == best_p else "")])
-    print(f"\n## {name}: time per iteration (forward + backward) vs p = share of cpu:0")
+    print(f"\n## {name}: time per iteration (forward + backward) vs p = share of {names[0]}")
     print_table(["p", "images", "median ms", "best ms", "speedup vs fastest alone", "note"], rows)
     summary = {"best_p": best_p, "best_s": best, "fastest_alone_s": fastest_alone}
     for k, p in heuristics.items():
@@ -169,6 +183,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="short smoke run")
     ap.add_argument("--keep-env", action="store_true", help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
     ap.add_argument("--pair", choices=("auto", "hetero", "homo"), default="auto")
+    ap.add_argument("--devices", default=None,
+                    help="the two devices to split over, e.g. gpu:0,cpu:0:threads=16 (overrides --pair)")
     ap.add_argument("--conv-batch", type=int, default=None)
     ap.add_argument("--net-batch", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
@@ -193,11 +209,16 @@ def main() -> None:
                     "(set_thread_backend), so a device cannot run MKL while the other runs OpenBLAS")
     specs = ["cpu:0:blas=openblas:threads=1",
              "cpu:1:blas=mkl:threads=1" if pair == "hetero" else "cpu:1:blas=openblas:threads=1"]
+    if args.devices:
+        specs, pair, note = args.devices, "custom", None
     rep = environment_report(removed)
     print_environment(rep)
     if note:
         print(f"# NOTE: {note}")
     cfg = scheduler.make_config(specs, [0.5, 0.5])
+    if len(cfg.devices) != 2:
+        raise SystemExit(f"bench_split needs exactly two devices, got {[d.name for d in cfg.devices]}")
+    SYNC[:] = [d for d in cfg.devices if d.kind == "gpu"]
     try:
         gflops = scheduler.probe(cfg.devices, force=True)
         peaks = [scheduler.peak_gflops(d) for d in cfg.devices]

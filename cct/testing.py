@@ -8,6 +8,7 @@ layer allows (blobs created with ``dtype=np.float64``) for tight tolerances.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -16,11 +17,11 @@ from .blob import Blob
 from .layers.base import Layer
 
 
-def make_blob(arr: np.ndarray, name: str = "") -> Blob:
-    """A blob holding a copy of ``arr`` (its dtype is kept)."""
+def make_blob(arr: np.ndarray, name: str = "", xp: Any = np) -> Blob:
+    """A blob holding a copy of ``arr`` (its dtype is kept) in array module ``xp`` (numpy or cupy)."""
     arr = np.asarray(arr)
-    blob = Blob(arr.shape, dtype=arr.dtype, name=name)
-    blob.data[...] = arr
+    blob = Blob(arr.shape, dtype=arr.dtype, xp=xp, name=name)
+    blob.data[...] = xp.asarray(arr)
     return blob
 
 
@@ -28,7 +29,7 @@ def _objective(layer: Layer, bottom, top, weights, seed) -> float:
     rng.set_random_seed(seed)
     layer.reshape(bottom, top)
     layer.forward(bottom, top)
-    return float(sum(np.sum(w * t.data) for w, t in zip(weights, top) if w is not None))
+    return float(sum(float(t.xp.sum(w * t.data)) for w, t in zip(weights, top) if w is not None))
 
 
 def check_gradient(
@@ -42,14 +43,15 @@ def check_gradient(
     kink: float | None = None,
     kink_range: float = -1.0,
     seed: int = 1701,
-    top_weights: Sequence[np.ndarray | None] | None = None,
+    top_weights: Sequence[Any | None] | None = None,
     setup: bool = True,
 ) -> None:
     """Assert the layer's backward matches central finite differences.
 
     ``check_bottom``: bottom indices to check (default all). ``kink``/``kink_range``:
     skip elements whose value lies within ``kink_range`` of a non-differentiable point.
-    Raises AssertionError naming the blob and element on a mismatch.
+    Raises AssertionError naming the blob and element on a mismatch. Works on the blobs' own array
+    module (numpy, or cupy for the GPU path).
     """
     if setup:
         rng.set_random_seed(seed)
@@ -59,6 +61,7 @@ def check_gradient(
         top_weights = [None] * len(top)
         _objective(layer, bottom, top, [None] * len(top), seed)
         top_weights = [wrng.standard_normal(t.shape).astype(t.dtype) for t in top]
+    top_weights = [None if w is None else t.xp.asarray(w) for w, t in zip(top_weights, top)]
     check_bottom = list(range(len(bottom))) if check_bottom is None else list(check_bottom)
 
     # Analytic gradients.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cct.backend import to_numpy
 from cct.blob import Blob
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
@@ -80,20 +81,25 @@ def max_rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(diff / scale)
 
 
-def run_case_layerwise(name: str, phase: int | None = None):
+def run_case_layerwise(name: str, phase: int | None = None, xp=np):
     """Run each layer of a case on Caffe's own inputs; return a list of (what, cct, caffe) triples.
 
-    Runs with the case directory as working directory, as Caffe did (relative sources).
+    Runs with the case directory as working directory, as Caffe did (relative sources). ``xp`` is
+    the array module the blobs live in (numpy, or cupy for the GPU path); results come back as numpy.
     """
     cwd = os.getcwd()
     os.chdir(case_dir(name))
     try:
-        return _run_case_layerwise(name)
+        return _run_case_layerwise(name, xp)
     finally:
         os.chdir(cwd)
 
 
-def _run_case_layerwise(name: str):
+def _host_copy(arr) -> np.ndarray:
+    return np.array(to_numpy(arr))
+
+
+def _run_case_layerwise(name: str, xp):
     case = load_case(name)
     a = case.arrays
     phase = caffe_pb2.TRAIN if case.meta["phase"] == "TRAIN" else caffe_pb2.TEST
@@ -109,8 +115,8 @@ def _run_case_layerwise(name: str):
             src = a.get(f"input/{nm}")
             if src is None:
                 src = a[f"data/{nm}"]
-            b = Blob(src.shape, name=nm)
-            b.data[...] = src
+            b = Blob(src.shape, name=nm, xp=xp)
+            b.data[...] = xp.asarray(src)
             blobs[nm] = b
         return blobs[nm]
 
@@ -126,31 +132,31 @@ def _run_case_layerwise(name: str):
             if i < len(lp.bottom) and lp.bottom[i] == n:
                 top.append(blobs[n])
             else:
-                blobs[n] = Blob((), name=n)
+                blobs[n] = Blob((), name=n, xp=xp)
                 top.append(blobs[n])
         layer.setup(bottom, top)
         if lp.name in case.params:
             for pb, arr in zip(layer.blobs, case.params[lp.name]):
                 assert pb.shape == arr.shape, f"{lp.name}: param shape {pb.shape} != {arr.shape}"
-                pb.data[...] = arr
+                pb.data[...] = xp.asarray(arr)
         built.append((layer, bottom, top))
     for layer, bottom, top in built:
         layer.reshape(bottom, top)
         layer.forward(bottom, top)
     for nm, b in blobs.items():
         if f"data/{nm}" in a:
-            results.append((f"data/{nm}", b.data.copy(), a[f"data/{nm}"]))
+            results.append((f"data/{nm}", _host_copy(b.data), a[f"data/{nm}"]))
     for layer, _, _ in built:
         for i, pb in enumerate(layer.blobs):
             key = f"paramfwd/{layer.name}/{i}"
             if key in a:
-                results.append((key, pb.data.copy(), a[key]))
+                results.append((key, _host_copy(pb.data), a[key]))
     if case.meta.get("backward", "none") == "none":
         return results
     for nm, b in blobs.items():
         b.diff[...] = 0
         if f"topdiff/{nm}" in a:
-            b.diff[...] = a[f"topdiff/{nm}"]
+            b.diff[...] = xp.asarray(a[f"topdiff/{nm}"])
         elif nm in loss_blobs:
             b.diff[...] = loss_blobs[nm]
     for layer, _, _ in built:
@@ -166,10 +172,10 @@ def _run_case_layerwise(name: str):
     for nm, b in blobs.items():
         key = f"diff/{nm}"
         if key in a and nm not in label_like and nm not in loss_blobs:
-            results.append((key, b.diff.copy(), a[key]))
+            results.append((key, _host_copy(b.diff), a[key]))
     for layer, _, _ in built:
         for i, pb in enumerate(layer.blobs):
             key = f"paramdiff/{layer.name}/{i}"
             if key in a:
-                results.append((key, pb.diff.copy(), a[key]))
+                results.append((key, _host_copy(pb.diff), a[key]))
     return results
