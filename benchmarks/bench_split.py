@@ -34,7 +34,8 @@ from cct.proto import caffe_pb2  # noqa: E402
 from cct.scheduler.devices import per_thread_blas_supported  # noqa: E402
 from cct.scheduler.split import ShareTable, shares_to_counts  # noqa: E402
 
-CAFFENET_DEPLOY = os.path.join(ROOT, "..", "shared", "caffe-models", "bvlc_reference_caffenet", "deploy.prototxt")
+SHARED = os.environ.get("CCT_SHARED_DIR", os.path.join(ROOT, "..", "shared"))
+CAFFENET_DEPLOY = os.path.join(SHARED, "caffe-models", "bvlc_reference_caffenet", "deploy.prototxt")
 
 
 def caffenet_param(batch: int, conv1_only: bool = False) -> caffe_pb2.NetParameter:
