@@ -14,3 +14,18 @@ def test_unit_case_matches_caffe(case):
     for what, ours, theirs in results:
         err = max_rel_err(ours, theirs)
         assert err <= 1e-4, f"{case}: {what} differs from Caffe by {err:.3g} (relative to its max)"
+
+
+# -- cases-added.json: BVLC master fields (PoolingParameter.round_mode, InfogainLossParameter.axis) --
+ROUND_MODE_AXIS_CASES = ["pool_max_round_floor", "pool_ave_round_floor", "infogain_axis2"]
+
+
+@pytest.mark.parametrize("case", ROUND_MODE_AXIS_CASES)
+def test_bvlc_master_field_case_matches_caffe(case):
+    results = run_case_layerwise(case)
+    whats = {what for what, _, _ in results}
+    assert "data/" + ("loss" if case.startswith("infogain") else "y") in whats
+    assert any(w.startswith("diff/") for w in whats), f"{case}: no gradient compared"
+    for what, ours, theirs in results:
+        err = max_rel_err(ours, theirs)
+        assert err <= 1e-4, f"{case}: {what} differs from Caffe by {err:.3g} (relative to its max)"

@@ -1,7 +1,7 @@
 """Pooling layer (MAX, AVE, STOCHASTIC) with Caffe's exact window and output-size rules.
 
-* Output size ``ceil((H + 2p - k) / s) + 1``; with padding, a last window that would start at
-  or beyond ``H + p`` is dropped. Windows are clipped to the input.
+* Output size ``ceil((H + 2p - k) / s) + 1`` (``round_mode: FLOOR``: floor); with padding, a
+  last window that would start at or beyond ``H + p`` is dropped. Windows are clipped to the input.
 * MAX ignores padding; ties keep the first maximum in row-major window order (strict ``>``);
   the optional second top is the flat index ``h * W + w`` of the max (as float).
 * AVE divides by the window area clipped to the *padded* input ``[-p, H + p)``.
@@ -33,10 +33,17 @@ _FLT_MAX = float(np.finfo(np.float32).max)
 _FLT_MIN = float(np.finfo(np.float32).tiny)
 
 
-def pooled_size(size: int, kernel: int, pad: int, stride: int, padded: bool | None = None) -> int:
-    """Caffe's pooled output size along one axis: ceil, then, if the layer has any padding
+def pooled_size(size: int, kernel: int, pad: int, stride: int, padded: bool | None = None,
+                round_mode: int = _PP.CEIL) -> int:
+    """Caffe's pooled output size along one axis: ceil (``round_mode`` CEIL, Caffe's default) or floor
+    (FLOOR) of ``(size + 2 pad - kernel) / stride``, plus one; then, if the layer has any padding
     (``padded``; default ``pad > 0``), drop a last window that starts at or beyond ``size + pad``."""
-    out = int(math.ceil(float(size + 2 * pad - kernel) / stride)) + 1
+    if round_mode == _PP.CEIL:
+        out = int(math.ceil(float(size + 2 * pad - kernel) / stride)) + 1
+    elif round_mode == _PP.FLOOR:
+        out = int(math.floor(float(size + 2 * pad - kernel) / stride)) + 1
+    else:
+        raise ValueError(f"unknown pooling round_mode {round_mode}")
     if padded is None:
         padded = pad > 0
     if padded and (out - 1) * stride >= size + pad:
@@ -97,6 +104,9 @@ class PoolingLayer(Layer):
                 raise self.error("Padding implemented only for average and max pooling.")
             if self.pad[0] >= self.kernel[0] or self.pad[1] >= self.kernel[1]:
                 raise self.error(f"pad {list(self.pad)} must be smaller than the kernel {list(self.kernel)}")
+        self.round_mode = p.round_mode
+        if self.round_mode not in (_PP.CEIL, _PP.FLOOR):
+            raise self.unsupported(f"round_mode = {self.round_mode}")
         if p.engine == _PP.CUDNN:
             log.warning("layer '%s' (type Pooling): engine CUDNN requested; cct uses its own implementation",
                         self.name)
@@ -115,7 +125,8 @@ class PoolingLayer(Layer):
             self.kernel = (h, w)
         (kh, kw), (ph, pw), (sh, sw) = self.kernel, self.pad, self.stride
         padded = (ph, pw) != (0, 0)  # Caffe applies the drop rule to both axes if either is padded
-        oh, ow = pooled_size(h, kh, ph, sh, padded), pooled_size(w, kw, pw, sw, padded)
+        oh = pooled_size(h, kh, ph, sh, padded, self.round_mode)
+        ow = pooled_size(w, kw, pw, sw, padded, self.round_mode)
         if oh <= 0 or ow <= 0:
             raise self.error(f"kernel {list(self.kernel)} too large for the input {h}x{w} (pad {list(self.pad)})")
         self.in_hw = (h, w)
