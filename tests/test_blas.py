@@ -205,3 +205,22 @@ def test_gemm_timer_aborts_the_barrier_when_setup_fails():
     with pytest.raises(MemoryError):
         blas.gemm_gflops([(4, 4, 4)], duration=0.01, asarray=broken, barrier=barrier)
     assert barrier.broken  # the other device does not wait for ever
+
+
+def test_cblas_operand_of_empty_and_strided_views():
+    """Zero-size operands (numpy gives them zero strides) and strided slices of stacked arrays become
+    row-major buffers without recursing; an accumulating GEMM over k = 0 only scales the output."""
+    for shape in ((3, 0), (0, 3), (0, 0)):
+        a, _, ld = multiply._as_cblas_operand(np.zeros(shape, np.float32), False)
+        assert a.shape == shape and ld == max(shape[1], 1)
+    stacked = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    view = stacked[:, 1, ::2]  # (2, 2), strides (48, 8): neither row- nor column-major
+    a, trans, ld = multiply._as_cblas_operand(view, False)
+    np.testing.assert_array_equal(a, view)
+    assert (trans, ld) == (False, 2)
+    out = np.ones((3, 2), np.float32)
+    blas.gemm(np.zeros((3, 0), np.float32), np.zeros((0, 2), np.float32), out=out, beta=1.0)
+    np.testing.assert_array_equal(out, np.ones((3, 2), np.float32))
+    out2 = np.ones((2, 2), np.float32)
+    blas.gemm(view, view, out=out2, beta=1.0)
+    np.testing.assert_allclose(out2, view @ view + 1)

@@ -22,7 +22,7 @@ from cct.lowering.type3 import Type3Lowering
 from cct.proto import caffe_pb2
 from cct.testing import check_gradient, make_blob
 
-TYPES = ("type1", "type2", "type3")
+TYPES = ("type1", "type2", "type3", "direct", "fft")
 
 
 def c_div(a, b):

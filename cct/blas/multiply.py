@@ -36,7 +36,9 @@ def _as_cblas_operand(x: np.ndarray, trans: bool) -> tuple[np.ndarray, bool, int
     if (s0 == isz or rows == 1) and s1 >= max(rows, 1) * isz and s1 % isz == 0:
         # column-major: its transpose is row-major
         return x.T, not trans, max(s1 // isz, rows, 1)
-    return _as_cblas_operand(np.ascontiguousarray(x), trans)
+    # anything else (a strided or zero-size view, whose strides may be 0): a C-ordered copy, taken as
+    # row-major without a second look (numpy gives empty arrays zero strides: no recursion on them)
+    return np.ascontiguousarray(x), trans, max(cols, 1)
 
 
 def _cblas_gemm(fn: Any, a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:

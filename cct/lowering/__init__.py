@@ -4,7 +4,7 @@
 expensive-lifting ones; :mod:`cct.lowering.engine` picks one per conv layer with the cost model
 (:mod:`cct.lowering.optimizer`) unless the user sets ``layer.lowering``.
 """
-from . import type1, type2, type3  # noqa: F401  (registers "type1".."type3")
+from . import direct, fft, type1, type2, type3  # noqa: F401  (registers "type1".."type3", "direct", "fft")
 from .base import LoweringStrategy, get_strategy, register_strategy, strategy_names
 from .geometry import ConvGeometry, ConvSpatial, conv_output_shape, conv_spatial_params, deconv_output_shape
 from .im2col import col2im, im2col

@@ -106,4 +106,4 @@ def get_strategy(name: str) -> LoweringStrategy:
 
 def _ensure_builtin() -> None:
     # Importing the built-in lowerings registers them (avoids an import cycle with this module).
-    from . import type1, type2, type3  # noqa: F401
+    from . import direct, fft, type1, type2, type3  # noqa: F401

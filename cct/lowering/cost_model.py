@@ -246,15 +246,10 @@ def lowered_axes(name: str, geom: ConvGeometry) -> tuple[int, ...]:
     raise KeyError(f"no cost model for lowering '{name}'")
 
 
-def _extents(geom: ConvGeometry) -> tuple[int, ...]:
-    return tuple(max(0, (o - 1) * s + (k - 1) * d + 1) if o > 0 else 0
-                 for o, s, k, d in zip(geom.out_shape, geom.stride, geom.kernel, geom.dilation))
-
-
 def _shape_terms(name: str, geom: ConvGeometry, batch: int) -> dict:
     nd = geom.num_spatial
     low = set(lowered_axes(name, geom))
-    ext = _extents(geom)
+    ext = geom.used_extent
     if name == "type1":
         # type1 pads to max(in + 2p, ext) (im2col's padded copy)
         ext = tuple(max(i + 2 * p, e) for i, p, e in zip(geom.in_shape, geom.pad, ext))

@@ -161,6 +161,25 @@ class ConvGeometry:
         return math.prod(self.out_shape)
 
     @property
+    def used_extent(self) -> tuple[int, ...]:
+        """Padded extent the windows touch per axis: ``(out - 1) * stride + (k - 1) * dilation + 1``
+        (0 for an empty output). Padded inputs of the lowerings are cropped to it."""
+        return tuple(max(0, (o - 1) * s + (k - 1) * d + 1) if o > 0 else 0
+                     for o, s, k, d in zip(self.out_shape, self.stride, self.kernel, self.dilation))
+
+    def interior(self, ext: Sequence[int] | None = None) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+        """Slices (into a padded buffer of extent ``ext``, default :attr:`used_extent`; into the input)
+        of the input region that lies inside the padded buffer."""
+        ext = self.used_extent if ext is None else ext
+        dst, src = [], []
+        for i, p, e in zip(self.in_shape, self.pad, ext):
+            lo = min(p, e)
+            hi = max(lo, min(p + i, e))
+            dst.append(slice(lo, hi))
+            src.append(slice(lo - p, hi - p))
+        return tuple(dst), tuple(src)
+
+    @property
     def weight_shape(self) -> tuple[int, ...]:
         """``(channels_out, channels_in // group, *kernel)``."""
         return (self.channels_out, self.channels_in // self.group) + tuple(self.kernel)

@@ -52,7 +52,7 @@ class PartialLowering(LoweringStrategy):
         """Matrix shapes of this lowering for ``batch`` images (per group) and element counts."""
         low = set(self.lowered_axes(geom))
         nd = geom.num_spatial
-        ext = _extents(geom)
+        ext = geom.used_extent
         k_low = math.prod(geom.kernel[i] for i in range(nd) if i in low)
         k_lift = math.prod(geom.kernel[i] for i in range(nd) if i not in low)
         cols = batch * math.prod(geom.out_shape[i] if i in low else ext[i] for i in range(nd))
@@ -78,7 +78,7 @@ class PartialLowering(LoweringStrategy):
         nd = geom.num_spatial
         low = tuple(sorted(set(self.lowered_axes(geom))))
         lift = tuple(i for i in range(nd) if i not in low)
-        return nd, low, lift, _extents(geom)
+        return nd, low, lift, geom.used_extent
 
     def _padded_input(self, x: Any, geom: ConvGeometry, ext) -> Any:
         """``(C, N, *ext)``: x transposed channel-major, zero-padded, cropped to the used extent."""
@@ -86,7 +86,7 @@ class PartialLowering(LoweringStrategy):
         n = x.shape[0]
         nd = geom.num_spatial
         xt = x.transpose((1, 0) + tuple(range(2, 2 + nd)))
-        dst, src = _interior(geom, ext)
+        dst, src = geom.interior(ext)
         full = all(d.start == 0 and d.stop == e for d, e in zip(dst, ext))  # no padding inside ext
         buf = (xp.empty if full else xp.zeros)((geom.channels_in, n) + tuple(ext), dtype=x.dtype)
         buf[(slice(None), slice(None)) + dst] = xt[(slice(None), slice(None)) + src]
@@ -227,7 +227,7 @@ class PartialLowering(LoweringStrategy):
         n = dy.shape[0]
         nd, low, lift, ext = self._layout(geom)
         g, cg, mg = geom.group, geom.channels_in // geom.group, geom.channels_out // geom.group
-        dst, src = _interior(geom, ext)
+        dst, src = geom.interior(ext)
         covered = all(sl.start == 0 and sl.stop == i for sl, i in zip(src, geom.in_shape))
         shape = (n, geom.channels_in) + tuple(geom.in_shape)
         dx = (xp.empty if covered and dy.size else xp.zeros)(shape, dtype=dy.dtype)
@@ -287,23 +287,6 @@ class Type2Lowering(PartialLowering):
 
     def lowered_axes(self, geom: ConvGeometry) -> tuple[int, ...]:
         return (geom.num_spatial - 1,) if geom.num_spatial else ()
-
-
-def _extents(geom: ConvGeometry) -> tuple[int, ...]:
-    """Padded extent each spatial axis' windows touch: ``(out - 1) * s + (k - 1) * d + 1``."""
-    return tuple(max(0, (o - 1) * s + (k - 1) * d + 1) if o > 0 else 0
-                 for o, s, k, d in zip(geom.out_shape, geom.stride, geom.kernel, geom.dilation))
-
-
-def _interior(geom: ConvGeometry, ext) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
-    """Slices (into the padded buffer, into the input) of the input region inside ``ext``."""
-    dst, src = [], []
-    for i, p, e in zip(geom.in_shape, geom.pad, ext):
-        lo = min(p, e)
-        hi = max(lo, min(p + i, e))
-        dst.append(slice(lo, hi))
-        src.append(slice(lo - p, hi - p))
-    return tuple(dst), tuple(src)
 
 
 def _win(offset: int, stride: int, dilation: int, out: int) -> slice:
