@@ -30,12 +30,12 @@ from common import ROOT, environment_report, print_environment, print_table, ree
 import cct  # noqa: E402
 from cct import scheduler  # noqa: E402
 from cct.io.prototxt import read_net_prototxt  # noqa: E402
+from cct.paths import shared_path  # noqa: E402
 from cct.proto import caffe_pb2  # noqa: E402
 from cct.scheduler.devices import per_thread_blas_supported  # noqa: E402
 from cct.scheduler.split import ShareTable, shares_to_counts  # noqa: E402
 
-SHARED = os.environ.get("CCT_SHARED_DIR", os.path.join(ROOT, "..", "shared"))
-CAFFENET_DEPLOY = os.path.join(SHARED, "caffe-models", "bvlc_reference_caffenet", "deploy.prototxt")
+CAFFENET_DEPLOY = str(shared_path("caffe-models", "bvlc_reference_caffenet", "deploy.prototxt"))
 
 
 def caffenet_param(batch: int, conv1_only: bool = False) -> caffe_pb2.NetParameter:

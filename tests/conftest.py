@@ -13,3 +13,21 @@ if "CCT_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["CCT_CACHE_DIR"] = tempfile.mkdtemp(prefix="cct-test-cache-")
+
+
+def _snapshot_artifacts() -> set[str]:
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {os.path.abspath(p) for d in {root, os.getcwd()} for p in glob.glob(os.path.join(d, "*_iter_*"))}
+
+
+_ARTIFACTS_BEFORE = _snapshot_artifacts()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tests write snapshots under tmp_path: fail the run if one landed in the repo root or the cwd."""
+    new = sorted(_snapshot_artifacts() - _ARTIFACTS_BEFORE)
+    if new:
+        session.exitstatus = 1
+        print(f"\nERROR: tests left snapshot files outside tmp_path: {', '.join(new)}", file=sys.stderr)

@@ -16,12 +16,10 @@ from cct.backend import to_numpy
 from cct.blob import Blob
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
+from cct.paths import shared_path
 from cct.proto import caffe_pb2
 
-REFERENCE_DIR = os.environ.get(
-    "CCT_REFERENCE_DIR",
-    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference"),
-)
+REFERENCE_DIR = os.environ.get("CCT_REFERENCE_DIR", str(shared_path("reference")))
 
 
 def reference_available() -> bool:

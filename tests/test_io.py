@@ -28,11 +28,12 @@ from cct.io.caffemodel import (
 )
 from cct.io.hdf5 import read_hdf5_solverstate, read_hdf5_weights, write_hdf5_solverstate, write_hdf5_weights
 from cct.io.upgrade import V1_TYPE_NAMES, net_needs_upgrade, upgrade_net, upgrade_solver
+from cct.paths import shared_path
 from cct.proto import caffe_pb2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data")
-LENET_WEIGHTS = os.path.join(HERE, "..", "..", "shared", "reference", "lenet", "weights.caffemodel")
+LENET_WEIGHTS = str(shared_path("reference", "lenet", "weights.caffemodel"))
 
 
 def net_from_text(text: str) -> caffe_pb2.NetParameter:
@@ -270,7 +271,7 @@ def test_current_data_layer_with_legacy_transform_fields_warns(caplog):
 
 
 def test_current_net_is_unchanged():
-    path = os.path.join(HERE, "..", "..", "shared", "caffe-models", "mnist", "lenet_train_test.prototxt")
+    path = str(shared_path("caffe-models", "mnist", "lenet_train_test.prototxt"))
     if not os.path.exists(path):
         pytest.skip("shared caffe-models not available")
     from cct.io import read_text_file

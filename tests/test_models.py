@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from cct.io.prototxt import parse_text, read_net_prototxt
+from cct.paths import shared_path
 from cct.proto import caffe_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
-UPSTREAM = Path(os.environ.get("CCT_CAFFE_MODELS", "/work/shared/caffe-models"))
-SHAPES = Path(os.environ.get("CCT_REFERENCE", "/work/shared/reference")) / "shapes.json"
+UPSTREAM = Path(os.environ.get("CCT_CAFFE_MODELS", shared_path("caffe-models")))
+SHAPES = Path(os.environ.get("CCT_REFERENCE", shared_path("reference"))) / "shapes.json"
 
 # (ours, upstream, {upstream path: our path})
 NETS = [

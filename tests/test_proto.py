@@ -13,11 +13,12 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from cct.io import parse_text, read_net_prototxt, read_solver_prototxt, read_text_file
+from cct.paths import shared_path
 from cct.proto import caffe_pb2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-MODELS = os.path.join(HERE, "..", "..", "shared", "caffe-models")
+MODELS = str(shared_path("caffe-models"))
 HAVE_GRPC_TOOLS = importlib.util.find_spec("grpc_tools") is not None
 
 

@@ -1,4 +1,4 @@
-"""Solver runs of real BVLC Caffe (/work/shared/reference/solver_*): same losses, rates and final weights.
+"""Solver runs of real BVLC Caffe (``shared/reference/solver_*`` beside the repo): same losses, rates and final weights.
 
 Recipe (reference README, "Solver runs"): from inside a copy of the case directory,
 ``solver = get_solver("solver.prototxt"); solver.net.copy_from("init.caffemodel")``, then
@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REFERENCE = Path(os.environ.get("CCT_REFERENCE", "/work/shared/reference"))
+from cct.paths import shared_path
+
+REFERENCE = Path(os.environ.get("CCT_REFERENCE", shared_path("reference")))
 CASES = sorted(p.name for p in REFERENCE.glob("solver_*")) if REFERENCE.is_dir() else []
 
 

@@ -30,6 +30,7 @@ from .. import kernels, rng
 from ..backend import get_array_module
 from ..config import Config, current
 from ..errors import CctError, SolverError
+from ..io.atomic import remove_stale_temps
 from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
 from ..net import Net
 from ..proto import caffe_pb2
@@ -277,6 +278,9 @@ class Solver:
             with open(probe, "w"):
                 pass
             os.remove(probe)
+            prefix = self.param.snapshot_prefix
+            for tmp in remove_stale_temps(os.path.dirname(prefix) or ".", os.path.basename(prefix)):
+                log.info("Removed %s (a snapshot left half-written by a killed run)", tmp)
         except OSError as e:
             raise SolverError(f"{self.source}: Cannot write to snapshot prefix '{self.param.snapshot_prefix}'. "
                               f"Make sure that the directory exists and is writable ({e.strerror}).") from None
