@@ -1,0 +1,16 @@
+"""Distributed training over MPI (``mpiexec -n N cct train``).
+
+* :mod:`cct.distributed.comm`: the communication layer (:class:`Comm`, :func:`world`,
+  :func:`from_mpi4py`): collectives, point-to-point arrays and objects, sub-communicators.
+* :mod:`cct.distributed.launch`: is this process a rank of an MPI job (:func:`under_mpi`)?
+
+Without ``mpiexec`` nothing here imports mpi4py.
+"""
+from .comm import ANY_SOURCE, ANY_TAG, Comm, LocalComm, MPIComm, Request, from_mpi4py, world
+from .errors import DistributedError
+from .launch import launcher_rank_size, under_mpi
+
+__all__ = [
+    "ANY_SOURCE", "ANY_TAG", "Comm", "DistributedError", "LocalComm", "MPIComm", "Request", "from_mpi4py",
+    "launcher_rank_size", "under_mpi", "world",
+]

@@ -1,0 +1,54 @@
+"""Start MPI jobs from the tests: ``mpiexec -n N python ...`` on loopback, with a time limit."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCRIPTS = os.path.join(HERE, "mpi_scripts")
+
+
+def mpiexec() -> str | None:
+    """The mpiexec beside this Python (the MPICH wheel's), else one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.path.exists(beside) else shutil.which("mpiexec")
+
+
+def needs_mpi():
+    """Skip unless mpi4py and an mpiexec are installed (``pip install 'cct[mpi]'``)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return pytest.mark.skip(reason="mpi4py not installed (pip install 'cct[mpi]')")
+    if mpiexec() is None:
+        return pytest.mark.skip(reason="no mpiexec (pip install 'cct[mpi]')")
+    return pytest.mark.skipif(False, reason="")
+
+
+def run_mpi(n: int, args: list[str], cwd: str | None = None, timeout: float = 60,
+            env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """``mpiexec -n n <args>`` (args[0] 'python' means this interpreter); returns the finished process."""
+    if args and args[0] == "python":
+        args = [sys.executable] + args[1:]
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e.setdefault("OPENBLAS_NUM_THREADS", "1")
+    e.setdefault("MKL_NUM_THREADS", "1")
+    if env:
+        e.update(env)
+    cmd = [mpiexec(), "-n", str(n)] + list(args)
+    p = subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\n"
+                             f"stderr:\n{p.stderr[-4000:]}")
+    return p
+
+
+def script(name: str) -> str:
+    return os.path.join(SCRIPTS, name)
