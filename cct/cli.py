@@ -8,64 +8,73 @@
     cct convert_imageset | compute_image_mean | convert_mnist | convert_cifar | make_digits | calibrate ...
 
 Flags may be written as in Caffe (``-solver S``, ``-solver=S``) or GNU style (``--solver S``,
-``--solver=S``); ``cct train S`` also works. Logging goes to stderr in glog format; errors exit with
-status 1 and a one-line message (no traceback).
+``--solver=S``); booleans as ``--flag``, ``--noflag`` or ``--flag=false`` (see :mod:`cct.flags`);
+``cct train S`` also works. Each command has a ``build_<cmd>_parser()`` (or a tool module's
+``build_parser()``) and a ``run`` function, listed in :data:`COMMANDS`. Logging goes to stderr in glog
+format; errors exit with status 1 and a one-line message (no traceback).
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from .errors import CctError
+from .flags import FlagParser, command_parser
 
 log = logging.getLogger("cct")
 
-TOOLS = {
-    "convert_imageset": ("cct.tools.convert_imageset", "convert a list of images into an LMDB/LevelDB"),
-    "compute_image_mean": ("cct.tools.compute_image_mean", "compute the mean image of a database"),
-    "convert_mnist": ("cct.tools.convert_mnist", "convert the MNIST files into LMDBs"),
-    "convert_cifar": ("cct.tools.convert_cifar", "convert the CIFAR-10 binaries into LMDBs"),
-    "make_digits": ("cct.tools.make_digits", "generate the synthetic digit dataset (LMDBs)"),
-    "calibrate": ("cct.lowering.calibrate", "calibrate the CcT lowering cost model for this machine"),
+
+@dataclass(frozen=True)
+class Command:
+    """One ``cct`` command: ``module.<parser>()`` builds its :class:`FlagParser`, ``module.<run>(args)`` runs it."""
+
+    summary: str
+    module: str
+    parser: str = "build_parser"
+    run: str = "run"
+
+    def load(self) -> tuple[Callable[[], FlagParser], Callable[[argparse.Namespace], int]]:
+        """The parser builder and the run function (imports the module)."""
+        import importlib
+
+        try:
+            mod = importlib.import_module(self.module)
+        except ImportError as e:
+            raise CctError(f"this command is not available: cannot import {self.module} ({e})") from None
+        return getattr(mod, self.parser), getattr(mod, self.run)
+
+
+def _builtin(summary: str, name: str) -> Command:
+    return Command(summary, __name__, f"build_{name}_parser", f"run_{name}")
+
+
+COMMANDS: dict[str, Command] = {
+    "train": _builtin("train or finetune a model", "train"),
+    "test": _builtin("score a model", "test"),
+    "time": _builtin("benchmark model execution time", "time"),
+    "device_query": _builtin("show CPU/BLAS/GPU information", "device_query"),
+    "convert_imageset": Command("convert a list of images into an LMDB/LevelDB", "cct.tools.convert_imageset"),
+    "compute_image_mean": Command("compute the mean image of a database", "cct.tools.compute_image_mean"),
+    "convert_mnist": Command("convert the MNIST files into LMDBs", "cct.tools.convert_mnist"),
+    "convert_cifar": Command("convert the CIFAR-10 binaries into LMDBs", "cct.tools.convert_cifar"),
+    "make_digits": Command("generate the synthetic digit dataset (LMDBs)", "cct.tools.make_digits"),
+    "calibrate": Command("calibrate the CcT lowering cost model for this machine", "cct.lowering.calibrate"),
 }
 
-USAGE = """usage: cct <command> <args>
 
-commands:
-  train           train or finetune a model
-  test            score a model
-  time            benchmark model execution time
-  device_query    show CPU/BLAS/GPU information
-{tools}
-Run 'cct <command> --help' for the flags of a command.
-"""
-
-
-def _usage() -> str:
-    tools = "".join(f"  {name:<15} {desc}\n" for name, (_, desc) in TOOLS.items())
-    return USAGE.format(tools=tools)
-
-
-_SINGLE_DASH_LONG = re.compile(r"^-[A-Za-z_][A-Za-z0-9_]+(=.*)?$")
-
-
-def _gnu_flags(argv: Sequence[str]) -> list[str]:
-    """Accept Caffe/gflags single-dash long flags: ``-solver S`` / ``-solver=S`` -> ``--solver ...``."""
-    return ["-" + a if _SINGLE_DASH_LONG.match(a) else a for a in argv]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # noqa: D102 - argparse hook
-        raise CctError(f"{message} (see 'cct {self.prog.split()[-1]} --help')")
-
-
-def _parser(cmd: str, description: str) -> _Parser:
-    return _Parser(prog=f"cct {cmd}", description=description, allow_abbrev=False)
+def usage() -> str:
+    """The top-level help: every command with its one-line summary, aligned."""
+    width = max(len(n) for n in COMMANDS) + 2
+    lines = ["usage: cct <command> [flags] [args]", "", "commands:"]
+    lines += [f"  {name:<{width}}{c.summary}" for name, c in COMMANDS.items()]
+    lines += ["", "Flags are written as in Caffe's tools: -flag value, --flag=value, boolean --flag / --noflag.",
+              "Run 'cct <command> --help' for the flags of a command.", ""]
+    return "\n".join(lines)
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,9 +224,9 @@ def _init_logging(quiet: bool, stream=None) -> None:
 
 
 # -- train -------------------------------------------------------------------------------------
-def cmd_train(argv: Sequence[str]) -> int:
-    """``cct train``: train a model from a solver prototxt (Caffe's ``caffe train``)."""
-    p = _parser("train", "Train or finetune a model.")
+def build_train_parser() -> FlagParser:
+    """The flags of ``cct train``."""
+    p = command_parser("train", "Train or finetune a model.")
     p.add_argument("solver_pos", nargs="?", metavar="SOLVER", help="the solver prototxt (same as --solver)")
     p.add_argument("--solver", default=None, help="the solver definition prototxt")
     p.add_argument("--weights", default=None,
@@ -228,7 +237,11 @@ def cmd_train(argv: Sequence[str]) -> int:
     p.add_argument("--sighup_effect", default="snapshot", help="what SIGHUP does: stop, snapshot or none")
     _add_common(p)
     add_device_arguments(p)
-    args = p.parse_args(_gnu_flags(argv))
+    return p
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``cct train``: train a model from a solver prototxt (Caffe's ``caffe train``)."""
     if args.solver and args.solver_pos and args.solver != args.solver_pos:
         raise CctError("give the solver once (either --solver=S or a positional S)")
     solver_path = args.solver or args.solver_pos
@@ -289,20 +302,24 @@ def _load_weights(net, weights: str) -> None:
             net.copy_from(w)
 
 
-def cmd_test(argv: Sequence[str]) -> int:
-    """``cct test``: run a model's TEST phase for N batches and report each output's mean."""
-    import numpy as np
-
-    from .net import Net
-
-    p = _parser("test", "Score a model: run N batches and print per-batch and mean outputs.")
+def build_test_parser() -> FlagParser:
+    """The flags of ``cct test``."""
+    p = command_parser("test", "Score a model: run N batches and print per-batch and mean outputs.")
     p.add_argument("--model", default=None, help="the model definition prototxt")
     p.add_argument("--weights", default=None, help="the trained weights (.caffemodel or .h5; comma-separated)")
     p.add_argument("--iterations", type=int, default=50, help="the number of batches to run")
     p.add_argument("--phase", default="TEST", help="net phase (TEST or TRAIN)")
     _add_common(p)
     add_device_arguments(p)
-    args = p.parse_args(_gnu_flags(argv))
+    return p
+
+
+def run_test(args: argparse.Namespace) -> int:
+    """``cct test``: run a model's TEST phase for N batches and report each output's mean."""
+    import numpy as np
+
+    from .net import Net
+
     if not args.model:
         raise CctError("Need a model definition to score (--model).")
     if not args.weights:
@@ -337,18 +354,22 @@ def cmd_test(argv: Sequence[str]) -> int:
 
 
 # -- time --------------------------------------------------------------------------------------
-def cmd_time(argv: Sequence[str]) -> int:
-    """``cct time``: per-layer forward/backward timings (Caffe's ``caffe time``)."""
-    from .net import Net
-
-    p = _parser("time", "Benchmark the execution time of a model, layer by layer.")
+def build_time_parser() -> FlagParser:
+    """The flags of ``cct time``."""
+    p = command_parser("time", "Benchmark the execution time of a model, layer by layer.")
     p.add_argument("--model", default=None, help="the model definition prototxt")
     p.add_argument("--iterations", type=int, default=50, help="the number of forward-backward passes to time")
     p.add_argument("--phase", default="TRAIN", help="net phase (TRAIN or TEST)")
     p.add_argument("--weights", default=None, help="optional weights to load first")
     _add_common(p)
     add_device_arguments(p)
-    args = p.parse_args(_gnu_flags(argv))
+    return p
+
+
+def run_time(args: argparse.Namespace) -> int:
+    """``cct time``: per-layer forward/backward timings (Caffe's ``caffe time``)."""
+    from .net import Net
+
     if not args.model:
         raise CctError("Need a model definition to time (--model).")
     if args.iterations < 1:
@@ -403,15 +424,19 @@ def cmd_time(argv: Sequence[str]) -> int:
 
 
 # -- device_query ------------------------------------------------------------------------------
-def cmd_device_query(argv: Sequence[str]) -> int:
+def build_device_query_parser() -> FlagParser:
+    """The flags of ``cct device_query``."""
+    p = command_parser("device_query", "Show the CPU, the BLAS backend and any GPUs.")
+    p.add_argument("--gpu", default=None, help="only query these GPU ids ('all' or a comma list)")
+    return p
+
+
+def run_device_query(args: argparse.Namespace) -> int:
     """``cct device_query``: CPU, BLAS backend and (when CuPy sees any) GPU information."""
     import platform
 
     import numpy as np
 
-    p = _parser("device_query", "Show the CPU, the BLAS backend and any GPUs.")
-    p.add_argument("--gpu", default=None, help="only query these GPU ids ('all' or a comma list)")
-    args = p.parse_args(_gnu_flags(argv))
     out = sys.stdout
     from . import blas
 
@@ -461,34 +486,27 @@ def cmd_device_query(argv: Sequence[str]) -> int:
 
 
 # -- dispatch ----------------------------------------------------------------------------------
-def _tool(module_name: str) -> Callable[[Sequence[str]], int]:
-    def run(argv: Sequence[str]) -> int:
-        import importlib
+def build_parser(command: str) -> FlagParser:
+    """The parser of ``cct <command>`` (raises CctError for an unknown or unavailable command)."""
+    if command not in COMMANDS:
+        raise CctError(f"unknown command '{command}'")
+    return COMMANDS[command].load()[0]()
 
-        try:
-            mod = importlib.import_module(module_name)
-        except ImportError as e:
-            raise CctError(f"this command is not available: cannot import {module_name} ({e})") from None
+
+def run(command: str, argv: Sequence[str]) -> int:
+    """Parse ``argv`` with the command's parser and run it; returns the exit status (errors raise)."""
+    build, body = COMMANDS[command].load()
+    args = build().parse_args(list(argv))
+    if not hasattr(args, "quiet"):
         _init_logging(False)
-        rc = mod.main(list(argv))
-        return int(rc or 0)
-
-    return run
-
-
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "train": cmd_train,
-    "test": cmd_test,
-    "time": cmd_time,
-    "device_query": cmd_device_query,
-}
+    return int(body(args) or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cct`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        sys.stdout.write(_usage()) if argv else sys.stderr.write(_usage())
+    if not argv or argv[0] in ("-h", "--help", "-help", "help"):
+        sys.stdout.write(usage()) if argv else sys.stderr.write(usage())
         return 0 if argv else 1
     if argv[0] in ("--version", "-version", "version"):
         from . import __version__
@@ -496,14 +514,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cct {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
-    handler = COMMANDS.get(cmd)
-    if handler is None and cmd in TOOLS:
-        handler = _tool(TOOLS[cmd][0])
-    if handler is None:
-        sys.stderr.write(f"cct: unknown command '{cmd}'\n\n{_usage()}")
+    if cmd not in COMMANDS:
+        sys.stderr.write(f"cct: unknown command '{cmd}'\n\n{usage()}")
         return 1
     try:
-        return handler(rest)
+        return run(cmd, rest)
     except CctError as e:
         sys.stderr.write(f"cct {cmd}: error: {e}\n")
         return 1

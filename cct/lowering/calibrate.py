@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import blas
+from ..flags import FlagParser, command_parser
 from .cost_model import Machine, detect_cache_bytes, nominal_machine
 
 FULL_DIMS = [4, 16, 64, 256, 1024, 4096]
@@ -250,9 +251,9 @@ def summary(machine: Machine) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``cct calibrate``: measure the BLAS backends and the lowering cost model, print, cache."""
-    ap = argparse.ArgumentParser(prog="cct calibrate", description=__doc__.split("\n")[0])
+def build_parser() -> FlagParser:
+    """The flags of ``cct calibrate``."""
+    ap = command_parser("calibrate", __doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="coarse, sub-second measurement (not cached)")
     ap.add_argument("--threads", type=int, default=None, help="BLAS threads to calibrate for")
     ap.add_argument("--blas", choices=("auto", "openblas", "mkl"), default=None, help="BLAS backend")
@@ -260,7 +261,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kernels", action="store_true",
                     help="re-measure only the copy/lowering curves, keep the cached GEMM grids")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = ap.parse_args(list(argv) if argv is not None else None)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``cct calibrate`` as a program: parse ``argv`` (default ``sys.argv``) and :func:`run`."""
+    return run(build_parser().parse_args(list(argv) if argv is not None else None))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``cct calibrate``: measure the BLAS backends and the lowering cost model, print, cache."""
     if args.blas is not None:
         if args.blas == "auto":
             blas.choose_backend(force=not args.show)

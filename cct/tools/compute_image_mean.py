@@ -14,8 +14,9 @@ import numpy as np
 from ..data.db import open_db, parse_datum
 from ..data.transformer import datum_to_array
 from ..errors import CctError
+from ..flags import FlagParser
 from ..io.blobproto import array_to_blobproto, write_binaryproto
-from . import add_flag, run_tool
+from . import add_flag, run_tool, tool_parser
 
 log = logging.getLogger("cct")
 
@@ -53,10 +54,9 @@ def compute_image_mean(input_db: str, output_file: str | None = None, backend: s
     return mean
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> FlagParser:
     """The argument parser (Caffe's flags)."""
-    p = argparse.ArgumentParser(prog="compute_image_mean",
-                                description="Compute the mean image of a set of images given by a leveldb/lmdb")
+    p = tool_parser("compute_image_mean", "Compute the mean image of a set of images given by a leveldb/lmdb")
     p.add_argument("input_db", metavar="INPUT_DB")
     p.add_argument("output_file", metavar="OUTPUT_FILE", nargs="?", default=None)
     add_flag(p, "backend", default="lmdb", choices=["lmdb", "leveldb"],
@@ -64,9 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def run(a: argparse.Namespace) -> int:
+    """``cct compute_image_mean`` on parsed flags."""
+    compute_image_mean(a.input_db, a.output_file, a.backend)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    return run_tool(lambda a: (compute_image_mean(a.input_db, a.output_file, a.backend), 0)[1], build_parser(), argv)
+    return run_tool(run, build_parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

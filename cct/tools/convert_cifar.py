@@ -15,7 +15,8 @@ import os
 import numpy as np
 
 from ..errors import CctError
-from . import add_flag, run_tool
+from ..flags import FlagParser
+from . import add_flag, run_tool, tool_parser
 from .convert_mnist import write_images_db
 
 log = logging.getLogger("cct")
@@ -60,10 +61,9 @@ def convert_cifar(input_folder: str, output_folder: str, db_type: str = "lmdb") 
     return n_train, n_test
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> FlagParser:
     """The argument parser (Caffe's arguments)."""
-    p = argparse.ArgumentParser(prog="convert_cifar",
-                                description="Convert the CIFAR-10 binary batches to the lmdb/leveldb format")
+    p = tool_parser("convert_cifar", "Convert the CIFAR-10 binary batches to the lmdb/leveldb format")
     p.add_argument("input_folder", metavar="INPUT_FOLDER")
     p.add_argument("output_folder", metavar="OUTPUT_FOLDER")
     p.add_argument("db_type", metavar="DB_TYPE", nargs="?", default=None, choices=["lmdb", "leveldb", None])
@@ -71,10 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def run(a: argparse.Namespace) -> int:
+    """``cct convert_cifar`` on parsed flags."""
+    convert_cifar(a.input_folder, a.output_folder, a.db_type or a.backend)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    return run_tool(lambda a: (convert_cifar(a.input_folder, a.output_folder, a.db_type or a.backend), 0)[1],
-                    build_parser(), argv)
+    return run_tool(run, build_parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,9 +17,10 @@ import numpy as np
 from ..data.db import open_writer
 from ..data.transformer import encode_image, image_to_datum, read_image, read_image_list
 from ..errors import CctError
+from ..flags import FlagParser
 from ..proto import caffe_pb2
 from ..rng import get_rng
-from . import add_bool_flag, add_flag, run_tool
+from . import add_bool_flag, add_flag, run_tool, tool_parser
 
 log = logging.getLogger("cct")
 
@@ -101,12 +102,9 @@ def convert_imageset(root_folder: str, list_file: str, db_name: str, resize_heig
     return count
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> FlagParser:
     """The argument parser (Caffe's flags)."""
-    p = argparse.ArgumentParser(
-        prog="convert_imageset",
-        description="Convert a set of images to the leveldb/lmdb format used as input for Caffe.",
-    )
+    p = tool_parser("convert_imageset", "Convert a set of images to the leveldb/lmdb format used as input for Caffe.")
     p.add_argument("root_folder", metavar="ROOTFOLDER/")
     p.add_argument("list_file", metavar="LISTFILE")
     p.add_argument("db_name", metavar="DB_NAME")
@@ -121,17 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def run(a: argparse.Namespace) -> int:
+    """``cct convert_imageset`` on parsed flags."""
+    if not os.path.isfile(a.list_file):
+        raise CctError(f"list file '{a.list_file}' does not exist")
+    convert_imageset(a.root_folder, a.list_file, a.db_name, a.resize_height, a.resize_width, a.gray,
+                     a.shuffle, a.encoded, a.encode_type, a.backend, a.check_size)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-
-    def body(a: argparse.Namespace) -> int:
-        if not os.path.isfile(a.list_file):
-            raise CctError(f"list file '{a.list_file}' does not exist")
-        convert_imageset(a.root_folder, a.list_file, a.db_name, a.resize_height, a.resize_width, a.gray,
-                         a.shuffle, a.encoded, a.encode_type, a.backend, a.check_size)
-        return 0
-
-    return run_tool(body, build_parser(), argv)
+    return run_tool(run, build_parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

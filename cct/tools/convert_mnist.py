@@ -14,8 +14,9 @@ import numpy as np
 
 from ..data.db import open_writer
 from ..errors import CctError
+from ..flags import FlagParser
 from ..proto import caffe_pb2
-from . import add_flag, run_tool
+from . import add_flag, run_tool, tool_parser
 
 log = logging.getLogger("cct")
 
@@ -81,10 +82,9 @@ def convert_mnist(image_file: str, label_file: str, db_name: str, backend: str =
     return n
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> FlagParser:
     """The argument parser (Caffe's flags)."""
-    p = argparse.ArgumentParser(prog="convert_mnist",
-                                description="Convert the MNIST dataset to the lmdb/leveldb format used by Caffe")
+    p = tool_parser("convert_mnist", "Convert the MNIST dataset to the lmdb/leveldb format used by Caffe")
     p.add_argument("image_file", metavar="INPUT_IMAGE_FILE")
     p.add_argument("label_file", metavar="INPUT_LABEL_FILE")
     p.add_argument("db_name", metavar="OUTPUT_DB")
@@ -92,10 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def run(a: argparse.Namespace) -> int:
+    """``cct convert_mnist`` on parsed flags."""
+    convert_mnist(a.image_file, a.label_file, a.db_name, a.backend)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    return run_tool(lambda a: (convert_mnist(a.image_file, a.label_file, a.db_name, a.backend), 0)[1],
-                    build_parser(), argv)
+    return run_tool(run, build_parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,7 +25,8 @@ import time
 import numpy as np
 
 from ..errors import CctError
-from . import add_flag, run_tool
+from ..flags import FlagParser
+from . import add_flag, run_tool, tool_parser
 from .convert_mnist import write_images_db
 
 log = logging.getLogger("cct")
@@ -232,22 +233,26 @@ def make_digits(outdir: str, n_train: int = 60000, n_test: int = 10000, seed: in
     return paths
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> FlagParser:
     """The argument parser."""
-    p = argparse.ArgumentParser(prog="make_digits",
-                                description="Generate a synthetic 28x28 digit dataset as MNIST-style Caffe LMDBs")
+    p = tool_parser("make_digits", "Generate a synthetic 28x28 digit dataset as MNIST-style Caffe LMDBs")
     p.add_argument("outdir", metavar="OUTDIR")
-    add_flag(p, "train", type=int, default=60000, help="number of training images (default 60000)")
-    add_flag(p, "test", type=int, default=10000, help="number of test images (default 10000)")
-    add_flag(p, "seed", type=int, default=1, help="random seed (default 1)")
-    add_flag(p, "backend", default="lmdb", choices=["lmdb", "leveldb"], help="database backend (default lmdb)")
+    add_flag(p, "train", type=int, default=60000, help="number of training images")
+    add_flag(p, "test", type=int, default=10000, help="number of test images")
+    add_flag(p, "seed", type=int, default=1, help="random seed")
+    add_flag(p, "backend", default="lmdb", choices=["lmdb", "leveldb"], help="database backend")
     return p
+
+
+def run(a: argparse.Namespace) -> int:
+    """``cct make_digits`` on parsed flags."""
+    make_digits(a.outdir, a.train, a.test, a.seed, a.backend)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
-    return run_tool(lambda a: (make_digits(a.outdir, a.train, a.test, a.seed, a.backend), 0)[1],
-                    build_parser(), argv)
+    return run_tool(run, build_parser(), argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
