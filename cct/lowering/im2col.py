@@ -89,9 +89,18 @@ def im2col(x: Any, kernel: Sequence[int], pad: Sequence[int], stride: Sequence[i
     else:
         src = xp.zeros(lead + padded, dtype=x.dtype)
         src[(Ellipsis,) + tuple(slice(p, p + i) for p, i in zip(pad, in_shape))] = x
-    for offs in itertools.product(*(range(k) for k in kernel)):
-        out[(Ellipsis,) + offs + (slice(None),) * nd] = src[(Ellipsis,) + _window(offs, stride, dilation, out_shape)]
+    out[...] = _windows_view(xp, src, nd, kernel, stride, dilation, out_shape)
     return out
+
+
+def _windows_view(xp: Any, src: Any, nd: int, kernel: tuple, stride: tuple, dilation: tuple, out_shape: tuple) -> Any:
+    """A strided view ``(*lead, *kernel, *out_shape)`` of every window of ``src``: im2col as one copy
+    (one kernel launch on a GPU instead of one per kernel offset)."""
+    lead = tuple(src.shape[: src.ndim - nd])
+    sp = tuple(src.strides[src.ndim - nd:])
+    strides = (tuple(src.strides[: src.ndim - nd]) + tuple(s * d for s, d in zip(sp, dilation))
+               + tuple(s * t for s, t in zip(sp, stride)))
+    return xp.lib.stride_tricks.as_strided(src, shape=lead + kernel + out_shape, strides=strides)
 
 
 def col2im(col: Any, in_shape: Sequence[int], kernel: Sequence[int], pad: Sequence[int], stride: Sequence[int],
