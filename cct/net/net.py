@@ -76,12 +76,17 @@ class Net:
         tune_malloc()  # once per process: freed work arrays stay in the heap (see cct.malloc)
         # Runs each layer's forward/backward; the device scheduler replaces it to split batches.
         self.executor = None
+        devices = self.config.devices  # --devices / cct.set_devices: split batches over several devices
+        # A single GPU holds the whole net: every blob and parameter lives in its memory (xp = cupy).
+        resident = devices.resident_device() if devices is not None else None
+        self.xp = resident.xp if resident is not None else np
+        if resident is not None:
+            resident.make_current()
         self._init(param)
         if weights is not None:
             for w in [weights] if isinstance(weights, (str, os.PathLike)) else weights:
                 self.copy_from(w)
-        devices = self.config.devices  # --devices / cct.set_devices: split batches over several devices
-        if devices is not None:
+        if devices is not None and resident is None:
             devices.attach(self, strict=False)
 
     # -- construction --------------------------------------------------------------
@@ -159,7 +164,7 @@ class Net:
                     raise NetError(f"Top blob '{tname}' produced by multiple sources (layer '{lp.name}')")
                 else:
                     log.info("%s -> %s", lp.name, tname)
-                    blob = Blob((), dtype=self.dtype, name=tname)
+                    blob = Blob((), dtype=self.dtype, xp=self.xp, name=tname)
                     self.blobs[tname] = blob
                     self.blob_need_backward[tname] = False
                     tops.append(blob)
@@ -170,7 +175,7 @@ class Net:
             if not lp.top and layer.is_loss:
                 # Loss layers create their (anonymous) loss top when none is given, as Caffe does.
                 tname = f"({lp.name} loss)"
-                blob = Blob((), dtype=self.dtype, name=tname)
+                blob = Blob((), dtype=self.dtype, xp=self.xp, name=tname)
                 self.blobs[tname] = blob
                 self.blob_need_backward[tname] = False
                 tops.append(blob)

@@ -160,6 +160,13 @@ class DeviceConfig:
     def share_table(self) -> ShareTable:
         return ShareTable(self.shares, self.layer_shares)
 
+    def resident_device(self) -> Device | None:
+        """The device a net lives on whole when there is a single device with its own memory (one GPU):
+        blobs and parameters are allocated there and no batch is split or copied per layer."""
+        if len(self.devices) == 1 and not self.devices[0].host_memory:
+            return self.devices[0]
+        return None
+
     def attach(self, net: Any, strict: bool = True) -> DataParallelExecutor:
         """Install a :class:`DataParallelExecutor` on ``net`` (replacing any previous one)."""
         detach(net)

@@ -242,6 +242,10 @@ class GpuDevice(Device):
         return self._cupy
 
     def _init_thread(self) -> None:
+        self.make_current()
+
+    def make_current(self) -> None:
+        """Make this GPU CuPy's current device in the calling thread."""
         self._cupy.cuda.Device(self.index).use()
 
     def asarray(self, host: np.ndarray) -> Any:
