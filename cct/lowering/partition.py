@@ -43,6 +43,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from .. import blas
 from ..backend import get_array_module
 from ..config import submit_in_context
@@ -371,6 +373,9 @@ class BatchedLowering(IntoLowering):
             self._run(geom, n, x.itemsize, work, p)
             return time.perf_counter() - t0
 
+        if _in_device_memory(x):
+            work(0, n)
+            return out
         p, measured = self._partitions_for(geom, n, x.itemsize, measure)
         if not measured:
             self._run(geom, n, x.itemsize, work, p)
@@ -386,8 +391,11 @@ class BatchedLowering(IntoLowering):
         """
         xp = get_array_module(dy)
         n = dy.shape[0]
-        p = self._current_partitions(geom, n, dy.itemsize)
-        plan = self.plan(geom, n, dy.itemsize, p)
+        on_device = _in_device_memory(dy)
+        if on_device:
+            plan = {"p": 1, "b_p": n, "ranges": [[(0, n)]]}
+        else:
+            plan = self.plan(geom, n, dy.itemsize, self._current_partitions(geom, n, dy.itemsize))
         parts = plan["p"]
         inner_into = getattr(self.inner, "backward_into", None)
         # the inner lowering accumulates dW^T per partition (one transpose-add at the end, not per chunk)
@@ -429,7 +437,10 @@ class BatchedLowering(IntoLowering):
             if dx is not None:
                 dx[s:e] = self.inner.backward_data(dy[s:e], w, geom)
 
-        self._run(geom, n, dy.itemsize, work, parts)
+        if on_device:
+            work(0, n)
+        else:
+            self._run(geom, n, dy.itemsize, work, parts)
         if transposed:
             total = accs[0][0]
             for adw, _ in accs[1:]:
@@ -452,6 +463,12 @@ class BatchedLowering(IntoLowering):
 
     def __repr__(self) -> str:
         return f"<lowering {self.name} b_p={self.batch_partition} p={self.partitions}>"
+
+
+def _in_device_memory(a: Any) -> bool:
+    """True for arrays in a GPU's memory: there one lowering + GEMM covers the whole batch (the
+    host's cache-sized chunks and thread partitions do not apply; kernel launches favour few big calls)."""
+    return get_array_module(a) is not np
 
 
 def _kernel_threads(n: int):
