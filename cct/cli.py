@@ -235,6 +235,12 @@ def build_train_parser() -> FlagParser:
     p.add_argument("--iterations", type=int, default=None, help="override the solver's max_iter")
     p.add_argument("--sigint_effect", default="stop", help="what SIGINT does: stop, snapshot or none")
     p.add_argument("--sighup_effect", default="snapshot", help="what SIGHUP does: stop, snapshot or none")
+    p.add_argument("--groups", default=None,
+                   help="Omnivore mode under mpiexec -n N: auto (the optimizer picks the compute groups, momentum "
+                        "and rate per epoch), sync, async, or a number of conv compute groups (docs/omnivore.md)")
+    p.add_argument("--omnivore_epoch", type=int, default=None,
+                   help="with --groups auto: iterations per optimizer epoch (default a quarter of the run)")
+    p.add_argument("--omnivore_fail_rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: this rank fails
     _add_common(p)
     add_device_arguments(p)
     return p
@@ -276,6 +282,13 @@ def run_train(args: argparse.Namespace) -> int:
         param.ClearField("weights")
         param.weights.append(args.weights)
 
+    if args.groups is not None:
+        from .omnivore.train import omnivore_train
+
+        if args.omnivore_epoch is not None and args.omnivore_epoch < 1:
+            raise CctError(f"--omnivore_epoch must be >= 1 iteration, not {args.omnivore_epoch}")
+        return omnivore_train(param, solver_path, config, args.groups, args.omnivore_epoch, resume=args.snapshot,
+                              fail_rank=args.omnivore_fail_rank)
     handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
     solver = get_solver(param, _source=solver_path, config=config)
     solver.set_action_function(handler.get_action_function())
