@@ -57,7 +57,7 @@ class Net:
 
     @property
     def params(self) -> OrderedDict[str, list]:
-        return self._net.layer_params
+        return self._net.params
 
     @property
     def _layer_names(self) -> list[str]:
@@ -116,9 +116,9 @@ class Net:
         """Forward; returns {output blob: data} (plus ``blobs``), as pycaffe."""
         blobs = list(blobs or [])
         start_ind = self._layer_index(start) if start is not None else 0
-        if end is not None:
+        if end is not None:  # start and end are layer names; the result holds the end layer's tops
             end_ind = self._layer_index(end)
-            outputs = set([end] + blobs)
+            outputs = set(self._net.top_names[end_ind] + blobs)
         else:
             end_ind = len(self._net.layers) - 1
             outputs = set(self.outputs + blobs)
@@ -131,9 +131,9 @@ class Net:
         """Backward; returns {input blob: diff} (plus ``diffs``), as pycaffe."""
         diffs = list(diffs or [])
         start_ind = self._layer_index(start) if start is not None else len(self._net.layers) - 1
-        if end is not None:
+        if end is not None:  # layer names; the result holds the end layer's bottoms
             end_ind = self._layer_index(end)
-            outputs = set([end] + diffs)
+            outputs = set(self._net.bottom_names[end_ind] + diffs)
         else:
             end_ind = 0
             outputs = set(self.inputs + diffs)
@@ -214,7 +214,8 @@ class Net:
         self._net.save_hdf5(filename)
 
     def load_hdf5(self, filename: str) -> None:
-        self._net.copy_from(filename)
+        """Copy weights from an HDF5 weights file, whatever it is called (CopyTrainedLayersFromHDF5)."""
+        self._net.copy_from(filename, format="hdf5")
 
     def clear_param_diffs(self) -> None:
         self._net.clear_param_diffs()

@@ -297,8 +297,8 @@ def test_forward_start_end_and_backward_diffs(tmp_path):
     net.clear_param_diffs()
     net.blobs["ip2"].diff[...] = g
     d = net.backward(start="ip2", end="ip2")
-    assert list(d) == ["ip2"]
-    np.testing.assert_allclose(net.blobs["r"].diff, g @ w2, rtol=1e-5, atol=1e-6)
+    assert list(d) == ["r"]  # layer names; the end layer's bottoms come back, as in pycaffe
+    np.testing.assert_allclose(d["r"], g @ w2, rtol=1e-5, atol=1e-6)
     with pytest.raises(Exception, match="do not match"):
         net.backward(r=g)
 

@@ -10,14 +10,13 @@ from ..proto import caffe_pb2
 
 
 def blobproto_shape(proto: caffe_pb2.BlobProto) -> tuple[int, ...]:
-    """Shape of a BlobProto: ``shape.dim`` or, for legacy protos, (num, channels, height, width)."""
-    if proto.HasField("shape"):
-        return tuple(int(d) for d in proto.shape.dim)
+    """Shape of a BlobProto as Caffe's ``Blob::FromProto`` reads it: the legacy 4-D dims
+    (num, channels, height, width) when any of them is set, else ``shape.dim``. A proto with
+    neither is a blob with no axes, shape ``()`` (one value): that is how Caffe writes a 0-d
+    blob such as PReLU's ``channel_shared`` slope, whose ``ToProto`` adds no ``shape``."""
     if any(proto.HasField(f) for f in ("num", "channels", "height", "width")):
         return (proto.num, proto.channels, proto.height, proto.width)
-    # No shape at all: a flat vector of whatever data it holds.
-    n = len(proto.data) or len(proto.double_data)
-    return (n,) if n else (0,)
+    return tuple(int(d) for d in proto.shape.dim)
 
 
 def blobproto_to_array(proto: caffe_pb2.BlobProto, return_diff: bool = False) -> np.ndarray:
@@ -67,7 +66,7 @@ def array_to_blobproto(arr, diff=None, legacy_4d: bool = False) -> caffe_pb2.Blo
     if legacy_4d:
         dims = (1,) * (4 - arr.ndim) + arr.shape
         proto.num, proto.channels, proto.height, proto.width = dims
-    else:
+    elif arr.ndim:  # Caffe's ToProto writes no shape at all for a blob with no axes
         proto.shape.dim.extend(int(d) for d in arr.shape)
     return proto
 

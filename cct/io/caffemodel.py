@@ -11,7 +11,24 @@ from ..proto import caffe_pb2
 from .binary import read_binary_message
 from .blobproto import blobproto_to_array
 
-HDF5_EXTENSIONS = (".h5", ".hdf5")
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def is_hdf5(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an HDF5 file, by content as HDF5's ``H5Fis_hdf5`` decides (the superblock
+    signature at offset 0, 512, 1024, 2048, ...), whatever the file is called."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            offset = 0
+            while offset + len(_HDF5_SIGNATURE) <= size:
+                f.seek(offset)
+                if f.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE:
+                    return True
+                offset = 512 if offset == 0 else offset * 2
+    except OSError:
+        return False
+    return False
 
 
 def read_caffemodel(path: str | os.PathLike) -> caffe_pb2.NetParameter:
@@ -45,15 +62,20 @@ def weights_from_net_param(net: caffe_pb2.NetParameter) -> OrderedDict[str, list
     return out
 
 
-def read_weights(path: str | os.PathLike) -> OrderedDict[str, list[np.ndarray]]:
+def read_weights(path: str | os.PathLike, format: str | None = None) -> OrderedDict[str, list[np.ndarray]]:
     """Read trained weights for ``Net.copy_from``: layer name -> list of float32 arrays, in file order.
 
-    ``.h5``/``.hdf5`` files are read as Caffe's HDF5 weights (:func:`cct.io.hdf5.read_hdf5_weights`; a
-    param that a weight-shared layer did not store is ``None`` there), anything else as a binary
-    ``.caffemodel`` (upgraded first, as Caffe's CopyTrainedLayersFromBinaryProto does).
+    HDF5 files (by content, :func:`is_hdf5`, as Caffe's CopyTrainedLayersFrom decides) are read as
+    Caffe's HDF5 weights (:func:`cct.io.hdf5.read_hdf5_weights`; a param that a weight-shared layer did
+    not store is ``None`` there), anything else as a binary ``.caffemodel`` (upgraded first, as Caffe's
+    CopyTrainedLayersFromBinaryProto does). ``format`` ``"hdf5"`` or ``"binaryproto"`` insists on one.
     """
     source = os.fspath(path)
-    if source.lower().endswith(HDF5_EXTENSIONS):
+    if format not in (None, "hdf5", "binaryproto"):
+        raise ValueError(f"unknown weights format {format!r} (hdf5 or binaryproto)")
+    if format == "hdf5" and os.path.isfile(source) and not is_hdf5(source):
+        raise CctError(f"{source}: not an HDF5 file (HDF5 weights were asked for)")
+    if format == "hdf5" or (format is None and is_hdf5(source)):
         from .hdf5 import read_hdf5_weights
 
         return read_hdf5_weights(source)

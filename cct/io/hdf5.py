@@ -58,7 +58,8 @@ def _open_read(path: str | os.PathLike, what: str):
 
 
 def _save_nd(group, name: str, arr) -> None:
-    a = np.ascontiguousarray(np.asarray(arr), dtype=np.float32)
+    # np.array, not np.ascontiguousarray: that makes a 0-d blob (PReLU channel_shared) 1-d
+    a = np.array(arr, dtype=np.float32, order="C")
     group.create_dataset(name, data=a)
 
 

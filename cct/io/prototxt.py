@@ -21,6 +21,9 @@ def parse_text(text: str, message: Message, source: str = "<string>") -> Message
         if " : " in msg:
             msg = msg.split(" : ", 1)[1]
         where = f"{source}:{line}:{col}" if line else source
+        from .fork_fields import explain_unknown_field
+
+        msg = explain_unknown_field(text, line, col, msg) or msg
         raise ProtoParseError(f"{where}: {msg}") from None
     return message
 

@@ -114,7 +114,8 @@ class Net:
         self.blob_loss_weights: dict[str, float] = {}
         self.input_blob_names: list[str] = []
         # parameters
-        self.params: list[Blob] = []                      # every layer param blob (shared ones repeated)
+        # every layer param blob, shared ones repeated (Caffe's params_); ``params`` is pycaffe's dict
+        self._all_params: list[Blob] = []
         self.param_owners: list[int] = []
         self.param_layer_indices: list[tuple[int, int]] = []
         self.param_display_names: list[str] = []
@@ -234,8 +235,8 @@ class Net:
         spec = lp.param[param_id] if param_id < len(lp.param) else caffe_pb2.ParamSpec()
         pname = spec.name if param_id < len(lp.param) else ""
         self.param_display_names.append(pname or str(param_id))
-        net_param_id = len(self.params)
-        self.params.append(layer.blobs[param_id])
+        net_param_id = len(self._all_params)
+        self._all_params.append(layer.blobs[param_id])
         self.param_layer_indices.append((layer_id, param_id))
         if not pname or pname not in self._param_names_index:
             self.param_owners.append(-1)
@@ -283,7 +284,7 @@ class Net:
         for i, owner in enumerate(self.param_owners):
             if owner < 0:
                 continue
-            blob, src = self.params[i], self.params[owner]
+            blob, src = self._all_params[i], self._all_params[owner]
             blob.share_data(src, shape=blob.shape)
             blob.share_diff(src, shape=blob.shape)
 
@@ -358,9 +359,12 @@ class Net:
                 for v in np.asarray(to_numpy(self.blobs[name].data), dtype=np.float32).ravel()]
 
     @property
-    def layer_params(self) -> OrderedDict[str, list[Blob]]:
-        """Layer name -> its parameter blobs, for layers that have any (pycaffe's ``net.params``)."""
+    def params(self) -> OrderedDict[str, list[Blob]]:
+        """Layer name -> its parameter blobs, for layers that have any, in layer order (pycaffe's
+        ``net.params``). The flat list of the blobs the solver updates is :attr:`learnable_params`."""
         return OrderedDict((n, l.blobs) for n, l in zip(self.layer_names, self.layers) if l.blobs)
+
+    layer_params = params  # older name of the same dict
 
     def _index(self, name_or_index: str | int | None, default: int) -> int:
         if name_or_index is None:
@@ -480,20 +484,23 @@ class Net:
             diffs = [(n, [to_numpy(b.diff) for b in l.blobs]) for n, l in zip(self.layer_names, self.layers)]
         write_hdf5_weights(path, layers, diffs)
 
-    def copy_from(self, path_or_param: str | os.PathLike | caffe_pb2.NetParameter) -> None:
-        """Copy weights by layer name from a .caffemodel / .h5 file or NetParameter (CopyTrainedLayersFrom).
+    def copy_from(self, path_or_param: str | os.PathLike | caffe_pb2.NetParameter,
+                  format: str | None = None) -> None:
+        """Copy weights by layer name from a binary .caffemodel, an HDF5 weights file (recognised by its
+        content, whatever its name) or a NetParameter (Caffe's CopyTrainedLayersFrom).
 
         Layers absent from the net are ignored (logged); a blob count or shape mismatch is an error.
+        ``format`` (``"hdf5"`` / ``"binaryproto"``) insists on one file format (pycaffe's ``load_hdf5``).
         """
-        from ..io.caffemodel import HDF5_EXTENSIONS, legacy_shape_equals, read_weights, weights_from_net_param
+        from ..io.caffemodel import is_hdf5, legacy_shape_equals, read_weights, weights_from_net_param
 
         if isinstance(path_or_param, caffe_pb2.NetParameter):
             source, is_h5 = "<NetParameter>", False
             weights = weights_from_net_param(path_or_param)
         else:
             source = os.fspath(path_or_param)
-            is_h5 = source.lower().endswith(HDF5_EXTENSIONS)
-            weights = read_weights(source)
+            is_h5 = format == "hdf5" or (format is None and is_hdf5(source))
+            weights = read_weights(source, format)
         for name, arrays in weights.items():
             if name not in self._layer_index:
                 log.info("Ignoring source layer %s", name)
@@ -563,7 +570,7 @@ class Net:
                          _abs_mean(b.diff))
 
     def update_debug_info(self) -> None:
-        for nid, b in enumerate(self.params):
+        for nid, b in enumerate(self._all_params):
             if self.param_owners[nid] >= 0:
                 continue
             lid, _ = self.param_layer_indices[nid]

@@ -252,7 +252,7 @@ class GpuDevice(Device):
         return self._cupy.asarray(host)
 
     def upload(self, dst: Any, host: np.ndarray) -> None:
-        dst.set(np.ascontiguousarray(host))
+        dst.set(np.require(host, requirements="C"))  # keeps a 0-d array 0-d
 
     def to_host(self, arr: Any, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
