@@ -11,6 +11,8 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import numpy as np
+
 from ..blob import Blob
 from ..errors import CctError
 from ..lowering import LoweringStrategy, get_strategy
@@ -53,6 +55,7 @@ class _BaseConvolution(Layer):
         super().__init__(param)
         self._lowering: LoweringStrategy | None = None
         self._user_lowering = False
+        self._device_memory = False  # blobs in a GPU's memory: one whole-batch lowering, no host cost model
         self._planned_for: tuple | None = None
         self.geom: ConvGeometry | None = None
         self._geom_key: tuple | None = None
@@ -70,7 +73,7 @@ class _BaseConvolution(Layer):
         self._user_lowering = True
 
     def _plan_lowering(self) -> None:
-        if self._user_lowering or self.geom is None:
+        if self._user_lowering or self.geom is None or self._device_memory:
             if self._lowering is None:
                 self._lowering = get_strategy("type1")
             return
@@ -125,6 +128,7 @@ class _BaseConvolution(Layer):
                                  f"bottom[{i}] {list(b.shape)})")
         geom = self._geometry(shape)
         self.num = bottom[0].count_range(0, self.channel_axis)
+        self._device_memory = bottom[0].xp is not np
         self._plan_lowering()
         spatial = geom.in_shape if self.reverse else geom.out_shape
         top_shape = tuple(shape[: self.channel_axis]) + (self.num_output,) + tuple(spatial)
