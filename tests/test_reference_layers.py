@@ -29,3 +29,17 @@ def test_bvlc_master_field_case_matches_caffe(case):
     for what, ours, theirs in results:
         err = max_rel_err(ours, theirs)
         assert err <= 1e-4, f"{case}: {what} differs from Caffe by {err:.3g} (relative to its max)"
+
+
+# ---- cases added for issue 13's new layers (LSTM, RNN, LSTMUnit, SPP); indexed in cases-added.json ----
+ADDED_LAYER_CASES = ["lstm_t3_n2", "lstmunit", "rnn_t3_n2", "spp_max_h2"]
+
+
+@pytest.mark.parametrize("case", ADDED_LAYER_CASES)
+def test_added_layer_case_matches_caffe(case):
+    results = run_case_layerwise(case)
+    compared = {what.split("/")[0] for what, _, _ in results}
+    assert {"data", "diff"} <= compared, f"{case}: forward and backward not both compared"
+    for what, ours, theirs in results:
+        err = max_rel_err(ours, theirs)
+        assert err <= 1e-4, f"{case}: {what} differs from Caffe by {err:.3g} (relative to its max)"

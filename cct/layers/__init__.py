@@ -13,6 +13,8 @@ from . import (  # noqa: F401  (importing registers the layers)
     norm,
     pooling,
     python_layer,
+    recurrent,
+    spp,
     structure,
 )
 from .base import Layer, create_layer, layer_class, layer_type_list, register
