@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (importing registers the layers)
     activation,
     conv,
     data,
+    hdf5_output,
     inner_product,
     input,
     loss,
@@ -16,6 +17,7 @@ from . import (  # noqa: F401  (importing registers the layers)
     recurrent,
     spp,
     structure,
+    window_data,
 )
 from .base import Layer, create_layer, layer_class, layer_type_list, register
 

@@ -55,7 +55,7 @@ def _copy_to_blob(blob: Blob, arr: np.ndarray) -> None:
         blob.data.set(np.ascontiguousarray(arr, dtype=blob.dtype))
 
 
-def _child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Generator | None]:
+def child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Generator | None]:
     """(transform generator, order generator) for a layer, seeded by one draw of cct's global rng.
 
     Two streams, as Caffe's transformer RNG and prefetch (shuffle) RNG: the record order does not
@@ -68,11 +68,13 @@ def _child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Gen
     return np.random.default_rng(a), np.random.default_rng(b)
 
 
-def _rng_state(rng: np.random.Generator | None) -> dict | None:
+def rng_state(rng: np.random.Generator | None) -> dict | None:
+    """The state of a layer's generator (None for none), for a data read state."""
     return None if rng is None else rng.bit_generator.state
 
 
-def _set_rng_state(rng: np.random.Generator | None, state: dict | None) -> None:
+def set_rng_state(rng: np.random.Generator | None, state: dict | None) -> None:
+    """Restore a state from :func:`rng_state` (nothing when either is None)."""
     if rng is not None and state is not None:
         rng.bit_generator.state = state
 
@@ -89,7 +91,7 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def _map_ordered(fn, items: list, parallel: bool = True) -> list:
+def map_ordered(fn, items: list, parallel: bool = True) -> list:
     """``[fn(x) for x in items]``, on a shared thread pool for image decoding (order and errors kept)."""
     global _POOL
     workers = min(8, os.cpu_count() or 1)
@@ -107,7 +109,7 @@ def _shutdown(prefetcher: Prefetcher, loader: Any) -> None:
         loader.close()
 
 
-class _PrefetchingDataLayer(Layer):
+class PrefetchingDataLayer(Layer):
     """Shared machinery: prefetch thread, top copy, no backward."""
 
     exact_num_bottom = 0
@@ -208,14 +210,14 @@ class _DBLoader:
             self.next()
 
     def state(self) -> dict:
-        return {"pos": self.pos, "transform_rng": _rng_state(self.transformer.rng)}
+        return {"pos": self.pos, "transform_rng": rng_state(self.transformer.rng)}
 
     def set_state(self, state: dict) -> None:
         self.cursor.seek_to_first()
         self.pos = 0
         for _ in range(int(state["pos"]) % max(1, len(self.db))):
             self.next()
-        _set_rng_state(self.transformer.rng, state["transform_rng"])
+        set_rng_state(self.transformer.rng, state["transform_rng"])
 
     def close(self) -> None:
         self.cursor.close()
@@ -249,7 +251,7 @@ class _DBLoader:
             records.append((key, parse_datum(self.cursor.value, key, self.path)))
             self.next()
         # decoding (JPEG/PNG) is deterministic and releases the GIL: spread it over threads
-        arrays = _map_ordered(lambda kd: self._array(*kd), records, parallel=records[0][1].encoded)
+        arrays = map_ordered(lambda kd: self._array(*kd), records, parallel=records[0][1].encoded)
         data = labels = None
         for i, ((key, datum), arr) in enumerate(zip(records, arrays)):
             try:
@@ -267,7 +269,7 @@ class _DBLoader:
 
 
 @register("Data")
-class Data(_PrefetchingDataLayer):
+class Data(PrefetchingDataLayer):
     """Caffe's Data layer: batches of Datum records from an LMDB or LevelDB (tops: data, [label])."""
 
     param_fields = ("data_param", "transform_param")
@@ -286,7 +288,7 @@ class Data(_PrefetchingDataLayer):
         if tp.force_color and tp.force_gray:
             raise self.error("cannot set both force_color and force_gray")
         needs_rng = bool(dp.rand_skip) or tp.mirror or (self.phase == caffe_pb2.TRAIN and tp.crop_size > 0)
-        t_rng, rng = _child_rngs(needs_rng)
+        t_rng, rng = child_rngs(needs_rng)
         try:
             transformer = DataTransformer(tp, self.phase, rng=t_rng)
             db = open_db(dp.source, dp.backend)
@@ -331,15 +333,15 @@ class _ImageListLoader:
 
     def state(self) -> dict:
         return {"pos": self.pos, "lines": self._order if self.shuffle else None,
-                "rng": _rng_state(self.rng), "transform_rng": _rng_state(self.transformer.rng)}
+                "rng": rng_state(self.rng), "transform_rng": rng_state(self.transformer.rng)}
 
     def set_state(self, state: dict) -> None:
         if state["lines"] is not None:
             self.lines = [tuple(x) for x in state["lines"]]
             self._order = tuple(self.lines)
         self.pos = int(state["pos"])
-        _set_rng_state(self.rng, state["rng"])
-        _set_rng_state(self.transformer.rng, state["transform_rng"])
+        set_rng_state(self.rng, state["rng"])
+        set_rng_state(self.transformer.rng, state["transform_rng"])
 
     def image(self, i: int) -> np.ndarray:
         path = self.root + self.lines[i][0]
@@ -357,7 +359,7 @@ class _ImageListLoader:
                 if self.shuffle:
                     self.rng.shuffle(self.lines)
                     self._order = tuple(self.lines)
-        images = _map_ordered(
+        images = map_ordered(
             lambda item: read_image(self.root + item[0], self.new_h, self.new_w, self.is_color), picked)
         data = labels = None
         for i, ((name, label), img) in enumerate(zip(picked, images)):
@@ -375,7 +377,7 @@ class _ImageListLoader:
 
 
 @register("ImageData")
-class ImageData(_PrefetchingDataLayer):
+class ImageData(PrefetchingDataLayer):
     """Caffe's ImageData layer: images listed in a text file, with labels (tops: data, label)."""
 
     param_fields = ("image_data_param", "transform_param", "data_param")
@@ -399,7 +401,7 @@ class ImageData(_PrefetchingDataLayer):
         tp = self._transform_param(ip, "image_data_param")
         needs_rng = ip.shuffle or bool(ip.rand_skip) or tp.mirror or \
             (self.phase == caffe_pb2.TRAIN and tp.crop_size > 0)
-        t_rng, rng = _child_rngs(needs_rng)
+        t_rng, rng = child_rngs(needs_rng)
         try:
             transformer = DataTransformer(tp, self.phase, rng=t_rng)
             log.info("Opening file %s", ip.source)
@@ -494,7 +496,7 @@ class _HDF5Loader:
     def state(self) -> dict:
         # file_perm and row_perm are replaced, never mutated, so a state can refer to them.
         return {"cur_file": self.cur_file, "file_perm": self.file_perm, "cur_row": self.cur_row,
-                "row_perm": self.row_perm, "rng": _rng_state(self.rng)}
+                "row_perm": self.row_perm, "rng": rng_state(self.rng)}
 
     def set_state(self, state: dict) -> None:
         self.file_perm = np.asarray(state["file_perm"], dtype=np.int64)
@@ -502,7 +504,7 @@ class _HDF5Loader:
         self._load(self.files[self.file_perm[self.cur_file]], permute=False)
         self.row_perm = None if state["row_perm"] is None else np.asarray(state["row_perm"], dtype=np.int64)
         self.cur_row = int(state["cur_row"])
-        _set_rng_state(self.rng, state["rng"])
+        set_rng_state(self.rng, state["rng"])
 
     def _load(self, path: str, permute: bool = True) -> None:
         arrays = load_hdf5_file(path, self.names, self.dtypes)
@@ -549,7 +551,7 @@ class _HDF5Loader:
 
 
 @register("HDF5Data")
-class HDF5Data(_PrefetchingDataLayer):
+class HDF5Data(PrefetchingDataLayer):
     """Caffe's HDF5Data layer: one top per dataset (named like the top) of the listed HDF5 files."""
 
     param_fields = ("hdf5_data_param", "transform_param")
@@ -566,7 +568,7 @@ class HDF5Data(_PrefetchingDataLayer):
         names = list(self.param.top)
         if len(names) != len(top):
             names = [b.name for b in top]
-        rng = _child_rngs(hp.shuffle)[1]
+        rng = child_rngs(hp.shuffle)[1]
         try:
             log.info("Loading list of HDF5 filenames from: %s", hp.source)
             files = read_hdf5_list(hp.source)
