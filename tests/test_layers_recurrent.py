@@ -254,3 +254,23 @@ def test_lstm_in_a_net_loads_its_own_weights(tmp_path):
     net2.blobs["cont"].data[...] = net.blobs["cont"].data
     net2.forward()
     np.testing.assert_array_equal(net2.blobs["h"].data, h)
+
+
+@pytest.mark.parametrize("case,out", [("lstm_t3_n2", "h"), ("rnn_t3_n2", "o")])
+def test_caffe_trained_weights_load_into_a_net(case, out):
+    """Caffe's own .caffemodel of a recurrent net loads by layer name (parameter order and shapes)."""
+    import os
+
+    from refcase import case_dir, load_case, max_rel_err, reference_available
+
+    from cct.net import Net
+
+    if not reference_available():
+        pytest.skip("../shared/reference not present")
+    d = case_dir(case)
+    ref = load_case(case).arrays
+    net = Net(os.path.join(d, "net.prototxt"), caffe_pb2.TRAIN, weights=os.path.join(d, "weights.caffemodel"))
+    for name in ("x", "cont"):
+        net.blobs[name].data[...] = ref[f"input/{name}"]
+    net.forward()
+    assert max_rel_err(net.blobs[out].data, ref[f"data/{out}"]) <= 1e-4
