@@ -146,3 +146,19 @@ def test_window_data_errors_name_layer(scene):
     layer = make_layer(root, batch=2)
     with pytest.raises(LayerError, match="wd.*does not fit image"):
         forward(layer)
+
+
+def test_same_seed_same_batches_and_read_state_resumes(scene):
+    root, _ = scene
+    text = "crop_size: 6 mirror: true"
+    a, b = make_layer(root, transform=text, batch=8), make_layer(root, transform=text, batch=8)
+    ta, tb = forward(a), forward(b)
+    np.testing.assert_array_equal(ta[0].data, tb[0].data)
+    state = a.get_read_state()
+    a.forward([], ta)
+    second = ta[0].data.copy()
+    a.set_read_state(state)
+    a.forward([], ta)
+    np.testing.assert_array_equal(ta[0].data, second)
+    a.close()
+    b.close()
