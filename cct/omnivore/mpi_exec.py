@@ -281,8 +281,13 @@ class OmnivoreServer:
         """End the workers' loops (once)."""
         if not self.stopped:
             self.stopped = True
-            for r in conv_ranks(self.comm.size):
-                self.comm.send(Phase(stop=True), r, TAG_PHASE)
+            self.stop_all(self.comm)
+
+    @staticmethod
+    def stop_all(comm: Comm) -> None:
+        """Tell every conv rank to leave :meth:`ConvWorker.serve`."""
+        for r in conv_ranks(comm.size):
+            comm.send(Phase(stop=True), r, TAG_PHASE)
 
 
 # -- conv ranks ---------------------------------------------------------------------------------------------

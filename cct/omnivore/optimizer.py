@@ -7,8 +7,8 @@ model; all conv ranks without one); (mu, eta) is grid-searched over {0, .3, .6, 
 eta_last/10}, skipping mu > mu_last at eta_last; if the best mu is 0, mu = 0.1 and 0.2 are tried too,
 and if 0 still wins g is halved and the search repeats. The chosen (g, mu, eta) trains for the epoch.
 Each trial is a short run from the same checkpoint (the runner restores it); diverged trials are
-dropped; when the best trials are within 5% of each other they run again twice as long (E.3's
-"clear winner"). Every decision is one log line, ``Omnivore: epoch 3: g=4 mu=0.6 lr=0.01 (trials: ...)``.
+dropped; when the best trials are within 5% of each other the (at most 3) closest run again twice
+as long (E.3's "clear winner"). Every decision is one log line, ``Omnivore: epoch 3: g=4 mu=0.6 lr=0.01 (trials: ...)``.
 
 The runner (:class:`TrialRunner`) does the work: on MPI ranks (:mod:`cct.omnivore.mpi_exec`) or any
 scripted oracle, so the decisions are unit-testable without timing noise.
@@ -138,7 +138,7 @@ class OmnivoreOptimizer:
         ok = sorted((t for t in pool if not t.diverged), key=lambda t: t.loss)
         if not ok:
             return None
-        close = [t for t in ok if t.loss <= ok[0].loss * (1 + self.tie) + 1e-12]
+        close = [t for t in ok if t.loss <= ok[0].loss * (1 + self.tie) + 1e-12][:3]
         if len(close) > 1:
             rerun = [self._run(t.g, t.mu, t.lr, 2 * t.iters) for t in close]
             trials.extend(rerun)

@@ -61,7 +61,7 @@ class MPITrialRunner:
         finally:
             self.server.restore(state)
         self.results.append(("trial", mu, res))
-        loss = res.final_loss(max(1, iters // 4))
+        loss = res.final_loss(max(1, iters // 2))
         return loss if all(math.isfinite(x) for x in res.losses) else math.nan
 
     def train(self, g: int, mu: float, lr: float | None, iters: int) -> float:
