@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .errors import CctError
-from .flags import FlagParser, command_parser
+from .flags import FlagParser, add_progress_flag, command_parser
+from .progress import Progress
 
 log = logging.getLogger("cct")
 
@@ -64,6 +65,17 @@ COMMANDS: dict[str, Command] = {
     "convert_cifar": Command("convert the CIFAR-10 binaries into LMDBs", "cct.tools.convert_cifar"),
     "make_digits": Command("generate the synthetic digit dataset (LMDBs)", "cct.tools.make_digits"),
     "calibrate": Command("calibrate the CcT lowering cost model for this machine", "cct.lowering.calibrate"),
+    "extract_features": Command("save the values of blobs of a trained net as Datum records",
+                                "cct.tools.extract_features"),
+    "upgrade_net_proto_text": Command("upgrade a legacy net prototxt to the current format", "cct.tools.upgrade_proto",
+                                      "build_net_text_parser", "run_net_text"),
+    "upgrade_net_proto_binary": Command("upgrade a legacy binary net (.caffemodel)", "cct.tools.upgrade_proto",
+                                        "build_net_binary_parser", "run_net_binary"),
+    "upgrade_solver_proto_text": Command("upgrade a legacy solver prototxt", "cct.tools.upgrade_proto",
+                                         "build_solver_text_parser", "run_solver_text"),
+    "parse_log": Command("parse a training log into LOG.train / LOG.test CSV files", "cct.tools.parse_log"),
+    "plot": Command("plot training curves of one or more logs (PNG; the [plot] extra)", "cct.tools.plot"),
+    "draw": Command("draw a net as a graph (PNG/SVG/...; the [draw] extra)", "cct.tools.draw"),
 }
 
 
@@ -88,7 +100,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="GPU device id(s) ('0', '0,1' or 'all'); an error when no GPU is available")
     p.add_argument("--level", type=int, default=0, help="net state level (NetState.level)")
     p.add_argument("--stage", default="", help="comma-separated net state stages")
-    p.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only")
+    p.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only (and no progress bar)")
+    add_progress_flag(p)
     p.add_argument("--lowering", default=None,
                    help="override the conv lowering choice: 'type1'|'type2'|'type3' for all layers, or per "
                         "layer 'conv1=type3,conv2=type1'")
@@ -97,6 +110,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partitions", default="model",
                    help="batch partitions run in parallel per conv layer: 'model' (the cost model's choice "
                         "per layer), 'auto' (measured on the first batch) or an int")
+
+
+def _wants_progress(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "progress", True)) and not getattr(args, "quiet", False)
 
 
 def _configure_engine(args, calibrate: bool):
@@ -178,45 +195,6 @@ def _use_devices(args, engine, solver_param=None):
     return update_default(engine=engine)
 
 
-# -- progress bar ------------------------------------------------------------------------------
-class _Progress:
-    """A one-line progress bar on a TTY stream; log records clear and redraw it."""
-
-    def __init__(self, stream, total: int):
-        self.stream = stream
-        self.total = max(int(total), 1)
-        self.current = 0
-        self.line = ""
-        self.start = time.perf_counter()
-
-    def write(self, s: str) -> int:
-        if self.line:
-            self.stream.write("\r\033[K")
-        n = self.stream.write(s)
-        if self.line and s.endswith("\n"):
-            self.stream.write(self.line)
-        return n
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def update(self, current: int) -> None:
-        self.current = current
-        frac = min(current / self.total, 1.0)
-        width = 30
-        filled = int(frac * width)
-        elapsed = time.perf_counter() - self.start
-        self.line = f"[{'#' * filled}{'.' * (width - filled)}] {current}/{self.total} {elapsed:.0f}s"
-        self.stream.write("\r\033[K" + self.line)
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.line:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
-            self.line = ""
-
-
 def _init_logging(quiet: bool, stream=None) -> None:
     from .log import init_log
 
@@ -259,8 +237,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     signals.check_effect(args.sigint_effect)
     signals.check_effect(args.sighup_effect)
-    progress = _Progress(sys.stderr, 1) if sys.stderr.isatty() and not args.quiet else None
-    _init_logging(args.quiet, stream=progress)
+    _init_logging(args.quiet)
     engine = _configure_engine(args, calibrate=True)
 
     from .proto import caffe_pb2
@@ -292,19 +269,15 @@ def run_train(args: argparse.Namespace) -> int:
     handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
     solver = get_solver(param, _source=solver_path, config=config)
     solver.set_action_function(handler.get_action_function())
-    if progress is not None:
-        progress.total = max(param.max_iter, 1)
-        solver.add_callback(on_start=lambda: progress.update(solver.iter))
     with handler:
         if args.snapshot:
             log.info("Resuming from %s", args.snapshot)
             solver.restore(args.snapshot)
         log.info("Starting Optimization")
-        try:
+        with Progress(param.max_iter, "train", unit="iter", enabled=_wants_progress(args),
+                      initial=solver.iter) as bar:
+            solver.add_callback(on_start=lambda: bar.set(solver.iter))
             solver.solve()
-        finally:
-            if progress is not None:
-                progress.close()
     return 0
 
 
@@ -347,15 +320,17 @@ def run_test(args: argparse.Namespace) -> int:
     scores: list[np.float32] = []
     names: list[str] = []
     loss = np.float32(0)
-    for i in range(args.iterations):
-        loss += np.float32(net.forward())
-        for idx, (name, v) in enumerate(net.output_values()):
-            if i == 0:
-                scores.append(v)
-                names.append(name)
-            else:
-                scores[idx] += v
-            log.info("Batch %d, %s = %g", i, name, v)
+    with Progress(args.iterations, "test", unit="batch", enabled=_wants_progress(args)) as bar:
+        for i in range(args.iterations):
+            loss += np.float32(net.forward())
+            for idx, (name, v) in enumerate(net.output_values()):
+                if i == 0:
+                    scores.append(v)
+                    names.append(name)
+                else:
+                    scores[idx] += v
+                log.info("Batch %d, %s = %g", i, name, v)
+            bar.update()
     loss /= np.float32(args.iterations)
     log.info("Loss: %g", loss)
     for name, s in zip(names, scores):
@@ -405,23 +380,25 @@ def run_time(args: argparse.Namespace) -> int:
     log.info("Testing for %d iterations.", args.iterations)
     clock = time.perf_counter
     total_start = clock()
-    for j in range(args.iterations):
-        iter_start = clock()
-        for i, layer in enumerate(net.layers):
-            t = clock()
-            layer.reshape(net.bottom_vecs[i], net.top_vecs[i])
-            layer.forward(net.bottom_vecs[i], net.top_vecs[i])
-            fwd[i] += clock() - t
-        f_end = clock()
-        forward_time += f_end - iter_start
-        for i in range(n_layers - 1, -1, -1):
-            if not net.layer_need_backward[i]:
-                continue
-            t = clock()
-            net.layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i], net.bottom_vecs[i])
-            bwd[i] += clock() - t
-        backward_time += clock() - f_end
-        log.info("Iteration: %d forward-backward time: %g ms.", j + 1, (clock() - iter_start) * 1e3)
+    with Progress(args.iterations, "time", unit="iter", enabled=_wants_progress(args)) as bar:
+        for j in range(args.iterations):
+            iter_start = clock()
+            for i, layer in enumerate(net.layers):
+                t = clock()
+                layer.reshape(net.bottom_vecs[i], net.top_vecs[i])
+                layer.forward(net.bottom_vecs[i], net.top_vecs[i])
+                fwd[i] += clock() - t
+            f_end = clock()
+            forward_time += f_end - iter_start
+            for i in range(n_layers - 1, -1, -1):
+                if not net.layer_need_backward[i]:
+                    continue
+                t = clock()
+                net.layers[i].backward(net.top_vecs[i], net.bottom_need_backward[i], net.bottom_vecs[i])
+                bwd[i] += clock() - t
+            backward_time += clock() - f_end
+            log.info("Iteration: %d forward-backward time: %g ms.", j + 1, (clock() - iter_start) * 1e3)
+            bar.update()
     total = clock() - total_start
     n = args.iterations
     log.info("Average time per layer: ")

@@ -29,7 +29,7 @@ from typing import Any
 
 from .errors import CctError
 
-__all__ = ["FlagError", "FlagParser", "command_parser", "parse_bool", "to_gnu"]
+__all__ = ["FlagError", "FlagParser", "add_progress_flag", "command_parser", "parse_bool", "to_gnu"]
 
 _TRUE = ("1", "true", "t", "yes", "y")
 _FALSE = ("0", "false", "f", "no", "n")
@@ -193,3 +193,9 @@ class FlagParser(argparse.ArgumentParser):
 def command_parser(command: str, description: str, epilog: str | None = None) -> FlagParser:
     """The parser of ``cct <command>`` (its usage line and errors say ``cct <command>``)."""
     return FlagParser(prog=f"cct {command}", description=description, epilog=epilog)
+
+
+def add_progress_flag(parser: FlagParser) -> None:
+    """``--progress`` / ``--noprogress``: the progress bar of a long command (see :mod:`cct.progress`)."""
+    parser.add_bool("progress", "show a progress bar (count, rate, ETA) when stderr is a terminal; "
+                    "CCT_PROGRESS=0 also turns it off", default=True)

@@ -23,14 +23,30 @@ class GlogFormatter(logging.Formatter):
         return prefix + msg
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when a record is emitted (not the object it was when
+    the handler was made, which a caller or test harness may have replaced and closed since); a stream set
+    with ``setStream`` (other than sys.stderr) is used instead until ``setStream(sys.stderr)``."""
+
+    _override = None
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return self._override if self._override is not None else sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        self._override = None if value is sys.stderr else value
+
+
 def init_log(level: int = logging.INFO, stream=None) -> logging.Logger:
-    """Send cct's log to ``stream`` (stderr, as glog) in glog format; idempotent."""
+    """Send cct's log to ``stream`` (default: the current stderr, as glog) in glog format; idempotent."""
     logger = logging.getLogger("cct")
     logger.setLevel(level)
     for h in list(logger.handlers):
         if getattr(h, "_cct_glog", False):
             logger.removeHandler(h)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
     handler.setFormatter(GlogFormatter())
     handler._cct_glog = True  # type: ignore[attr-defined]
     logger.addHandler(handler)

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import blas
-from ..flags import FlagParser, command_parser
+from ..flags import FlagParser, add_progress_flag, command_parser
+from ..progress import Progress
 from .cost_model import Machine, detect_cache_bytes, nominal_machine
 
 FULL_DIMS = [4, 16, 64, 256, 1024, 4096]
@@ -128,11 +129,13 @@ def measure_lowerings(sizes: tuple[tuple[int, int], ...] = ((32, 4), (256, 16), 
 
 
 def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True,
-              threads: int | None = None, verbose: bool = False, passes: int = 3) -> Machine:
+              threads: int | None = None, verbose: bool = False, passes: int = 3,
+              progress: Progress | None = None) -> Machine:
     """Measure this machine's cost-model constants (a few seconds; ``quick``: well under one).
 
     ``threads``: BLAS threads to measure with (default: the current setting); ``passes``: sweeps
     over the GEMM grids (each point keeps its best). The result is cached unless ``save`` is False.
+    ``progress``: advanced per measured GEMM point and kernel sweep.
     """
     backend = blas.get_backend()
     dims = QUICK_DIMS if quick else FULL_DIMS
@@ -146,20 +149,29 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
         # process then spoils one pass of a point, not the point.
         bign = [[0.0] * len(dims) for _ in dims]
         bigk = [[0.0] * len(dims) for _ in dims]
-        for _ in range(1 if quick else passes):
+        n_passes = 1 if quick else passes
+        bigs = (32, 256) if quick else (16, 64, 256, 1024, 4096)
+        tick = progress.update if progress is not None else (lambda n=1: None)
+        if progress is not None:
+            progress.set_total(n_passes * len(dims) ** 2 + len(bigs) + 3)
+        for _ in range(n_passes):
             for i, m in enumerate(dims):
                 for j, d in enumerate(dims):
                     bign[i][j] = max(bign[i][j], _gemm_gflops(m, _big(m, d, budget, lo, hi), d, repeats))
                     bigk[i][j] = max(bigk[i][j], _gemm_gflops(m, d, _big(m, d, budget, lo, hi), repeats))
+                    tick()
         ref_big = _big(256, 256, budget, lo, hi)
         ref = _gemm_gflops(256, ref_big, 256, repeats)
         curve = []
-        for big in ((32, 256, ref_big) if quick else (16, 64, 256, 1024, 4096, ref_big)):
+        for big in (*bigs, ref_big):
             curve.append((int(big), min(1.0, _gemm_gflops(256, big, 256, repeats) / ref)))
+            tick()
         small = np.ones((2, 2), np.float32)
         overhead = _best_time(lambda: blas.gemm(small, small), 20)
     ew = measure_elementwise((1 << 14, 1 << 18) if quick else FULL_ELEM_SIZES, repeats)
+    tick()
     lw = measure_lowerings(((16, 2), (64, 8)) if quick else FULL_LOWERING_SIZES, repeats)
+    tick()
     info = blas.blas_info()
     machine = Machine(grid_dims=list(dims), gemm_bign=bign, gemm_bigk=bigk, big_curve=curve,
                       copy_ns=ew["copy"][-1][1], add_ns=ew["add"][-1][1], zero_ns=ew["zero"][-1][1],
@@ -261,6 +273,7 @@ def build_parser() -> FlagParser:
     ap.add_argument("--kernels", action="store_true",
                     help="re-measure only the copy/lowering curves, keep the cached GEMM grids")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_progress_flag(ap)
     return ap
 
 
@@ -282,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.kernels:
         m = recalibrate_kernels(threads=args.threads)
     else:
-        m = calibrate(quick=args.quick, threads=args.threads)
+        with Progress(None, "calibrate", unit="step", enabled=args.progress) as bar:
+            m = calibrate(quick=args.quick, threads=args.threads, progress=bar)
     if args.json:
         print(json.dumps(m.to_json(), indent=1))
     else:

@@ -5,6 +5,10 @@
 * ``convert_mnist``: MNIST idx files -> database.
 * ``convert_cifar``: CIFAR-10 binary batches -> train/test databases.
 * ``make_digits``: a built-in synthetic 28x28 digit dataset (MNIST layout), no download needed.
+* ``extract_features``: blobs of a trained net -> databases of float Datum records.
+* ``upgrade_proto``: ``upgrade_net_proto_text``, ``upgrade_net_proto_binary``, ``upgrade_solver_proto_text``.
+* ``parse_log`` / ``plot``: training log -> CSV tables (as Caffe's parse_log.py) / curves (matplotlib).
+* ``draw``: a net prototxt -> a graph image (pydot + graphviz, as Caffe's draw_net.py).
 
 Each has ``build_parser()`` and ``run(args)`` (used by ``cct <tool>``) and ``main(argv) -> int``.
 Flags are spelled as in Caffe's gflags tools (``--resize_height=256``, ``--gray``, ``--nogray``,
@@ -18,14 +22,17 @@ import sys
 from collections.abc import Callable, Sequence
 
 from ..errors import CctError
-from ..flags import FlagParser, command_parser, parse_bool
+from ..flags import FlagParser, add_progress_flag, command_parser, parse_bool
 
 __all__ = ["add_bool_flag", "add_flag", "parse_bool", "run_tool", "tool_parser"]
 
 
-def tool_parser(name: str, description: str) -> FlagParser:
-    """The parser of ``cct <name>`` (gflags syntax, defaults in ``--help``)."""
-    return command_parser(name, description)
+def tool_parser(name: str, description: str, progress: bool = True) -> FlagParser:
+    """The parser of ``cct <name>`` (gflags syntax, defaults in ``--help``); ``progress``: add ``--progress``."""
+    p = command_parser(name, description)
+    if progress:
+        add_progress_flag(p)
+    return p
 
 
 def add_flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:

@@ -16,17 +16,23 @@ from ..data.transformer import datum_to_array
 from ..errors import CctError
 from ..flags import FlagParser
 from ..io.blobproto import array_to_blobproto, write_binaryproto
+from ..progress import Progress
 from . import add_flag, run_tool, tool_parser
 
 log = logging.getLogger("cct")
 
 
-def compute_image_mean(input_db: str, output_file: str | None = None, backend: str = "lmdb") -> np.ndarray:
-    """Mean image (1, C, H, W) float32 of every Datum in ``input_db``; written to ``output_file`` if given."""
-    with open_db(input_db, backend) as db:
+def compute_image_mean(input_db: str, output_file: str | None = None, backend: str = "lmdb",
+                       progress: bool = False) -> np.ndarray:
+    """Mean image (1, C, H, W) float32 of every Datum in ``input_db``; written to ``output_file`` if given.
+
+    ``progress``: show a progress bar on a terminal (:class:`cct.progress.Progress`)."""
+    with open_db(input_db, backend) as db, Progress(len(db), "compute_image_mean", unit="img",
+                                                    enabled=progress) as bar:
         total = None
         count = 0
         for key, value in db.items():
+            bar.update()
             datum = parse_datum(value, key, input_db)
             if datum.encoded and count == 0:
                 log.info("Decoding Datum")
@@ -66,7 +72,7 @@ def build_parser() -> FlagParser:
 
 def run(a: argparse.Namespace) -> int:
     """``cct compute_image_mean`` on parsed flags."""
-    compute_image_mean(a.input_db, a.output_file, a.backend)
+    compute_image_mean(a.input_db, a.output_file, a.backend, progress=a.progress)
     return 0
 
 

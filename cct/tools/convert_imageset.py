@@ -18,6 +18,7 @@ from ..data.db import open_writer
 from ..data.transformer import encode_image, image_to_datum, read_image, read_image_list
 from ..errors import CctError
 from ..flags import FlagParser
+from ..progress import Progress
 from ..proto import caffe_pb2
 from ..rng import get_rng
 from . import add_bool_flag, add_flag, run_tool, tool_parser
@@ -50,8 +51,11 @@ def image_file_to_datum(path: str, label: int, height: int = 0, width: int = 0, 
 
 def convert_imageset(root_folder: str, list_file: str, db_name: str, resize_height: int = 0,
                      resize_width: int = 0, gray: bool = False, shuffle: bool = False, encoded: bool = False,
-                     encode_type: str = "", backend: str = "lmdb", check_size: bool = False) -> int:
-    """Write the images of ``list_file`` into a new database ``db_name``; returns the number written."""
+                     encode_type: str = "", backend: str = "lmdb", check_size: bool = False,
+                     progress: bool = False) -> int:
+    """Write the images of ``list_file`` into a new database ``db_name``; returns the number written.
+
+    ``progress``: show a progress bar on a terminal (:class:`cct.progress.Progress`)."""
     if (resize_height > 0) != (resize_width > 0) and (resize_height or resize_width):
         log.warning("resize needs both --resize_height and --resize_width; the image is not resized")
     is_color = not gray
@@ -66,8 +70,10 @@ def convert_imageset(root_folder: str, list_file: str, db_name: str, resize_heig
     encoded = encoded or bool(encode_type)
     count = 0
     data_size = None
-    with open_writer(db_name, backend) as writer:
+    with open_writer(db_name, backend) as writer, Progress(len(lines), "convert_imageset", unit="img",
+                                                         enabled=progress) as bar:
         for line_id, (name, label) in enumerate(lines):
+            bar.update()
             enc = encode_type.lower().lstrip(".")
             if encoded and not enc:
                 p = name.rfind(".")
@@ -124,7 +130,7 @@ def run(a: argparse.Namespace) -> int:
     if not os.path.isfile(a.list_file):
         raise CctError(f"list file '{a.list_file}' does not exist")
     convert_imageset(a.root_folder, a.list_file, a.db_name, a.resize_height, a.resize_width, a.gray,
-                     a.shuffle, a.encoded, a.encode_type, a.backend, a.check_size)
+                     a.shuffle, a.encoded, a.encode_type, a.backend, a.check_size, progress=a.progress)
     return 0
 
 

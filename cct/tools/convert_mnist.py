@@ -15,6 +15,7 @@ import numpy as np
 from ..data.db import open_writer
 from ..errors import CctError
 from ..flags import FlagParser
+from ..progress import Progress
 from ..proto import caffe_pb2
 from . import add_flag, run_tool, tool_parser
 
@@ -53,10 +54,12 @@ def read_idx(image_file: str, label_file: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_images_db(db_name: str, images: np.ndarray, labels: np.ndarray, backend: str = "lmdb",
-                    key_format: str = "{:08d}", key_ids: np.ndarray | None = None) -> int:
+                    key_format: str = "{:08d}", key_ids: np.ndarray | None = None,
+                    progress: Progress | None = None) -> int:
     """Write uint8 images (N, H, W) or (N, C, H, W) with labels as raw Datum records; returns N.
 
-    Record i gets the key ``key_format.format(key_ids[i])`` (``key_ids`` defaults to 0..N-1).
+    Record i gets the key ``key_format.format(key_ids[i])`` (``key_ids`` defaults to 0..N-1);
+    ``progress`` (if given) advances by one per record.
     """
     if images.ndim == 3:
         images = images[:, None]
@@ -69,6 +72,8 @@ def write_images_db(db_name: str, images: np.ndarray, labels: np.ndarray, backen
             datum.data = images[i].tobytes()
             datum.label = int(labels[i])
             writer.put(key_format.format(i if key_ids is None else int(key_ids[i])), datum.SerializeToString())
+            if progress is not None:
+                progress.update()
     return n
 
 

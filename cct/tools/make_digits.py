@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import CctError
 from ..flags import FlagParser
+from ..progress import Progress
 from . import add_flag, run_tool, tool_parser
 from .convert_mnist import write_images_db
 
@@ -196,8 +197,10 @@ def _render(tmpl: np.ndarray, tidx: np.ndarray, rng: np.random.Generator) -> np.
     return np.clip(np.rint(img), 0, 255).astype(np.uint8)
 
 
-def make_split(n: int, seed_seq: np.random.SeedSequence) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` images (n, 28, 28) uint8 and balanced labels (n,) from one seed sequence."""
+def make_split(n: int, seed_seq: np.random.SeedSequence, progress: Progress | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` images (n, 28, 28) uint8 and balanced labels (n,) from one seed sequence (``progress``:
+    advanced per rendered chunk)."""
     rng = np.random.default_rng(seed_seq)
     tmpl, tlabels = make_templates(rng)
     by_digit = [np.flatnonzero(tlabels == d) for d in range(10)]
@@ -209,12 +212,16 @@ def make_split(n: int, seed_seq: np.random.SeedSequence) -> tuple[np.ndarray, np
     for a in range(0, n, _CHUNK):
         b = min(n, a + _CHUNK)
         images[a:b] = _render(tmpl, tidx[a:b], rng)
+        if progress is not None:
+            progress.update(b - a)
     return images, labels
 
 
 def make_digits(outdir: str, n_train: int = 60000, n_test: int = 10000, seed: int = 1,
-                backend: str = "lmdb") -> tuple[str, str]:
-    """Generate and write both splits; returns the two database paths."""
+                backend: str = "lmdb", progress: bool = False) -> tuple[str, str]:
+    """Generate and write both splits; returns the two database paths.
+
+    ``progress``: a progress bar per split on a terminal (images rendered, then written)."""
     if n_train < 0 or n_test < 0:
         raise CctError("--train and --test must be >= 0")
     os.makedirs(outdir, exist_ok=True)
@@ -225,9 +232,11 @@ def make_digits(outdir: str, n_train: int = 60000, n_test: int = 10000, seed: in
     train_ss, test_ss = np.random.SeedSequence([int(seed), 0x5EED]).spawn(2)
     for path, n, ss, what in ((paths[0], n_train, train_ss, "train"), (paths[1], n_test, test_ss, "test")):
         t0 = time.perf_counter()
-        images, labels = make_split(n, ss)
+        with Progress(n, f"{what}: render", unit="img", enabled=progress) as bar:
+            images, labels = make_split(n, ss, bar)
         t1 = time.perf_counter()
-        write_images_db(path, images, labels, backend)
+        with Progress(n, f"{what}: write", unit="img", enabled=progress) as bar:
+            write_images_db(path, images, labels, backend, progress=bar)
         log.info("%s: %d images (generated in %.1f s, written in %.1f s) -> %s",
                  what, n, t1 - t0, time.perf_counter() - t1, path)
     return paths
@@ -246,7 +255,7 @@ def build_parser() -> FlagParser:
 
 def run(a: argparse.Namespace) -> int:
     """``cct make_digits`` on parsed flags."""
-    make_digits(a.outdir, a.train, a.test, a.seed, a.backend)
+    make_digits(a.outdir, a.train, a.test, a.seed, a.backend, progress=a.progress)
     return 0
 
 
