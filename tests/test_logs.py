@@ -106,7 +106,8 @@ def test_plot_several_logs_and_chart_types(tmp_path):
     assert cli.main(["plot", str(a), "--chart", "7", "-o", str(out2)]) == 0
     with Image.open(out2) as im:
         assert im.size == (640, 420)
-    assert cli.main(["plot", str(a), "--chart", "0,3", "--x", "seconds", "--out", str(tmp_path / "c.svg")]) == 0
+    assert cli.main(["plot", str(a), "--chart", "0,3", "--x", "seconds", "--log_loss",
+                     "--out", str(tmp_path / "c.svg")]) == 0
     assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
 
 

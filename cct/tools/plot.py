@@ -83,8 +83,10 @@ def log_label(path: str) -> str:
     return name[:-4] if name.endswith(".log") else name
 
 
-def plot_logs(logs: list[str], out: str, charts: list[str], title: str | None = None, dpi: int = 100) -> None:
-    """Draw ``charts`` for every log in ``logs`` into the image file ``out`` (format from its extension)."""
+def plot_logs(logs: list[str], out: str, charts: list[str], title: str | None = None, dpi: int = 100,
+              log_loss: bool = False) -> None:
+    """Draw ``charts`` for every log in ``logs`` into the image file ``out`` (format from its extension);
+    ``log_loss``: loss axes on a log scale."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -112,6 +114,8 @@ def plot_logs(logs: list[str], out: str, charts: list[str], title: str | None = 
         ax.set_xlabel(x_field)
         ax.set_ylabel(y_field)
         ax.grid(True, alpha=0.3)
+        if log_loss and y_field.endswith("loss") and drawn:
+            ax.set_yscale("log")
         if drawn:
             loc = "lower right" if "accuracy" in y_field else "upper right"
             ax.legend(loc=loc, fontsize="small")
@@ -140,6 +144,7 @@ def build_parser() -> FlagParser:
     p.add_argument("--x", default="iters", choices=["iters", "seconds"], help="x axis of --chart=all")
     p.add_argument("--title", default=None, help="a title over the figure")
     p.add_argument("--dpi", type=int, default=100, help="resolution of raster images")
+    p.add_argument("--log_loss", action="store_true", help="draw the loss axes on a log scale")
     return p
 
 
@@ -147,7 +152,7 @@ def run(a: argparse.Namespace) -> int:
     """``cct plot`` on parsed arguments."""
     import logging
 
-    plot_logs(a.logs, a.out, parse_charts(a.chart, a.x), a.title, a.dpi)
+    plot_logs(a.logs, a.out, parse_charts(a.chart, a.x), a.title, a.dpi, a.log_loss)
     logging.getLogger("cct").info("Wrote %s", a.out)
     return 0
 
