@@ -8,28 +8,31 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
+from cct.data.transformer import array_to_datum as _cct_array_to_datum
+from cct.data.transformer import datum_to_array as _cct_datum_to_array
+from cct.errors import CctError
+from cct.io.blobproto import array_to_blobproto as _cct_array_to_blobproto
+from cct.io.blobproto import blobproto_to_array as _cct_blobproto_to_array
 from cct.proto import caffe_pb2
 
 _GREY_WEIGHTS = np.array([0.2125, 0.7154, 0.0721])  # skimage.color.rgb2gray
 
 
 # -- blobs and datums ------------------------------------------------------------------
+# Thin float64 wrappers over cct's conversions (cct.io.blobproto, cct.data.transformer): pycaffe hands
+# back float64 arrays (np.array of the proto's floats) and raises ValueError on bad shapes.
 def blobproto_to_array(blob, return_diff: bool = False) -> np.ndarray:
-    """A BlobProto's data (or diff) as an array of its shape (legacy 4-D shapes honoured)."""
-    data = np.array(blob.diff) if return_diff else np.array(blob.data)
-    if any(blob.HasField(f) for f in ("num", "channels", "height", "width")):
-        return data.reshape(blob.num, blob.channels, blob.height, blob.width)
-    return data.reshape(blob.shape.dim)
+    """A BlobProto's data (or diff) as a float64 array of its shape (legacy 4-D dims win; no shape at
+    all is a blob with no axes, as Caffe reads it)."""
+    try:
+        return _cct_blobproto_to_array(blob, return_diff=return_diff).astype(np.float64)
+    except CctError as e:
+        raise ValueError(str(e)) from None
 
 
 def array_to_blobproto(arr, diff=None) -> caffe_pb2.BlobProto:
-    """A BlobProto holding ``arr`` (and ``diff``)."""
-    blob = caffe_pb2.BlobProto()
-    blob.shape.dim.extend(arr.shape)
-    blob.data.extend(np.asarray(arr).astype(float).flat)
-    if diff is not None:
-        blob.diff.extend(np.asarray(diff).astype(float).flat)
-    return blob
+    """A BlobProto holding ``arr`` (and ``diff``) as float32 with ``shape``."""
+    return _cct_array_to_blobproto(np.asarray(arr), None if diff is None else np.asarray(diff))
 
 
 def arraylist_to_blobprotovector_str(arraylist) -> bytes:
@@ -48,26 +51,21 @@ def blobprotovector_str_to_arraylist(s: bytes) -> list[np.ndarray]:
 
 
 def array_to_datum(arr, label=None) -> caffe_pb2.Datum:
-    """A Datum from a C x H x W array: uint8 -> bytes, anything else -> float_data."""
+    """A Datum from a C x H x W array: uint8 -> bytes, anything else -> float_data; no label field
+    unless ``label`` is given (as pycaffe)."""
     arr = np.asarray(arr)
     if arr.ndim != 3:
         raise ValueError("Incorrect array shape.")
-    datum = caffe_pb2.Datum()
-    datum.channels, datum.height, datum.width = arr.shape
-    if arr.dtype == np.uint8:
-        datum.data = arr.tobytes()
-    else:
-        datum.float_data.extend(arr.astype(float).flat)
-    if label is not None:
-        datum.label = label
+    datum = _cct_array_to_datum(arr, 0 if label is None else label)
+    if label is None:
+        datum.ClearField("label")
     return datum
 
 
 def datum_to_array(datum) -> np.ndarray:
-    """The C x H x W array of a (non-encoded) Datum."""
-    if len(datum.data):
-        return np.frombuffer(datum.data, dtype=np.uint8).reshape(datum.channels, datum.height, datum.width).copy()
-    return np.array(datum.float_data).astype(float).reshape(datum.channels, datum.height, datum.width)
+    """The C x H x W array of a Datum: uint8 for pixel bytes, float64 for float_data (a writable copy)."""
+    arr = _cct_datum_to_array(datum)
+    return arr.copy() if arr.dtype == np.uint8 else arr.astype(np.float64)
 
 
 # -- images ----------------------------------------------------------------------------

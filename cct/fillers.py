@@ -70,5 +70,8 @@ def fill(blob: Blob, param: caffe_pb2.FillerParameter | None) -> None:
     """Fill ``blob.data`` in place; ``None`` means Caffe's default constant 0 filler."""
     if param is None:
         param = caffe_pb2.FillerParameter()
+    if param.type == "constant":  # no float64 temporary (VGG-sized fc layers: ~0.5 GiB each)
+        blob.data[...] = blob.dtype.type(param.value)
+        return
     values = filler_values(param, blob.shape)
     blob.data[...] = blob.xp.asarray(values.astype(blob.dtype))

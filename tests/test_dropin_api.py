@@ -184,3 +184,30 @@ def test_unknown_field_names_the_layer_even_when_its_name_comes_later():
         "ConvolutionParameter" in msg
     with pytest.raises(ProtoParseError, match=r"x.prototxt:1:1: .*Expected identifier"):
         parse_text("{", caffe_pb2.NetParameter(), "x.prototxt")  # other syntax errors unchanged
+
+
+def test_caffe_io_is_a_float64_wrapper_of_cct_conversions():
+    blob = caffe_pb2.BlobProto(num=1, channels=2, height=1, width=2, data=[0.1, 0.2, 0.3, 0.4])
+    arr = caffe.io.blobproto_to_array(blob)
+    assert arr.dtype == np.float64 and arr.shape == (1, 2, 1, 2)
+    np.testing.assert_array_equal(arr, blobproto_to_array(blob).astype(np.float64))  # float32 values
+    assert caffe.io.blobproto_to_array(caffe_pb2.BlobProto(data=[123.0])) == 123  # no shape: 0-d
+    with pytest.raises(ValueError):
+        caffe.io.blobproto_to_array(caffe_pb2.BlobProto(data=[1.0, 2.0]))  # no shape, two values
+    x = np.arange(6, dtype=np.float64).reshape(2, 3) / 7
+    assert caffe.io.array_to_blobproto(x) == array_to_blobproto(x)
+    back = caffe.io.blobprotovector_str_to_arraylist(caffe.io.arraylist_to_blobprotovector_str([x, x[0]]))
+    np.testing.assert_array_equal(back[0], x.astype(np.float32))
+    assert back[1].shape == (3,)
+
+    pixels = np.arange(12, dtype=np.uint8).reshape(3, 2, 2)
+    d = caffe.io.array_to_datum(pixels)
+    assert not d.HasField("label") and caffe.io.array_to_datum(pixels, label=0).HasField("label")
+    out = caffe.io.datum_to_array(d)
+    assert out.dtype == np.uint8 and out.flags.writeable
+    np.testing.assert_array_equal(out, pixels)
+    floats = caffe.io.datum_to_array(caffe.io.array_to_datum(pixels / 3.0, label=4))
+    assert floats.dtype == np.float64
+    np.testing.assert_array_equal(floats, (pixels / 3.0).astype(np.float32))
+    with pytest.raises(ValueError, match="Incorrect array shape"):
+        caffe.io.array_to_datum(np.zeros((2, 2)))

@@ -1,4 +1,5 @@
-"""Structure layers (cct/layers/structure.py): forward vs direct references, float64 gradient checks,
+"""Structure layers (cct/layers/ routing, eltwise, reshaping, reduction, embed, selection, silence,
+parameter): forward vs direct references, float64 gradient checks,
 Caffe's shapes, tie rules and error cases."""
 from __future__ import annotations
 
