@@ -36,49 +36,41 @@ _NO_FIELD = re.compile(r'Message type "caffe\.([\w.]+)" has no field named "(\w+
 _LAYER_KEYS = ("layer", "layers")
 
 
-def _block_stack(text: str, offset: int) -> list[tuple[str, int]]:
-    """The blocks ``key { ... }`` enclosing character ``offset``, outermost first, as (key, index of '{')."""
-    stack: list[tuple[str, int]] = []
-    i, n = 0, min(offset, len(text))
+def _code_chars(text: str, start: int = 0, stop: int | None = None):
+    """(index, character) of ``text[start:stop]`` outside ``#`` comments and quoted strings."""
+    i, n = start, len(text) if stop is None else min(stop, len(text))
     while i < n:
         c = text[i]
         if c == "#":
             j = text.find("\n", i)
             i = len(text) if j < 0 else j
-            continue
-        if c in "\"'":
-            i = _skip_string(text, i)
-            continue
+        elif c in "\"'":
+            j = i + 1
+            while j < len(text) and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            i = j + 1
+        else:
+            yield i, c
+            i += 1
+
+
+def _block_stack(text: str, offset: int) -> list[tuple[str, int]]:
+    """The blocks ``key { ... }`` enclosing character ``offset``, outermost first, as (key, index of '{')."""
+    stack: list[tuple[str, int]] = []
+    for i, c in _code_chars(text, 0, offset):
         if c == "{":
             m = re.search(r"(\w+)\s*:?\s*$", text[max(0, i - 200):i])
             stack.append((m.group(1) if m else "", i))
         elif c == "}" and stack:
             stack.pop()
-        i += 1
     return stack
-
-
-def _skip_string(text: str, i: int) -> int:
-    """Index just past the quoted string starting at ``text[i]``."""
-    q, j = text[i], i + 1
-    while j < len(text) and text[j] != q:
-        j += 2 if text[j] == "\\" else 1
-    return j + 1
 
 
 def _top_level_value(text: str, open_brace: int, key: str) -> str | None:
     """The string value of ``key: "..."`` directly inside the block opened at ``open_brace``."""
     pattern = re.compile(rf'{key}\s*:\s*"((?:[^"\\]|\\.)*)"')
-    depth, i = 0, open_brace
-    while i < len(text):
-        c = text[i]
-        if c == "#":
-            j = text.find("\n", i)
-            i = len(text) if j < 0 else j
-            continue
-        if c in "\"'":
-            i = _skip_string(text, i)
-            continue
+    depth = 0
+    for i, c in _code_chars(text, open_brace):
         if c == "{":
             depth += 1
         elif c == "}":
@@ -89,7 +81,6 @@ def _top_level_value(text: str, open_brace: int, key: str) -> str | None:
             m = pattern.match(text, i)
             if m:
                 return m.group(1)
-        i += 1
     return None
 
 
