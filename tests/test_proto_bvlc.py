@@ -7,8 +7,11 @@ exactly the same messages, field names, numbers, labels, types, defaults and enu
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -98,3 +101,19 @@ def test_pooling_round_mode_floor_drops_the_partial_window():
     assert y.shape == (1, 1, 3, 3)
     # top-left window covers rows/cols -1..1 of the padded input: (0 + 1 + 6 + 7) / 9
     assert y.data[0, 0, 0, 0] == pytest.approx(14 / 9)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("grpc_tools") is None, reason="grpc_tools not installed")
+def test_field_list_tool_reads_a_proto_file_as_the_generated_module_describes_it(tmp_path):
+    # tools/bvlc_fields.py (protoc's descriptor of a .proto file) and describe_module (the descriptor
+    # embedded in generated code) must agree, or the BVLC list could not be compared with cct's module.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "fields.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bvlc_fields.py"),
+                        os.path.join(root, "proto", "caffe.proto"), "--commit", "HEAD", "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    with open(out) as f:
+        listed = json.load(f)
+    assert listed.pop("source")["commit"] == "HEAD"
+    assert listed == describe_module(caffe_pb2)
