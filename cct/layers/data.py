@@ -18,6 +18,12 @@ Order of records (Caffe's): ``Data`` walks the database in key order and restart
 first key at the end ("Restarting data prefetching from start."); ``ImageData`` walks the list
 (reshuffled at each pass with ``shuffle``); ``HDF5Data`` walks the rows of each listed file in
 order and wraps around row by row, even inside a batch.
+
+Sharding (distributed training, :meth:`PrefetchingDataLayer.set_shard`): every loader counts the
+records it passes (``offset``, a counter of the layer's whole record stream that never wraps); a
+layer sharded as rank r of N keeps only the records whose offset is r modulo N and steps over the
+others, as Caffe's ``Skip()``. N ranks at batch b thus read, between them, exactly the records one
+process reads at batch N*b, each once.
 """
 from __future__ import annotations
 
@@ -77,6 +83,14 @@ def set_rng_state(rng: np.random.Generator | None, state: dict | None) -> None:
     """Restore a state from :func:`rng_state` (nothing when either is None)."""
     if rng is not None and state is not None:
         rng.bit_generator.state = state
+
+
+def _rank_rng(rng: np.random.Generator | None, rank: int) -> None:
+    """Give rank ``rank`` > 0 a transform stream of its own, derived from the shared one (rank 0 keeps
+    the shared stream, so one rank reproduces a single process)."""
+    if rng is not None and rank > 0:
+        seed = int(rng.bit_generator.random_raw())
+        rng.bit_generator.state = np.random.default_rng([seed, rank]).bit_generator.state
 
 
 def _resolve_listed(path: str, list_file: str) -> str:
@@ -146,8 +160,33 @@ class PrefetchingDataLayer(Layer):
         self._finalizer = weakref.finalize(self, _shutdown, self._prefetcher, loader)
 
     def get_read_state(self) -> dict:
-        """Where the next forward reads from (record position and random generator states)."""
+        """Where the next forward reads from (record position, stream offset, random generator states)."""
         return self._read_state
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """``(rank, size)``: this layer keeps the records whose stream offset is rank modulo size."""
+        return self._loader.shard
+
+    def set_shard(self, rank: int, size: int, state: dict | None = None) -> None:
+        """Read only records ``rank, rank + size, rank + 2*size, ...`` of the stream (Caffe's ``Skip()``
+        with ``size`` solvers). ``state`` (a read state, e.g. rank 0's, the same on every rank) is
+        where to continue from (default: this layer's own); ranks > 0 then draw their transforms
+        (crop, mirror) from a stream of their own. Drops prefetched batches."""
+        if self._prefetcher is None:
+            raise self.error("set_shard before setup")
+        if not (0 <= int(rank) < int(size)):
+            raise self.error(f"shard rank {rank} is not in 0..{int(size) - 1}")
+        self._prefetcher.close()
+        self._finalizer.detach()
+        try:
+            self._loader.set_state(self._read_state if state is None else state)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise self.error(f"cannot restore the data read state: {e}") from None
+        self._loader.shard = (int(rank), int(size))
+        _rank_rng(getattr(getattr(self._loader, "transformer", None), "rng", None), int(rank))
+        self._read_state = self._loader.state()
+        self._launch()
 
     def set_read_state(self, state: dict) -> None:
         """Continue reading from a state returned by ``get_read_state`` (drops prefetched batches)."""
@@ -208,15 +247,18 @@ class _DBLoader:
         self.pos = 0  # records read since the first key, modulo the database size
         for _ in range(skip % max(1, len(db))):  # wrapping past the end = starting over
             self.next()
+        self.offset = 0  # records passed since setup (never wraps): the sharding counter
+        self.shard = (0, 1)
 
     def state(self) -> dict:
-        return {"pos": self.pos, "transform_rng": rng_state(self.transformer.rng)}
+        return {"pos": self.pos, "offset": self.offset, "transform_rng": rng_state(self.transformer.rng)}
 
     def set_state(self, state: dict) -> None:
         self.cursor.seek_to_first()
         self.pos = 0
         for _ in range(int(state["pos"]) % max(1, len(self.db))):
             self.next()
+        self.offset = int(state.get("offset", 0))
         set_rng_state(self.transformer.rng, state["transform_rng"])
 
     def close(self) -> None:
@@ -226,6 +268,7 @@ class _DBLoader:
     def next(self) -> None:
         self.cursor.next()
         self.pos += 1
+        self.offset += 1
         if not self.cursor.valid:
             log.info(_RESTART_MSG)
             self.cursor.seek_to_first()
@@ -246,7 +289,10 @@ class _DBLoader:
     def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
         bs = self.batch_size
         records = []
+        rank, size = self.shard
         for _ in range(bs):  # read the batch's records in key order
+            while self.offset % size != rank:  # another rank's record (Caffe's Skip)
+                self.next()
             key = self.cursor.key
             records.append((key, parse_datum(self.cursor.value, key, self.path)))
             self.next()
@@ -330,9 +376,11 @@ class _ImageListLoader:
         self.rng = rng
         self.pos = start
         self._order = tuple(lines)  # the list order as of the last shuffle (states refer to it)
+        self.offset = 0  # images passed since setup (never wraps): the sharding counter
+        self.shard = (0, 1)
 
     def state(self) -> dict:
-        return {"pos": self.pos, "lines": self._order if self.shuffle else None,
+        return {"pos": self.pos, "offset": self.offset, "lines": self._order if self.shuffle else None,
                 "rng": rng_state(self.rng), "transform_rng": rng_state(self.transformer.rng)}
 
     def set_state(self, state: dict) -> None:
@@ -340,8 +388,19 @@ class _ImageListLoader:
             self.lines = [tuple(x) for x in state["lines"]]
             self._order = tuple(self.lines)
         self.pos = int(state["pos"])
+        self.offset = int(state.get("offset", 0))
         set_rng_state(self.rng, state["rng"])
         set_rng_state(self.transformer.rng, state["transform_rng"])
+
+    def _next(self) -> None:
+        self.pos += 1
+        self.offset += 1
+        if self.pos >= len(self.lines):
+            log.info(_RESTART_MSG)
+            self.pos = 0
+            if self.shuffle:
+                self.rng.shuffle(self.lines)
+                self._order = tuple(self.lines)
 
     def image(self, i: int) -> np.ndarray:
         path = self.root + self.lines[i][0]
@@ -350,15 +409,12 @@ class _ImageListLoader:
     def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
         bs = self.batch_size
         picked = []
+        rank, size = self.shard
         for _ in range(bs):
+            while self.offset % size != rank:  # another rank's image (Caffe's Skip)
+                self._next()
             picked.append(self.lines[self.pos])
-            self.pos += 1
-            if self.pos >= len(self.lines):
-                log.info(_RESTART_MSG)
-                self.pos = 0
-                if self.shuffle:
-                    self.rng.shuffle(self.lines)
-                    self._order = tuple(self.lines)
+            self._next()
         images = map_ordered(
             lambda item: read_image(self.root + item[0], self.new_h, self.new_w, self.is_color), picked)
         data = labels = None
@@ -492,11 +548,13 @@ class _HDF5Loader:
         self.arrays: list[np.ndarray] = []
         self.trailing: list[tuple[int, ...]] | None = None
         self._load(self.files[self.file_perm[0]])
+        self.offset = 0  # rows passed since setup (never wraps): the sharding counter
+        self.shard = (0, 1)
 
     def state(self) -> dict:
         # file_perm and row_perm are replaced, never mutated, so a state can refer to them.
         return {"cur_file": self.cur_file, "file_perm": self.file_perm, "cur_row": self.cur_row,
-                "row_perm": self.row_perm, "rng": rng_state(self.rng)}
+                "row_perm": self.row_perm, "offset": self.offset, "rng": rng_state(self.rng)}
 
     def set_state(self, state: dict) -> None:
         self.file_perm = np.asarray(state["file_perm"], dtype=np.int64)
@@ -504,6 +562,7 @@ class _HDF5Loader:
         self._load(self.files[self.file_perm[self.cur_file]], permute=False)
         self.row_perm = None if state["row_perm"] is None else np.asarray(state["row_perm"], dtype=np.int64)
         self.cur_row = int(state["cur_row"])
+        self.offset = int(state.get("offset", 0))
         set_rng_state(self.rng, state["rng"])
 
     def _load(self, path: str, permute: bool = True) -> None:
@@ -531,9 +590,25 @@ class _HDF5Loader:
         if self.shuffle:
             self.row_perm = self.rng.permutation(self.rows)
 
+    def _next_row(self) -> None:
+        self.cur_row += 1
+        self.offset += 1
+        if self.cur_row == self.rows:
+            self._end_of_file()
+
     def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
         bs = self.batch_size
         outs = buf if buf is not None else [np.empty((bs,) + t, dt) for t, dt in zip(self.trailing, self.dtypes)]
+        rank, size = self.shard
+        if size > 1:  # row by row, stepping over the other ranks' rows (Caffe's Skip)
+            for pos in range(bs):
+                while self.offset % size != rank:
+                    self._next_row()
+                row = self.cur_row if self.row_perm is None else self.row_perm[self.cur_row]
+                for out, arr in zip(outs, self.arrays):
+                    out[pos] = arr[row]
+                self._next_row()
+            return outs
         pos = 0
         while pos < bs:
             n = min(bs - pos, self.rows - self.cur_row)
@@ -545,6 +620,7 @@ class _HDF5Loader:
                 out[pos:pos + n] = arr[idx]
             pos += n
             self.cur_row += n
+            self.offset += n
             if self.cur_row == self.rows:
                 self._end_of_file()
         return outs

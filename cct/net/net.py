@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -42,6 +42,11 @@ class Net:
     ``config`` (a :class:`cct.config.Config`; default :func:`cct.config.current`) is kept as
     ``net.config``: its engine settings plan the convolutions, its devices split the batches, its
     BLAS choice runs the GEMMs, also when the net runs later outside any ``using_config`` block.
+
+    ``backward_hooks``: functions called as ``hook(i)`` right after layer ``i``'s backward (its
+    parameter diffs are then final for this pass) and ``hook(None)`` when the whole backward is done;
+    with a device scheduler attached only ``hook(None)`` marks final diffs. Distributed training
+    starts its gradient all-reduce from such a hook (:mod:`cct.distributed.gradsync`).
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class Net:
         self.xp = resident.xp if resident is not None else np
         if resident is not None:
             resident.make_current()
+        self.backward_hooks: list[Callable[[int | None], None]] = []
         self._init(param)
         if weights is not None:
             for w in [weights] if isinstance(weights, (str, os.PathLike)) else weights:
@@ -416,12 +422,16 @@ class Net:
                                            self.bottom_vecs[i])
                 if self.debug_info:
                     self._backward_debug_info(i)
+                for hook in self.backward_hooks:
+                    hook(i)
 
     def backward(self, start: str | int | None = None, end: str | int | None = None) -> None:
         """Backward over all layers (or from/to a named layer)."""
         self.backward_from_to(self._index(start, len(self.layers) - 1), self._index(end, 0))
         if self.executor is not None:
             self.executor.finish_backward()
+        for hook in self.backward_hooks:
+            hook(None)
 
     def forward_backward(self) -> float:
         loss = self.forward()

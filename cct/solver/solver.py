@@ -12,6 +12,10 @@ history. ``step(n)`` runs n iterations exactly as Caffe's ``Solver::Step``:
    and turned into the update by the solver's rule (rate * ``lr_mult``); ``Net.update`` applies it;
 4. ``iter += 1``; snapshot every ``snapshot`` iterations, and on a SIGHUP/SIGINT request.
 
+Under MPI (``mpiexec -n N``, or ``comm=`` given) the solver runs as one of N data-parallel ranks
+(:mod:`cct.distributed.parallel`): gradients are summed over ranks and scaled by 1/N before the
+update, the root alone tests and writes snapshots.
+
 A non-finite loss stops training with a :class:`SolverError` naming the iteration (after writing a
 snapshot when the solver has snapshots configured); Caffe itself would go on with NaN weights.
 """
@@ -94,7 +98,10 @@ class Solver:
     Attributes: ``param`` (SolverParameter), ``net``, ``test_nets``, ``iter``, ``current_step``,
     ``lr`` (the rate used by the last update), ``history`` (the update-history arrays Caffe
     snapshots), ``config`` (the :class:`cct.config.Config` it gives its nets; default
-    :func:`cct.config.current`). Subclasses implement :meth:`compute_update_value`.
+    :func:`cct.config.current`), ``comm`` (the :class:`cct.distributed.Comm` of a data-parallel run;
+    default: every rank of the job under ``mpiexec``, else none) and ``parallel`` (its
+    :class:`cct.distributed.parallel.DataParallel`, None in a single process). Subclasses implement
+    :meth:`compute_update_value`.
     """
 
     type: ClassVar[str] = ""
@@ -103,13 +110,16 @@ class Solver:
 
     def __init__(self, param: str | os.PathLike | caffe_pb2.SolverParameter, *,
                  action_function: Callable[[], str] | None = None, _source: str | None = None,
-                 config: Config | None = None):
+                 config: Config | None = None, comm=None):
         if not isinstance(param, caffe_pb2.SolverParameter):
             _source = os.fspath(param)
             param = read_solver_param(param)
         self.param = param
         self.source = _source or "<SolverParameter>"
         self.config = config if config is not None else current()  # handed to every net it builds
+        self.comm = _resolve_comm(comm)
+        self.parallel = None
+        self.is_root = self.comm is None or self.comm.is_root
         log.info("Initializing solver from parameters: \n%s", to_text(param))
         if param.average_loss < 1:
             raise SolverError(f"{self.source}: average_loss should be non-negative "
@@ -139,6 +149,10 @@ class Solver:
         self._last_snapshot_iter: int | None = None
         self.history: list = []
         self.pre_solve()
+        if self.comm is not None and self.comm.size > 1:
+            from ..distributed.parallel import DataParallel
+
+            self.parallel = DataParallel(self, self.comm)
 
     # -- construction ----------------------------------------------------------------------
     def check_params(self) -> None:
@@ -252,6 +266,8 @@ class Solver:
                 sources.append(f"net file: {p.net}")
                 params.append(self._read_net_file(p.net))
         nets = []
+        if not self.is_root:
+            return nets  # only the root rank of a distributed run tests
         for i, (src, q) in enumerate(zip(sources, params)):
             state = caffe_pb2.NetState()
             state.phase = caffe_pb2.TEST
@@ -273,17 +289,23 @@ class Solver:
         if not self.param.HasField("snapshot_prefix"):
             raise SolverError(f"{self.source}: In solver params, snapshot is specified but snapshot_prefix is not")
         probe = snapshot.snapshot_filename(self.param.snapshot_prefix, self.iter, ".tempfile")
-        try:
-            self._make_snapshot_dir()
-            with open(probe, "w"):
-                pass
-            os.remove(probe)
-            prefix = self.param.snapshot_prefix
-            for tmp in remove_stale_temps(os.path.dirname(prefix) or ".", os.path.basename(prefix)):
-                log.info("Removed %s (a snapshot left half-written by a killed run)", tmp)
-        except OSError as e:
-            raise SolverError(f"{self.source}: Cannot write to snapshot prefix '{self.param.snapshot_prefix}'. "
-                              f"Make sure that the directory exists and is writable ({e.strerror}).") from None
+        error = None
+        if self.is_root:  # only the root writes snapshots
+            try:
+                self._make_snapshot_dir()
+                with open(probe, "w"):
+                    pass
+                os.remove(probe)
+                prefix = self.param.snapshot_prefix
+                for tmp in remove_stale_temps(os.path.dirname(prefix) or ".", os.path.basename(prefix)):
+                    log.info("Removed %s (a snapshot left half-written by a killed run)", tmp)
+            except OSError as e:
+                error = (f"{self.source}: Cannot write to snapshot prefix '{self.param.snapshot_prefix}'. "
+                         f"Make sure that the directory exists and is writable ({e.strerror}).")
+        if self.comm is not None and self.comm.size > 1:
+            error = self.comm.bcast_obj(error)
+        if error:
+            raise SolverError(error)
 
     def _make_snapshot_dir(self) -> None:
         d = os.path.dirname(self.param.snapshot_prefix)
@@ -302,8 +324,10 @@ class Solver:
         self._action_function = fn
 
     def get_requested_action(self) -> str:
-        """The action requested by the action function (Caffe's GetRequestedAction)."""
-        return self._action_function() if self._action_function is not None else signals.NONE
+        """The action requested by the action function (Caffe's GetRequestedAction); in a distributed
+        run the strongest any rank requested (a collective: every rank calls it once per iteration)."""
+        local = self._action_function() if self._action_function is not None else signals.NONE
+        return local if self.parallel is None else self.parallel.combine_action(local)
 
     @property
     def learnable_params(self):
@@ -328,6 +352,8 @@ class Solver:
             return
         if p.display and self.iter % p.display == 0:
             loss = np.float32(self.net.forward())
+            if self.parallel is not None:
+                loss = np.float32(self.parallel.comm.allreduce_scalar(float(loss)) / self.parallel.size)
             self._update_smoothed_loss(loss, start_iter, p.average_loss)
             log.info("Iteration %d, loss = %s", self.iter, _fmt(self.smoothed_loss))
         if p.test_interval and self.iter % p.test_interval == 0:
@@ -369,9 +395,13 @@ class Solver:
             display = bool(p.display) and self.iter % p.display == 0
             self.net.debug_info = display and p.debug_info
             loss = np.float32(0)
-            for _ in range(p.iter_size):
+            for k in range(p.iter_size):
+                if self.parallel is not None and k == p.iter_size - 1:
+                    self.parallel.arm()  # reduce this pass's (accumulated) gradients while backward runs
                 loss += np.float32(self.net.forward_backward())
             loss /= np.float32(p.iter_size)
+            if self.parallel is not None:
+                loss = self.parallel.finish(loss)  # gradients summed over ranks / N; the global mean loss
             self._update_smoothed_loss(loss, start_iter, p.average_loss)
             if display:
                 lapse = time.perf_counter() - timer
@@ -449,7 +479,8 @@ class Solver:
         score_names: list[str] = []
         loss = np.float32(0)
         for i in range(n_iter):
-            request = self.get_requested_action()
+            # a distributed run (the root tests alone) takes signals between iterations only
+            request = self.get_requested_action() if self.parallel is None else signals.NONE
             while request != signals.NONE:
                 if request == signals.SNAPSHOT:
                     self.snapshot()
@@ -537,10 +568,17 @@ class Solver:
         return snapshot.snapshot_filename(self.param.snapshot_prefix, self.iter, extension)
 
     def snapshot(self) -> str:
-        """Write the weights, the solver state and cct's ``.cctstate``; returns the weights' path."""
+        """Write the weights, the solver state and cct's ``.cctstate``; returns the weights' path.
+
+        Distributed: a collective (every rank's read position goes into the ``.cctstate``); the root
+        alone writes the files."""
         p = self.param
-        self._make_snapshot_dir()
         hdf5 = p.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        extra = self._cct_state()
+        if not self.is_root:
+            self._last_snapshot_iter = self.iter
+            return self.snapshot_filename(".caffemodel.h5" if hdf5 else ".caffemodel")
+        self._make_snapshot_dir()
         if hdf5:
             model = self.snapshot_filename(".caffemodel.h5")
             log.info("Snapshotting to HDF5 file %s", model)
@@ -554,7 +592,7 @@ class Solver:
             state_file = self.snapshot_filename(".solverstate")
             log.info("Snapshotting solver state to binary proto file %s", state_file)
         snapshot.write_solverstate(state_file, self.iter, model, self.current_step, self.history, hdf5=hdf5)
-        snapshot.write_cctstate(snapshot.cctstate_path(state_file), self._cct_state())
+        snapshot.write_cctstate(snapshot.cctstate_path(state_file), extra)
         self._last_snapshot_iter = self.iter
         return model
 
@@ -569,13 +607,19 @@ class Solver:
                         out[name] = s
             return out
 
-        return {
+        train = read_states(self.net)
+        state = {
             "iter": self.iter,
             "solver_type": self.type,
             "rng": rng.get_state(),
-            "train_net": read_states(self.net),
+            "train_net": train,
             "test_nets": [read_states(n) for n in self.test_nets],
         }
+        if self.parallel is not None:  # every rank's read position and random stream, on the root
+            state["ranks"] = self.parallel.size
+            state["train_net_ranks"] = self.parallel.gather_read_states(train)
+            state["rng_ranks"] = self.parallel.gather_rng_states()
+        return state
 
     def restore(self, state_file: str | os.PathLike) -> None:
         """Resume from a ``.solverstate`` / ``.solverstate.h5`` (plus its ``.cctstate`` if present)."""
@@ -608,7 +652,15 @@ class Solver:
 
     def _restore_cct_state(self, path: str) -> None:
         state = snapshot.read_cctstate(path)
-        if "rng" in state:
+        saved_ranks = int(state.get("ranks", 1))
+        ranks = 1 if self.parallel is None else self.parallel.size
+        rank = 0 if self.parallel is None else self.parallel.rank
+        train_states = state.get("train_net", {})
+        if saved_ranks == ranks and ranks > 1:
+            train_states = state["train_net_ranks"][rank]
+            if "rng_ranks" in state:
+                rng.set_state(state["rng_ranks"][rank])
+        elif "rng" in state:
             rng.set_state(state["rng"])
 
         def set_states(net: Net, states: dict, what: str) -> None:
@@ -623,13 +675,41 @@ class Solver:
                     continue
                 setter(s)
 
-        set_states(self.net, state.get("train_net", {}), "train net")
+        if saved_ranks != ranks:
+            from ..distributed.parallel import shared_counter_states
+
+            shared = shared_counter_states(state.get("train_net_ranks") or [train_states])
+            counters = ", ".join(f"{n} at record {int(s.get('offset', 0))}" for n, s in sorted(shared.items()))
+            if self.is_root:
+                log.info("%s was written by %d rank(s), this run has %d: the data read positions restart from "
+                         "the shared record counter (%s)", path, saved_ranks, ranks, counters or "no data layers")
+            if self.parallel is not None:
+                self.parallel._seed_rank_streams()
+                self.parallel.shard_data(shared)
+            else:
+                set_states(self.net, shared, "train net")
+        else:
+            set_states(self.net, train_states, "train net")
         for i, (net, states) in enumerate(zip(self.test_nets, state.get("test_nets", []))):
             set_states(net, states, f"test net #{i}")
         log.info("Restored RNG state and data read positions from %s", path)
 
     def __repr__(self) -> str:
         return f"<cct {self.type}Solver iter={self.iter} net='{self.net.name}'>"
+
+
+def _resolve_comm(comm):
+    """The communicator a solver runs on: the one given, else every rank of the job under mpiexec,
+    else None (a single process; mpi4py is not imported)."""
+    if comm is not None:
+        return comm
+    from ..distributed.launch import under_mpi
+
+    if not under_mpi():
+        return None
+    from ..distributed import world
+
+    return world()
 
 
 def _to_numpy(a):

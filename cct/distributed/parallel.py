@@ -1,0 +1,152 @@
+"""Synchronous data parallelism with BVLC Caffe's multi-solver semantics, over a :class:`Comm`.
+
+A :class:`cct.solver.Solver` built with a communicator of N > 1 ranks (``get_solver(path,
+comm=world())``, automatic under ``mpiexec``) gets a :class:`DataParallel`:
+
+* start-up: every rank checks that all ranks read the same solver and net definitions (a hash
+  compare), the root's weights are broadcast (so fillers without a ``random_seed`` agree), the
+  train net's data layers are sharded (rank r keeps records r, r+N, ... of the root's stream, as
+  Caffe's ``Skip()``), and ranks > 0 get random streams of their own (dropout, crops, mirrors);
+* each iteration: the gradients of the last ``iter_size`` pass are summed over ranks while backward
+  runs (:class:`~cct.distributed.gradsync.GradientSync`) and scaled by 1/N before the update, so N
+  ranks at batch b update exactly as one process at batch N*b; the loss shown is the mean over
+  ranks (the loss of the global batch);
+* the SIGINT/SIGHUP requests of all ranks are combined once per iteration (every rank stops or
+  snapshots together); snapshots gather every rank's data read position to the root, which alone
+  writes the files; only the root runs the test nets.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from .. import rng
+from ..backend import get_array_module, to_numpy
+from ..io.prototxt import to_text
+from ..solver import signals
+from .comm import Comm
+from .gradsync import GradientSync
+
+log = logging.getLogger("cct")
+
+_ACTIONS = (signals.NONE, signals.SNAPSHOT, signals.STOP)  # combined by taking the strongest
+
+
+def definition_hash(solver) -> str:
+    """A hash of what every rank must agree on: the solver parameters and the train net it built."""
+    h = hashlib.sha256()
+    h.update(to_text(solver.param).encode("utf-8"))
+    h.update(to_text(solver.net.param).encode("utf-8"))
+    return h.hexdigest()[:16]
+
+
+def data_layers(net) -> list[tuple[str, Any]]:
+    """(name, layer) of the net's layers that read a record stream (those with ``set_shard``)."""
+    return [(n, layer) for n, layer in zip(net.layer_names, net.layers) if hasattr(layer, "set_shard")]
+
+
+def shared_counter_states(rank_states: list[dict]) -> dict:
+    """From the per-rank read states of a snapshot: for each data layer, the state of the rank that
+    read furthest (its ``offset`` is the stream position the next record comes from: the shared
+    record counter every rank continues from when the rank count changed)."""
+    out: dict = {}
+    for states in rank_states:
+        for name, s in states.items():
+            if name not in out or int(s.get("offset", 0)) > int(out[name].get("offset", 0)):
+                out[name] = s
+    return out
+
+
+class DataParallel:
+    """Attach synchronous data parallelism over ``comm`` to ``solver`` (see module docstring).
+
+    ``bucket_bytes`` sizes the all-reduce buckets; ``overlap=False`` reduces only after backward
+    (for measuring what the overlap hides).
+    """
+
+    def __init__(self, solver, comm: Comm, bucket_bytes: int = 1 << 20, overlap: bool = True):
+        self.solver = solver
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        comm.agree(definition_hash(solver), "the solver and net definitions (solver prototxt, net prototxt, "
+                   "level/stage)")
+        self.broadcast_weights()
+        self._seed_rank_streams()
+        self.shard_data()
+        self.sync = GradientSync(solver.net, comm, bucket_bytes=bucket_bytes, overlap=overlap)
+        solver.net.backward_hooks.append(self.sync.hook)
+        if comm.is_root:
+            b = _train_batch(solver.net)
+            log.info("Data parallel on %d MPI ranks: each rank %s, global batch %s; gradients summed in %d "
+                     "bucket(s) of %d bytes in all", self.size, f"batch {b}" if b else "its batch",
+                     f"{b * self.size}" if b else f"{self.size} x batch", len(self.sync.buckets),
+                     self.sync.stats.bytes)
+
+    @property
+    def is_root(self) -> bool:
+        return self.comm.is_root
+
+    # -- start-up --------------------------------------------------------------------------------
+    def broadcast_weights(self) -> None:
+        """Give every rank the root's parameters (all layer blobs, learnable or not)."""
+        net = self.solver.net
+        for nid, blob in enumerate(net.params):
+            if net.param_owners[nid] >= 0:
+                continue
+            host = np.ascontiguousarray(to_numpy(blob.data))
+            self.comm.bcast(host, root=0)
+            if not self.is_root:
+                blob.data[...] = get_array_module(blob.data).asarray(host)
+
+    def _seed_rank_streams(self) -> None:
+        """Ranks > 0 draw dropout masks etc. from a stream of their own (rank 0 keeps the shared one)."""
+        if self.rank > 0:
+            seed = int(rng.get_rng().integers(0, 2**63 - 1))
+            rng.set_state(np.random.default_rng([seed, self.rank]).bit_generator.state)
+
+    def shard_data(self, states: dict | None = None) -> None:
+        """Shard the train net's data layers, every rank continuing from the same read state
+        (``states``: layer name -> state; default the root's current ones)."""
+        layers = data_layers(self.solver.net)
+        if states is None:
+            states = self.comm.bcast_obj({n: layer.get_read_state() for n, layer in layers} if self.is_root
+                                         else None)
+        for name, layer in layers:
+            layer.set_shard(self.rank, self.size, state=states.get(name))
+
+    # -- each iteration --------------------------------------------------------------------------
+    def arm(self) -> None:
+        """Before the iteration's last forward/backward pass."""
+        self.sync.arm()
+
+    def finish(self, loss: float) -> np.float32:
+        """Wait for the summed gradients (scaled by 1/N); returns the mean loss over ranks."""
+        req = self.comm.iallreduce(np.array([loss], np.float64))
+        self.sync.finish()
+        total = req.wait()[0]
+        return np.float32(total / self.size)
+
+    def combine_action(self, local: str) -> str:
+        """The solver action all ranks take this iteration: the strongest any rank requested."""
+        code = self.comm.allreduce_scalar(_ACTIONS.index(local), op="max")
+        return _ACTIONS[int(code)]
+
+    # -- snapshots ---------------------------------------------------------------------------------
+    def gather_read_states(self, states: dict) -> list[dict] | None:
+        """Every rank's train-net read states on the root (None elsewhere)."""
+        return self.comm.gather_obj(states, root=0)
+
+    def gather_rng_states(self) -> list[dict] | None:
+        return self.comm.gather_obj(rng.get_state(), root=0)
+
+
+def _train_batch(net) -> int:
+    for _name, layer in data_layers(net):
+        p = layer.param
+        for f in ("data_param", "hdf5_data_param", "image_data_param"):
+            if p.HasField(f) and getattr(p, f).batch_size:
+                return int(getattr(p, f).batch_size)
+    return 0

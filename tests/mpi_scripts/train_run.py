@@ -1,0 +1,46 @@
+"""Run by the distributed tests, under mpiexec or alone: train the solver in WORKDIR with every
+data layer's batch_size set to BATCH (per rank), and write the final weights (root) to OUT.
+
+python train_run.py WORKDIR BATCH ITERS OUT [--init W] [--snapshot K] [--resume STATE] [--iter_size S]
+"""
+import argparse
+import json
+import os
+
+from cct.io.prototxt import read_net_prototxt
+from cct.solver import get_solver, read_solver_param
+
+a = argparse.ArgumentParser()
+a.add_argument("workdir")
+a.add_argument("batch", type=int)
+a.add_argument("iters", type=int)
+a.add_argument("out")
+a.add_argument("--init", default=None)
+a.add_argument("--snapshot", type=int, default=0)
+a.add_argument("--resume", default=None)
+a.add_argument("--iter_size", type=int, default=1)
+args = a.parse_args()
+os.chdir(args.workdir)
+param = read_solver_param("solver.prototxt")
+net = read_net_prototxt(param.net)
+for layer in net.layer:
+    for f in ("hdf5_data_param", "data_param", "image_data_param"):
+        if layer.HasField(f):
+            getattr(layer, f).batch_size = args.batch
+param.ClearField("net")
+param.net_param.CopyFrom(net)
+param.max_iter = args.iters
+param.iter_size = args.iter_size
+param.snapshot = args.snapshot
+param.snapshot_prefix = "snap"
+solver = get_solver(param)
+if args.init:
+    solver.net.copy_from(args.init)
+losses = []
+solver.add_callback(on_gradients_ready=lambda: losses.append(solver.smoothed_loss))
+solver.solve(args.resume)
+if solver.is_root:
+    solver.net.save(args.out)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"losses": losses, "ranks": 1 if solver.parallel is None else solver.parallel.size,
+                   "stats": None if solver.parallel is None else solver.parallel.sync.stats.as_dict()}, f)
