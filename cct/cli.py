@@ -237,7 +237,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     signals.check_effect(args.sigint_effect)
     signals.check_effect(args.sighup_effect)
-    _init_logging(args.quiet)
+    comm = _mpi_world()  # under mpiexec: this rank's place in the job (rank 0 logs, tests, snapshots)
+    root = comm is None or comm.is_root
+    _init_logging(args.quiet or not root)
     engine = _configure_engine(args, calibrate=True)
 
     from .proto import caffe_pb2
@@ -267,14 +269,14 @@ def run_train(args: argparse.Namespace) -> int:
         return omnivore_train(param, solver_path, config, args.groups, args.omnivore_epoch, resume=args.snapshot,
                               fail_rank=args.omnivore_fail_rank)
     handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
-    solver = get_solver(param, _source=solver_path, config=config)
+    solver = get_solver(param, _source=solver_path, config=config, comm=comm)
     solver.set_action_function(handler.get_action_function())
     with handler:
         if args.snapshot:
             log.info("Resuming from %s", args.snapshot)
             solver.restore(args.snapshot)
         log.info("Starting Optimization")
-        with Progress(param.max_iter, "train", unit="iter", enabled=_wants_progress(args),
+        with Progress(param.max_iter, "train", unit="iter", enabled=_wants_progress(args) and root,
                       initial=solver.iter) as bar:
             solver.add_callback(on_start=lambda: bar.set(solver.iter))
             solver.solve()
@@ -422,12 +424,33 @@ def build_device_query_parser() -> FlagParser:
 
 
 def run_device_query(args: argparse.Namespace) -> int:
-    """``cct device_query``: CPU, BLAS backend and (when CuPy sees any) GPU information."""
+    """``cct device_query``: CPU, BLAS backend and (when CuPy sees any) GPU information; under
+    mpiexec every rank's, printed by rank 0 in rank order."""
+    comm = _mpi_world()
+    if comm is None:
+        return _device_query_report(args, sys.stdout)
+    import io
+    import platform
+
+    buf = io.StringIO()
+    try:
+        rc = _device_query_report(args, buf)
+    except CctError as e:
+        buf.write(f"error: {e}\n")
+        rc = 1
+    reports = comm.gather_obj((platform.node(), buf.getvalue(), rc))
+    if comm.is_root:
+        for r, (host, text, _) in enumerate(reports):
+            sys.stdout.write(f"=== MPI rank {r} of {comm.size} (host {host}) ===\n{text}")
+        sys.stdout.flush()
+    return max(x[2] for x in reports) if comm.is_root else rc
+
+
+def _device_query_report(args: argparse.Namespace, out) -> int:
     import platform
 
     import numpy as np
 
-    out = sys.stdout
     from . import blas
 
     try:
@@ -483,6 +506,25 @@ def build_parser(command: str) -> FlagParser:
     return COMMANDS[command].load()[0]()
 
 
+def _mpi_world():
+    """The job's communicator when started by mpiexec with more than one rank, else None (mpi4py is
+    then not imported)."""
+    from .distributed.launch import under_mpi
+
+    if not under_mpi():
+        return None
+    from .distributed import world
+
+    comm = world()
+    return comm if comm.size > 1 else None
+
+
+def _abort_job(cmd: str, comm, message: str, code: int) -> int:
+    """A rank of an MPI job failed: end every rank now (no rank may wait in a collective), naming it."""
+    comm.abort(f"cct {cmd}: MPI rank {comm.rank} of {comm.size} failed, ending the job: {message}", code)
+    return code  # pragma: no cover - abort does not return
+
+
 def run(command: str, argv: Sequence[str]) -> int:
     """Parse ``argv`` with the command's parser and run it; returns the exit status (errors raise)."""
     build, body = COMMANDS[command].load()
@@ -507,18 +549,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd not in COMMANDS:
         sys.stderr.write(f"cct: unknown command '{cmd}'\n\n{usage()}")
         return 1
+    comm = _mpi_world() if cmd in ("train", "device_query") else None
     try:
         return run(cmd, rest)
     except CctError as e:
+        if comm is not None:
+            return _abort_job(cmd, comm, f"error: {e}", 1)
         sys.stderr.write(f"cct {cmd}: error: {e}\n")
         return 1
     except OSError as e:
         where = f" '{e.filename}'" if getattr(e, "filename", None) else ""
+        if comm is not None:
+            return _abort_job(cmd, comm, f"error:{where} {e.strerror or e}", 1)
         sys.stderr.write(f"cct {cmd}: error:{where} {e.strerror or e}\n")
         return 1
     except KeyboardInterrupt:
+        if comm is not None:
+            return _abort_job(cmd, comm, "interrupted", 130)
         sys.stderr.write(f"cct {cmd}: interrupted\n")
         return 130
+    except BaseException as e:
+        if comm is None or isinstance(e, SystemExit) and not e.code:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        return _abort_job(cmd, comm, f"{type(e).__name__}: {e}", 1)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -397,6 +397,30 @@ def from_mpi4py(handle: Any) -> Comm:
     return MPIComm(handle)
 
 
+class abort_on_error:  # noqa: N801 - a context manager, named like one
+    """``with abort_on_error(comm): ...``: an exception escaping the block on any rank ends the whole
+    job at once (``MPI_Abort``, exit status 1; 130 for KeyboardInterrupt) with a message naming the
+    rank and the error, so that no other rank waits forever in a collective. A no-op for one process."""
+
+    def __init__(self, comm: Comm, what: str = "cct"):
+        self.comm = comm
+        self.what = what
+
+    def __enter__(self) -> Comm:
+        return self.comm
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None or self.comm.size == 1 or (isinstance(exc, SystemExit) and not exc.code):
+            return
+        import traceback
+
+        if not isinstance(exc, DistributedError) and not isinstance(exc, KeyboardInterrupt):
+            traceback.print_exception(exc_type, exc, tb)
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        self.comm.abort(f"{self.what}: MPI rank {self.comm.rank} of {self.comm.size} failed, ending the job: "
+                        f"{exc_type.__name__}: {exc}", code)
+
+
 _WORLD: Comm | None = None
 
 

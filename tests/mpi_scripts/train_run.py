@@ -19,6 +19,7 @@ a.add_argument("--init", default=None)
 a.add_argument("--snapshot", type=int, default=0)
 a.add_argument("--resume", default=None)
 a.add_argument("--iter_size", type=int, default=1)
+a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fails at that iteration")
 args = a.parse_args()
 os.chdir(args.workdir)
 param = read_solver_param("solver.prototxt")
@@ -38,7 +39,27 @@ if args.init:
     solver.net.copy_from(args.init)
 losses = []
 solver.add_callback(on_gradients_ready=lambda: losses.append(solver.smoothed_loss))
-solver.solve(args.resume)
+if args.die:
+    import signal
+
+    from cct.errors import CctError
+
+    die_rank, die_iter, how = args.die.split(":")
+
+    def die():
+        if solver.comm.rank == int(die_rank) and solver.iter == int(die_iter):
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise CctError(f"injected failure at iteration {solver.iter}")
+
+    solver.add_callback(on_start=die)
+if solver.comm is not None and solver.comm.size > 1:
+    from cct.distributed import abort_on_error
+
+    with abort_on_error(solver.comm):
+        solver.solve(args.resume)
+else:
+    solver.solve(args.resume)
 if solver.is_root:
     solver.net.save(args.out)
     with open(args.out + ".json", "w") as f:

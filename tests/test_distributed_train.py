@@ -1,0 +1,157 @@
+"""Synchronous data-parallel training under mpiexec (MPICH on loopback): N ranks at batch b equal one
+process at batch N*b (and real Caffe, which ran solver_sgd_lenet at batch 4), rank-0-only logs and
+snapshots, resume with the same and a different rank count, and failing ranks ending the job."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from mpirun import ROOT, mpiexec, needs_mpi, run_mpi, script
+
+from cct.io.caffemodel import read_weights
+from cct.io.prototxt import read_net_prototxt, to_text
+from cct.paths import shared_path
+
+CASE = shared_path("reference", "solver_sgd_lenet")
+pytestmark = [needs_mpi(), pytest.mark.skipif(not CASE.is_dir(), reason="shared/reference not available")]
+
+
+@pytest.fixture
+def case(tmp_path):
+    work = tmp_path / "case"
+    shutil.copytree(CASE, work)
+    return work
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _compare(got_path, want_path, tol):
+    got, want = read_weights(str(got_path)), read_weights(str(want_path))
+    worst = 0.0
+    for name, blobs in want.items():
+        for g, w in zip(got[name], blobs):
+            worst = max(worst, _rel(g, w))
+    assert worst <= tol, f"{got_path} vs {want_path}: worst relative L2 difference {worst:.3g} > {tol}"
+    return worst
+
+
+def _plain_env():
+    """The environment of a process not started by mpiexec, importing this tree's cct."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MPI_"))}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _train(case, n, batch, iters, out, *extra, timeout=90):
+    """train_run.py on n ranks (n = 0: one plain process without mpiexec)."""
+    args = ["python", script("train_run.py"), str(case), str(batch), str(iters), str(out), *extra]
+    if n == 0:
+        p = subprocess.run([sys.executable] + args[1:], capture_output=True, text=True, timeout=timeout,
+                           env=_plain_env())
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p
+    return run_mpi(n, args, timeout=timeout)
+
+
+def test_two_ranks_at_batch_2_equal_caffe_at_batch_4(case):
+    _train(case, 2, 2, 10, case / "out.caffemodel", "--init", "init.caffemodel")
+    _compare(case / "out.caffemodel", case / "final.caffemodel", 1e-4)
+    got = json.loads((case / "out.caffemodel.json").read_text())
+    want = json.loads((case / "losses.json").read_text())["losses"]
+    assert got["ranks"] == 2 and np.allclose(got["losses"], want, rtol=1e-5)  # the global batch's loss
+    stats = got["stats"]
+    assert stats["iterations"] == 10 and stats["bytes"] == 4 * 431080 and stats["buckets"] >= 2
+
+
+def test_three_ranks_with_iter_size_equal_one_process_at_the_combined_batch(case):
+    _train(case, 3, 2, 6, case / "three.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")
+    _train(case, 0, 6, 6, case / "one.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")
+    _compare(case / "three.caffemodel", case / "one.caffemodel", 1e-5)
+    a = json.loads((case / "three.caffemodel.json").read_text())["losses"]
+    b = json.loads((case / "one.caffemodel.json").read_text())["losses"]
+    assert np.allclose(a, b, rtol=1e-5)
+
+
+def _cli_case(case, batch, name):
+    net = read_net_prototxt(str(case / "net.prototxt"))
+    for layer in net.layer:
+        layer.hdf5_data_param.batch_size = batch
+    (case / f"net_{name}.prototxt").write_text(to_text(net))
+    solver = (case / "solver.prototxt").read_text()
+    solver = solver.replace('net: "net.prototxt"', f'net: "net_{name}.prototxt"')
+    solver = re.sub(r"snapshot: \d+", "snapshot: 5", solver).replace('snapshot_prefix: "solver_sgd_lenet"',
+                                                                       'snapshot_prefix: "snap/lenet"')
+    (case / f"solver_{name}.prototxt").write_text(solver)
+    return f"solver_{name}.prototxt"
+
+
+def test_cli_rank0_logs_and_snapshots_and_resume_with_same_and_other_rank_count(case):
+    s2 = _cli_case(case, 2, "b2")
+    p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", s2, "--weights", "init.caffemodel"], cwd=case,
+                timeout=120)
+    log = p.stderr
+    assert log.count("Data parallel on 2 MPI ranks: each rank batch 2, global batch 4") == 1
+    assert len(re.findall(r"Iteration 9 \(.*\), loss = ", log)) == 1  # rank 0 alone logs
+    assert log.count("Snapshotting to binary proto file snap/lenet_iter_5.caffemodel") == 1
+    files = sorted(os.listdir(case / "snap"))
+    assert files == [f"lenet_iter_{i}.{e}" for i in (10, 5) for e in ("caffemodel", "cctstate", "solverstate")]
+    _compare(case / "snap" / "lenet_iter_10.caffemodel", case / "final.caffemodel", 1e-4)
+    extra = json.loads((case / "snap" / "lenet_iter_5.cctstate").read_text())
+    assert extra["ranks"] == 2 and len(extra["train_net_ranks"]) == 2
+    offsets = sorted(s["mnist"]["offset"] for s in extra["train_net_ranks"])
+    assert offsets == [19, 20]  # 5 iterations x 4 records; rank 0 stands after record 18, rank 1 after 19
+    shutil.copy(case / "snap" / "lenet_iter_10.caffemodel", case / "straight.caffemodel")
+
+    # same rank count: continues exactly
+    p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", s2, "--snapshot", "snap/lenet_iter_5.solverstate"],
+                cwd=case, timeout=120)
+    _compare(case / "snap" / "lenet_iter_10.caffemodel", case / "straight.caffemodel", 1e-6)
+    # one process at the same global batch: data restarts from the shared record counter
+    s4 = _cli_case(case, 4, "b4")
+    p = subprocess.run([sys.executable, "-m", "cct", "train", "--solver", s4, "--snapshot",
+                        "snap/lenet_iter_5.solverstate"], cwd=case, env=_plain_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "was written by 2 rank(s), this run has 1: the data read positions restart from the shared record " \
+           "counter (mnist at record 20)" in p.stderr
+    _compare(case / "snap" / "lenet_iter_10.caffemodel", case / "final.caffemodel", 1e-4)
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_a_failing_rank_ends_the_job_quickly(case, how):
+    t = time.perf_counter()
+    p = _train_fail(case, how)
+    took = time.perf_counter() - t
+    assert p.returncode != 0 and took < 30
+    if how == "raise":
+        assert "MPI rank 1 of 2 failed, ending the job: CctError: injected failure at iteration 3" in p.stderr
+    else:
+        assert "EXIT CODE: 9" in p.stdout + p.stderr
+
+
+def _train_fail(case, how):
+    return run_mpi(2, ["python", script("train_run.py"), str(case), "2", "10", str(case / "x.caffemodel"),
+                       "--die", f"1:3:{how}"], timeout=60, check=False)
+
+
+def test_mismatched_solvers_or_missing_files_across_ranks_are_reported(case):
+    s2 = _cli_case(case, 2, "b2")
+    s4 = _cli_case(case, 4, "b4")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [mpiexec(), "-n", "1", sys.executable, "-m", "cct", "train", "--solver", s2, ":",
+           "-n", "1", sys.executable, "-m", "cct", "train", "--solver", s4]
+    p = subprocess.run(cmd, cwd=case, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert "the solver and net definitions (solver prototxt, net prototxt, level/stage) differ across ranks: " \
+           "rank(s) 1 differ from rank 0" in p.stderr
+    cmd[-1] = "missing.prototxt"
+    p = subprocess.run(cmd, cwd=case, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "MPI rank 1 of 2 failed, ending the job" in p.stderr
+    assert "missing.prototxt" in p.stderr
