@@ -245,6 +245,7 @@ class _DBLoader:
         self.batch_size = batch_size
         self.dtypes = dtypes
         self.pos = 0  # records read since the first key, modulo the database size
+        self.offset = 0
         for _ in range(skip % max(1, len(db))):  # wrapping past the end = starting over
             self.next()
         self.offset = 0  # records passed since setup (never wraps): the sharding counter
