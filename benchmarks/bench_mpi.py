@@ -135,8 +135,9 @@ def _run(cmd: list[str], threads: int) -> None:
 
 
 def _mpiexec() -> str:
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else "mpiexec"
+    from cct.distributed.launch import mpiexec_path
+
+    return mpiexec_path() or "mpiexec"
 
 
 def model_table(bytes_: int, t_compute: float, hidden: float, per_rank_batch: int, gbits: float,

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
+
+from cct.distributed.launch import mpiexec_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -15,8 +16,7 @@ SCRIPTS = os.path.join(HERE, "mpi_scripts")
 
 def mpiexec() -> str | None:
     """The mpiexec beside this Python (the MPICH wheel's), else one on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return beside if os.path.exists(beside) else shutil.which("mpiexec")
+    return mpiexec_path()
 
 
 def needs_mpi():

@@ -155,3 +155,34 @@ def test_mismatched_solvers_or_missing_files_across_ranks_are_reported(case):
     p = subprocess.run(cmd, cwd=case, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "MPI rank 1 of 2 failed, ending the job" in p.stderr
     assert "missing.prototxt" in p.stderr
+
+
+def test_ctrl_c_on_mpiexec_stops_every_rank_with_one_snapshot(case):
+    """MPICH's mpiexec forwards the first SIGINT to every rank; the ranks agree to stop at the end of the
+    same iteration, and rank 0 writes the final snapshot (snapshot_after_train)."""
+    s2 = _cli_case(case, 2, "b2")
+    text = (case / s2).read_text()
+    text = re.sub(r"max_iter: \d+", "max_iter: 1000000", text).replace("snapshot: 5", "snapshot: 40")
+    (case / s2).write_text(re.sub(r"display: \d+", "display: 100", text))
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, "-m", "cct", "train", "--solver", s2,
+                             "--weights", "init.caffemodel"], cwd=case, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not (case / "snap" / "lenet_iter_40.cctstate").exists():
+            assert proc.poll() is None and time.time() < deadline, "training did not reach iteration 40"
+            time.sleep(0.1)
+        proc.send_signal(2)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count("Optimization stopped early.") == 1
+    stopped = [int(m) for m in re.findall(r"lenet_iter_(\d+)\.caffemodel", " ".join(os.listdir(case / "snap")))]
+    last = max(stopped)
+    assert last > 40 and err.count(f"Snapshotting to binary proto file snap/lenet_iter_{last}.caffemodel") == 1
+    extra = json.loads((case / "snap" / f"lenet_iter_{last}.cctstate").read_text())
+    assert extra["iter"] == last and extra["ranks"] == 2

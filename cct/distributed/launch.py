@@ -7,6 +7,8 @@ imported (importing it initialises MPI, which a single-process user should not p
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 from collections.abc import Mapping
 
 #: (rank variable, size variable) pairs of the launchers cct knows, most specific first.
@@ -33,3 +35,10 @@ def launcher_rank_size(environ: Mapping[str, str] | None = None) -> tuple[int, i
 def under_mpi(environ: Mapping[str, str] | None = None) -> bool:
     """True when this process was started by an MPI launcher (``mpiexec -n N ...``), whatever N."""
     return launcher_rank_size(environ) is not None
+
+
+def mpiexec_path() -> str | None:
+    """The ``mpiexec`` to start jobs with: the one beside this Python (the MPICH wheel's), else one on
+    PATH, else None."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.path.exists(beside) else shutil.which("mpiexec")
