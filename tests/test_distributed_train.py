@@ -71,8 +71,8 @@ def test_two_ranks_at_batch_2_equal_caffe_at_batch_4(case):
 
 
 def test_three_ranks_with_iter_size_equal_one_process_at_the_combined_batch(case):
-    _train(case, 3, 2, 6, case / "three.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")
-    _train(case, 0, 6, 6, case / "one.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")
+    _train(case, 3, 2, 4, case / "three.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")
+    _train(case, 0, 6, 4, case / "one.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")
     _compare(case / "three.caffemodel", case / "one.caffemodel", 1e-5)
     a = json.loads((case / "three.caffemodel.json").read_text())["losses"]
     b = json.loads((case / "one.caffemodel.json").read_text())["losses"]
@@ -162,7 +162,7 @@ def test_ctrl_c_on_mpiexec_stops_every_rank_with_one_snapshot(case):
     same iteration, and rank 0 writes the final snapshot (snapshot_after_train)."""
     s2 = _cli_case(case, 2, "b2")
     text = (case / s2).read_text()
-    text = re.sub(r"max_iter: \d+", "max_iter: 1000000", text).replace("snapshot: 5", "snapshot: 40")
+    text = re.sub(r"max_iter: \d+", "max_iter: 1000000", text).replace("snapshot: 5", "snapshot: 10")
     (case / s2).write_text(re.sub(r"display: \d+", "display: 100", text))
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -171,8 +171,8 @@ def test_ctrl_c_on_mpiexec_stops_every_rank_with_one_snapshot(case):
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 60
-        while not (case / "snap" / "lenet_iter_40.cctstate").exists():
-            assert proc.poll() is None and time.time() < deadline, "training did not reach iteration 40"
+        while not (case / "snap" / "lenet_iter_10.cctstate").exists():
+            assert proc.poll() is None and time.time() < deadline, "training did not reach iteration 10"
             time.sleep(0.1)
         proc.send_signal(2)
         out, err = proc.communicate(timeout=30)
@@ -183,6 +183,6 @@ def test_ctrl_c_on_mpiexec_stops_every_rank_with_one_snapshot(case):
     assert err.count("Optimization stopped early.") == 1
     stopped = [int(m) for m in re.findall(r"lenet_iter_(\d+)\.caffemodel", " ".join(os.listdir(case / "snap")))]
     last = max(stopped)
-    assert last > 40 and err.count(f"Snapshotting to binary proto file snap/lenet_iter_{last}.caffemodel") == 1
+    assert last > 10 and err.count(f"Snapshotting to binary proto file snap/lenet_iter_{last}.caffemodel") == 1
     extra = json.loads((case / "snap" / f"lenet_iter_{last}.cctstate").read_text())
     assert extra["iter"] == last and extra["ranks"] == 2

@@ -93,9 +93,10 @@ class DataParallel:
     def broadcast_weights(self) -> None:
         """Give every rank the root's parameters (all layer blobs, learnable or not)."""
         net = self.solver.net
-        for nid, blob in enumerate(net.params):
+        for nid, (lid, pid) in enumerate(net.param_layer_indices):
             if net.param_owners[nid] >= 0:
                 continue
+            blob = net.layers[lid].blobs[pid]
             host = np.ascontiguousarray(to_numpy(blob.data))
             self.comm.bcast(host, root=0)
             if not self.is_root:

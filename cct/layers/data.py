@@ -166,7 +166,7 @@ class PrefetchingDataLayer(Layer):
     @property
     def shard(self) -> tuple[int, int]:
         """``(rank, size)``: this layer keeps the records whose stream offset is rank modulo size."""
-        return self._loader.shard
+        return getattr(self._loader, "shard", (0, 1))
 
     def set_shard(self, rank: int, size: int, state: dict | None = None) -> None:
         """Read only records ``rank, rank + size, rank + 2*size, ...`` of the stream (Caffe's ``Skip()``
@@ -183,7 +183,10 @@ class PrefetchingDataLayer(Layer):
             self._loader.set_state(self._read_state if state is None else state)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise self.error(f"cannot restore the data read state: {e}") from None
-        self._loader.shard = (int(rank), int(size))
+        if hasattr(self._loader, "shard"):
+            self._loader.shard = (int(rank), int(size))
+        else:  # a layer that samples at random (WindowData): each rank draws samples of its own
+            _rank_rng(getattr(self._loader, "rng", None), int(rank))
         _rank_rng(getattr(getattr(self._loader, "transformer", None), "rng", None), int(rank))
         self._read_state = self._loader.state()
         self._launch()
