@@ -125,6 +125,7 @@ def omnivore_train(param, source: str, config, groups: str, epoch_iters: int | N
 
 
 def _worker(param, source: str, config, comm: Comm) -> None:
+    from ..distributed import LocalComm
     from ..solver import get_solver
 
     p = type(param)()
@@ -135,15 +136,16 @@ def _worker(param, source: str, config, comm: Comm) -> None:
     p.test_interval = 0
     p.ClearField("snapshot_prefix")
     p.snapshot = 0
-    net = get_solver(p, _source=source, config=config).net
+    net = get_solver(p, _source=source, config=config, comm=LocalComm()).net  # not cct's data parallelism
     ConvWorker(net, comm).serve()
 
 
 def _rank0(param, source: str, config, groups: str, epoch_iters: int | None, resume: str | None, fail_rank: int,
            comm: Comm) -> None:
+    from ..distributed import LocalComm
     from ..solver import get_solver
 
-    solver = get_solver(param, _source=source, config=config)
+    solver = get_solver(param, _source=source, config=config, comm=LocalComm())  # not cct's data parallelism
     server = OmnivoreServer(solver, comm)
     try:
         if resume:
