@@ -411,6 +411,10 @@ def run_time(args: argparse.Namespace) -> int:
     log.info("Average Backward pass: %g ms.", backward_time * 1e3 / n)
     log.info("Average Forward-Backward: %g ms.", total * 1e3 / n)
     log.info("Total Time: %g ms.", total * 1e3)
+    for i, layer in enumerate(net.layers):  # the engine's plan per conv layer, next to its measured time
+        report = getattr(getattr(layer, "_lowering", None), "plan_report", None)
+        if report:
+            log.info("Plan %s; measured %g ms", report, (fwd[i] + bwd[i]) * 1e3 / n)
     log.info("*** Benchmark ends ***")
     return 0
 

@@ -95,7 +95,7 @@ def test_describe_choice_format():
     g = square(13, 3, 384, 256, pad=1)
     name, p = opt.choose_lowering(g, 16, flat_machine())
     assert name == min(p, key=p.get)
-    assert opt.describe_choice("conv5", name, p).startswith(f"conv5: lowering type {name[-1]} (predicted fwd ")
+    assert opt.describe_choice("conv5", name, p).startswith(f"conv5: lowering {opt._pretty(name)} (predicted fwd ")
 
 
 def test_overrides_and_per_pass_plans():
@@ -138,10 +138,27 @@ def test_predictions_account_for_the_memory_budget():
     assert opt.predictions(g, 8, overheady, budget=1)["type1"] > opt.predictions(g, 8, overheady)["type1"]
 
 
-def test_strategy_cost_uses_model():
+def test_strategies_declare_their_operations():
+    """The model prices what each strategy declares: type 3's forward GEMM is Figure 6's, the direct
+    kernel declares its multiply-adds, FFT its transforms and complex GEMMs; prices add up."""
     g = square(13, 3, 64, 64, pad=1)
-    s = get_strategy("type3")
-    assert s.cost(g, 4, flat_machine()) == pytest.approx(cm.predict_seconds("type3", g, 4, flat_machine()))
+    ops = get_strategy("type3").pass_ops(g, 4, "fwd")
+    gemm = [op for op in ops if op[0] == "gemm"]
+    f6 = cm.figure6("type3", g, 4)
+    assert gemm == [("gemm", *f6["gemm_output"], f6["lowered_kernel"][1], 1)]
+    direct = get_strategy("direct").pass_ops(g, 4, "fwd")
+    assert ("direct", 4 * 64 * 64 * 9 * 13 * 13) in direct
+    kinds = {op[0] for op in get_strategy("fft").pass_ops(g, 4, "bwd_weights")}
+    assert {"fft", "cgemm"} <= kinds
+    mach = flat_machine()
+    for name in ("type1", "type2", "type3", "direct", "fft"):
+        parts = cm.predict_breakdown(name, g, 4, mach, "total")
+        assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total")) and parts["total"] > 0
+    assert cm.price([("direct", 1e9)], mach)["direct"] == pytest.approx(2.0 / (cm.DIRECT_SHARE * 100.0))
+    mach.direct_gflops, mach.fft_gflops = 50.0, 5.0
+    assert cm.price([("direct", 1e9), ("fft", 1e9)], mach)["total"] == pytest.approx(2.0 / 50 + 1.0 / 5)
+    assert cm.price([("cgemm", 10, 10, 10, 1)], mach)["gemm"] == pytest.approx(4 * cm.price([("gemm", 10, 10, 10, 1)],
+                                                                                           mach)["gemm"])
 
 
 def test_machine_cache_roundtrip(tmp_path):
@@ -251,3 +268,53 @@ def test_recalibrate_kernels_keeps_gemm_grids_and_remeasures_curves(monkeypatch)
     assert set(new.elem_curves) >= {"copy", "add", "zero"} and new.copy_ns == new.elem_curves["copy"][-1][1]
     again = cal.Machine.from_json(blas.read_cache(cal._cache_name(1, m.backend)))
     assert again.lowering_curves == new.lowering_curves and "kernels_measured_at" in again.info
+
+
+class _ToyConvolution(type(get_strategy("type1"))):
+    """type 1's arithmetic, declared ten times cheaper: a strategy the optimizer knows only by its ops."""
+
+    name = "toy"
+
+    def pass_ops(self, geom, batch, pass_):
+        return [(op[0], *(v / 10 if i == 0 and op[0] != "gemm" else v for i, v in enumerate(op[1:])))
+                if op[0] != "gemm" else ("gemm", op[1], max(1, op[2] // 10), op[3], op[4])
+                for op in super().pass_ops(geom, batch, pass_)]
+
+
+def test_registered_toy_strategy_is_chosen_when_cheapest():
+    from cct.lowering import base
+
+    g = square(13, 3, 64, 64, pad=1)
+    mach = flat_machine()
+    assert "toy" not in opt.candidates(g)
+    base.register_strategy("toy", _ToyConvolution)
+    try:
+        assert "toy" in opt.candidates(g)
+        plan = opt.plan_convolution(g, 8, mach, partitions=1)
+        assert plan.single == "toy" and plan.b_p >= 1 and plan.partitions == 1
+        assert isinstance(plan.strategy(), _ToyConvolution)
+        line = opt.describe_plan("conv", plan)
+        assert line.startswith("conv: toy, b_p=") and "type 1" in line and "workspace" in line
+    finally:
+        del base._STRATEGIES["toy"]
+    assert "toy" not in opt.candidates(g)
+
+
+def test_memory_budget_picks_the_fastest_strategy_that_fits():
+    """ZNNi's memory-aware choice: with a budget below the fastest strategy's one-image workspace the
+    next fastest that fits wins; with none fitting, the smallest workspace, flagged in the report."""
+    g = square(13, 3, 64, 64, pad=1)
+    mach = flat_machine()
+    free = opt.choose_plan(g, 8, mach, per_pass=False, budget=10**15)
+    ws1 = {n: cm.workspace_bytes(n, g, 1) for n in free.predictions["fwd"]}
+    fastest = free.single
+    tight = min(ws1[fastest] - 1, max(ws1.values()))
+    fits = [n for n in ws1 if ws1[n] <= tight]
+    assert fits, ws1
+    plan = opt.choose_plan(g, 8, mach, per_pass=False, budget=tight)
+    totals = {n: sum(plan.predictions[p][n] for p in cm.PASSES) for n in fits}
+    assert plan.single == min(totals, key=totals.get) and plan.single != fastest and plan.fits
+    assert plan.chosen_workspace() <= tight
+    none = opt.choose_plan(g, 8, mach, per_pass=False, budget=1)
+    assert not none.fits and none.single == min(ws1, key=ws1.get)
+    assert "[over budget" in opt.describe_plan("c", none)

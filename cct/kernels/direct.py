@@ -43,7 +43,10 @@ def forward(xp, wb, y, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (com
         r3 = r2 // nblk
         g = r3 % group
         n = r3 // group
-        acc = np.zeros((MB, ow), dtype=y.dtype)
+        a0 = np.zeros(ow, dtype=y.dtype)
+        a1 = np.zeros(ow, dtype=y.dtype)
+        a2 = np.zeros(ow, dtype=y.dtype)
+        a3 = np.zeros(ow, dtype=y.dtype)
         for c in range(cg):
             ci = g * cg + c
             for a in range(kd):
@@ -55,75 +58,122 @@ def forward(xp, wb, y, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (com
                         w1 = wb[g, bi * MB + 1, c, a, b, e]
                         w2 = wb[g, bi * MB + 2, c, a, b, e]
                         w3 = wb[g, bi * MB + 3, c, a, b, e]
-                        off = e * dx
-                        for o in range(ow):
-                            v = row[off + o * sx]
-                            acc[0, o] += w0 * v
-                            acc[1, o] += w1 * v
-                            acc[2, o] += w2 * v
-                            acc[3, o] += w3 * v
+                        if sx == 1:
+                            _row4(a0, a1, a2, a3, row[e * dx:e * dx + ow], w0, w1, w2, w3)
+                        else:
+                            _row4(a0, a1, a2, a3, row[e * dx:e * dx + (ow - 1) * sx + 1:sx], w0, w1, w2, w3)
         m0 = bi * MB
         for j in range(MB):
             if m0 + j < mg:
-                m = g * mg + m0 + j
+                acc = a0 if j == 0 else a1 if j == 1 else a2 if j == 2 else a3
+                dst = y[n, g * mg + m0 + j, oz, oy]
                 for o in range(ow):
-                    y[n, m, oz, oy, o] += acc[j, o]
+                    dst[o] += acc[o]
+
+
+@nb.njit(inline="always", **_OPTS)
+def _row4(a0, a1, a2, a3, v, w0, w1, w2, w3):  # pragma: no cover (compiled)
+    """Four accumulator rows += four weights times one input row (one load of ``v`` per position)."""
+    for o in range(v.shape[0]):
+        x = v[o]
+        a0[o] += w0 * x
+        a1[o] += w1 * x
+        a2[o] += w2 * x
+        a3[o] += w3 * x
 
 
 @nb.njit(parallel=True, **_OPTS)
 def backward_data(dy, w, dxp, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (compiled)
-    """``dxp += conv^T(dy, w)`` into the zeroed padded gradient ``dxp`` ``(N, C, D', H', W')``."""
+    """``dxp += conv^T(dy, w)`` into the zeroed padded gradient ``dxp`` ``(N, C, D', H', W')``: per
+    (image, input channel) task, each gradient row takes four output channels' rows per pass."""
     n_img, m_all, od, oh, ow = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3], dy.shape[4]
     c_all = dxp.shape[1]
     cg = c_all // group
     mg = m_all // group
     kd, kh, kw = w.shape[2], w.shape[3], w.shape[4]
+    span = (ow - 1) * sx + 1
     for t in nb.prange(n_img * c_all):
         ci = t % c_all
         n = t // c_all
         g = ci // cg
         c = ci - g * cg
-        for j in range(mg):
-            m = g * mg + j
+        for j0 in range(0, mg, MB):
+            m = g * mg + j0
+            four = j0 + MB <= mg
             for a in range(kd):
                 for b in range(kh):
                     for e in range(kw):
-                        wv = w[m, c, a, b, e]
-                        off = e * dx
                         for oz in range(od):
                             iz = oz * sz + a * dz
                             for oy in range(oh):
-                                dst = dxp[n, ci, iz, oy * sy + b * dy_]
-                                src = dy[n, m, oz, oy]
-                                for o in range(ow):
-                                    dst[off + o * sx] += wv * src[o]
+                                drow = dxp[n, ci, iz, oy * sy + b * dy_]
+                                if four and sx == 1:  # contiguous rows: the loop vectorises
+                                    _axpy4(drow[e * dx:e * dx + ow], dy[n, m, oz, oy], dy[n, m + 1, oz, oy],
+                                           dy[n, m + 2, oz, oy], dy[n, m + 3, oz, oy], w[m, c, a, b, e],
+                                           w[m + 1, c, a, b, e], w[m + 2, c, a, b, e], w[m + 3, c, a, b, e])
+                                    continue
+                                dst = drow[e * dx:e * dx + span:sx]
+                                if four:
+                                    _axpy4(dst, dy[n, m, oz, oy], dy[n, m + 1, oz, oy], dy[n, m + 2, oz, oy],
+                                           dy[n, m + 3, oz, oy], w[m, c, a, b, e], w[m + 1, c, a, b, e],
+                                           w[m + 2, c, a, b, e], w[m + 3, c, a, b, e])
+                                else:
+                                    for jj in range(mg - j0):
+                                        _axpy(dst, dy[n, m + jj, oz, oy], w[m + jj, c, a, b, e])
+
+
+@nb.njit(inline="always", **_OPTS)
+def _axpy4(dst, s0, s1, s2, s3, w0, w1, w2, w3):  # pragma: no cover (compiled)
+    for o in range(s0.shape[0]):
+        dst[o] += w0 * s0[o] + w1 * s1[o] + w2 * s2[o] + w3 * s3[o]
+
+
+@nb.njit(inline="always", **_OPTS)
+def _axpy(dst, src, wv):  # pragma: no cover (compiled)
+    for o in range(src.shape[0]):
+        dst[o] += wv * src[o]
 
 
 @nb.njit(parallel=True, **_OPTS)
 def backward_weights(dy, xp, dw, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (compiled)
-    """``dw += dL/dw`` for ``dw`` ``(M, Cg, KD, KH, KW)``."""
+    """``dw += dL/dw`` for ``dw`` ``(M, Cg, KD, KH, KW)``: per (output channel, input channel) task,
+    one accumulator row per kernel column, vectorised over output positions, summed at the end."""
     n_img, m_all, od, oh, ow = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3], dy.shape[4]
     cg = dw.shape[1]
     mg = m_all // group
     kd, kh, kw = dw.shape[2], dw.shape[3], dw.shape[4]
+    span = (ow - 1) * sx + 1
     for t in nb.prange(m_all * cg):
         c = t % cg
         m = t // cg
         ci = (m // mg) * cg + c
+        acc = np.zeros((kw, ow), dtype=dw.dtype)
         for a in range(kd):
             for b in range(kh):
+                acc[:] = 0
+                for n in range(n_img):
+                    for oz in range(od):
+                        iz = oz * sz + a * dz
+                        for oy in range(oh):
+                            row = xp[n, ci, iz, oy * sy + b * dy_]
+                            src = dy[n, m, oz, oy]
+                            if sx == 1:  # contiguous rows: the loop vectorises
+                                for e in range(kw):
+                                    _fma(acc[e], src, row[e * dx:e * dx + ow])
+                            else:
+                                for e in range(kw):
+                                    _fma(acc[e], src, row[e * dx:e * dx + span:sx])
                 for e in range(kw):
-                    off = e * dx
                     s = 0.0
-                    for n in range(n_img):
-                        for oz in range(od):
-                            iz = oz * sz + a * dz
-                            for oy in range(oh):
-                                row = xp[n, ci, iz, oy * sy + b * dy_]
-                                src = dy[n, m, oz, oy]
-                                for o in range(ow):
-                                    s += src[o] * row[off + o * sx]
+                    for o in range(ow):
+                        s += acc[e, o]
                     dw[m, c, a, b, e] += s
+
+
+@nb.njit(inline="always", **_OPTS)
+def _fma(acc, a, b):  # pragma: no cover (compiled)
+    for o in range(acc.shape[0]):
+        acc[o] += a[o] * b[o]
 
 
 def blocked_weights(w: np.ndarray, group: int) -> np.ndarray:

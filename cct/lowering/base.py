@@ -9,7 +9,10 @@ strategy computes the same three products on whole batches:
 * ``backward_weights(dy, x, geom)``: ``(dw, db)``; ``db`` is None when ``geom.bias_term`` is False.
   These are fresh arrays: the caller accumulates them into the parameter diffs.
 
-``cost(geom, batch, machine)`` lets a scheduler pick a strategy per layer (CcT's optimizer).
+``pass_ops(geom, batch, pass_)`` and ``workspace_bytes(geom, batch)`` declare what a pass does (GEMM
+shapes, sweeps, direct-kernel work, FFT work; :mod:`cct.lowering.gemm_ops`): the cost model prices
+the operations and the optimizer picks, per layer, the fastest strategy whose workspace fits the
+memory budget. Adding a strategy = one module that subclasses this and calls :func:`register_strategy`.
 """
 from __future__ import annotations
 
@@ -41,9 +44,20 @@ class LoweringStrategy:
         """Whether this lowering can compute ``geom`` (the optimizer never picks one that cannot)."""
         return True
 
-    def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:
-        """Estimated cost of one forward pass; default: the GEMM flop count ``2 N M K P``."""
-        return float(2 * batch * geom.channels_out * geom.kernel_dim * geom.out_size)
+    def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:
+        """The operations one pass (``fwd``, ``bwd_data``, ``bwd_weights``) runs on a chunk of ``batch``
+        images, in the vocabulary of :mod:`cct.lowering.gemm_ops`; the cost model prices them. A
+        strategy without it is never chosen by the optimizer (it can still be set by hand)."""
+        raise NotImplementedError
+
+    def workspace_bytes(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
+        """Peak temporary bytes of one pass on ``batch`` images (checked against the memory budget)."""
+        raise NotImplementedError
+
+    def priced(self) -> bool:
+        """Whether this strategy declares its operations and workspace (the optimizer may pick it)."""
+        cls, base = type(self), LoweringStrategy
+        return cls.pass_ops is not base.pass_ops and cls.workspace_bytes is not base.workspace_bytes
 
     def __repr__(self) -> str:
         return f"<lowering {self.name}>"
@@ -92,6 +106,15 @@ def strategy_names() -> list[str]:
     """Names of the registered lowerings."""
     _ensure_builtin()
     return sorted(_STRATEGIES)
+
+
+def registry_factory(name: str) -> Callable[[], LoweringStrategy]:
+    """The factory registered as ``name`` (KeyError naming the known ones)."""
+    _ensure_builtin()
+    try:
+        return _STRATEGIES[name]
+    except KeyError:
+        raise KeyError(f"unknown lowering '{name}' (known: {', '.join(sorted(_STRATEGIES))})") from None
 
 
 def get_strategy(name: str) -> LoweringStrategy:

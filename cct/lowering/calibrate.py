@@ -181,9 +181,22 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
                       kernel=str(info.get("architecture") or ""), key=blas.machine_key(),
                       info={"quick": quick, "seconds": time.perf_counter() - t0, "measured_at": time.time(),
                             "blas": info})
+    with blas.blas_threads(threads):
+        _add_rates(machine)
     if verbose:
         print(summary(machine))
     return _store(machine, backend, save and not quick)
+
+
+def _add_rates(machine: Machine) -> Machine:
+    """Measure the direct, FFT and complex-GEMM rates into ``machine`` (:mod:`cct.lowering.rates`)."""
+    from .. import kernels
+    from .rates import measure_rates
+
+    with kernels.num_threads(machine.threads):
+        for key, value in measure_rates().items():
+            setattr(machine, key, float(value))
+    return machine
 
 
 def recalibrate_kernels(threads: int | None = None, repeats: int = 2, save: bool = True) -> Machine:
@@ -230,10 +243,15 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
     if cached is not None:
         try:
             m = Machine.from_json(cached)
+        except (TypeError, ValueError):
+            m = None
+        if m is not None:
+            if measure_if_missing and not m.direct_gflops:  # cached before the direct/FFT strategies
+                with blas.blas_threads(n):
+                    _add_rates(m)
+                return _store(m, backend, True)
             _memo[name] = m
             return m
-        except (TypeError, ValueError):
-            pass
     if not measure_if_missing:
         return nominal_machine()
     log.info("Calibrating the lowering cost model for this machine (%s, %d BLAS threads) once; "

@@ -1,12 +1,12 @@
-"""Cost model of the lowerings (CcT paper Figure 6), in predicted seconds.
+"""Cost model of the convolution strategies, in predicted seconds.
 
-:func:`figure6` gives the paper's analytic quantities for one convolution (lowered matrix
-sizes, GEMM flops, lifting flops, RAM read by the lifting), generalized to padding, stride,
-dilation, rectangular kernels, groups and batches. :func:`pass_ops` breaks one pass (``fwd``,
-``bwd_data``, ``bwd_weights``) of a lowering into the primitive operations the
-implementations actually run -- GEMMs of given ``(M, N, K)`` and element-wise copy / add /
-zero-fill sweeps -- and :func:`predict_seconds` prices them with the measured constants of a
-:class:`Machine` (see :mod:`cct.lowering.calibrate`).
+The model knows no strategy by name: every registered strategy declares, per pass (``fwd``,
+``bwd_data``, ``bwd_weights``) and batch chunk, the operations it runs (:meth:`pass_ops`, in the
+vocabulary of :mod:`cct.lowering.gemm_ops`: GEMMs, complex GEMMs, element-wise sweeps, its own
+lowering sweeps, direct-kernel multiply-adds, FFT flops) and its workspace; :func:`price` turns
+operations into seconds with the measured constants of a :class:`Machine` (see
+:mod:`cct.lowering.calibrate`). :func:`figure6` gives the CcT paper's analytic quantities of a
+GEMM lowering.
 
 GEMM throughput is not one number: it depends on the matrix aspect. A Machine holds GFLOPS
 measured on two grids, "big N" (``(M, K)`` small/medium, N = the batch*pixel dimension,
@@ -24,13 +24,18 @@ pick ``b_p`` (and the number of parallel partitions) by these predictions.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .gemm_ops import PASSES
 from .geometry import ConvGeometry
 
-PASSES = ("fwd", "bwd_data", "bwd_weights")
-KNOWN_TYPES = ("type1", "type2", "type3")
+# Rates assumed for the direct and FFT kernels until measured (fractions of the GEMM peak; ZNNi
+# reports direct convolution far below GEMM efficiency, FFT libraries at a few GFLOPS per core).
+DIRECT_SHARE = 0.03
+FFT_SHARE = 0.03
+CGEMM_SHARE = 0.3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,6 +65,9 @@ class Machine:
     chunk_overhead_s: float = 25e-6  # Python/numpy dispatch of one batch chunk (im2col, GEMMs, lifting calls)
     cache_bytes: int = 0  # last-level cache; 0: detect (sysfs) when pricing
     stream_ns_per_byte: float = 0.0  # extra cost of a byte streamed from DRAM; 0: derive from the copy curve
+    direct_gflops: float = 0.0  # direct-convolution kernel (2 flops per multiply-add); 0: DIRECT_SHARE of peak
+    fft_gflops: float = 0.0  # FFT flops (2.5 n log2 n per complex line); 0: FFT_SHARE of peak
+    cgemm_gflops: float = 0.0  # stacked complex GEMMs (8 flops per complex multiply-add); 0: CGEMM_SHARE of peak
     threads: int = 1
     backend: str = "openblas"
     kernel: str = ""
@@ -82,6 +90,30 @@ class Machine:
         if m <= 0 or n <= 0 or k <= 0:
             return self.gemm_overhead_s
         return 2.0 * m * n * k / (self.gemm_gflops(m, n, k) * 1e9) + self.gemm_overhead_s
+
+    def peak_gflops(self) -> float:
+        """The best GEMM throughput of the grids."""
+        return max(max(max(r) for r in self.gemm_bign), max(max(r) for r in self.gemm_bigk))
+
+    def direct_seconds(self, macs: float) -> float:
+        """Predicted seconds of ``macs`` multiply-adds of the direct-convolution kernels."""
+        rate = self.direct_gflops or DIRECT_SHARE * self.peak_gflops()
+        return 2.0 * float(macs) / (rate * 1e9) + (self.gemm_overhead_s if macs else 0.0)
+
+    def fft_seconds(self, flops: float) -> float:
+        """Predicted seconds of FFT work of ``flops`` (nominal ``2.5 n log2 n`` per line)."""
+        rate = self.fft_gflops or FFT_SHARE * self.peak_gflops()
+        return float(flops) / (rate * 1e9) + (self.gemm_overhead_s if flops else 0.0)
+
+    def cgemm_seconds(self, m: int, n: int, k: int, count: int) -> float:
+        """Predicted seconds of ``count`` complex GEMMs ``(m, k) @ (k, n)`` (one stacked matmul)."""
+        if count <= 0 or m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        if not self.cgemm_gflops:  # unmeasured: four real GEMMs each at the grid's rate, below CGEMM_SHARE
+            real = self.gemm_seconds(m, n, k) - self.gemm_overhead_s
+            floor = 8.0 * m * n * k / (CGEMM_SHARE * self.peak_gflops() * 1e9)
+            return count * max(4 * real, floor) + self.gemm_overhead_s
+        return 8.0 * count * m * n * k / (self.cgemm_gflops * 1e9) + self.gemm_overhead_s
 
     def elem_seconds(self, kind: str, elems: float, lowering: str | None = None) -> float:
         """Predicted seconds of an element-wise sweep (``copy``, ``add``, ``zero``, or a
@@ -229,150 +261,106 @@ def _interp2(dims, grid, a: float, b: float) -> float:
 # ----------------------------------------------------------------------------------------------
 # analytic model
 # ----------------------------------------------------------------------------------------------
+def strategy(name: str) -> Any:
+    """The registered strategy ``name`` (one shared instance per name, for pricing only)."""
+    from .base import get_strategy, registry_factory
+
+    factory = registry_factory(name)
+    hit = _priced.get(name)
+    if hit is None or hit[0] is not factory:
+        hit = _priced[name] = (factory, get_strategy(name))
+    return hit[1]
+
+
+_priced: dict[str, tuple] = {}
+
+
 def lowered_axes(name: str, geom: ConvGeometry) -> tuple[int, ...]:
-    """Spatial axes a lowering replicates (type1: all, type2: the last, type3: none)."""
-    nd = geom.num_spatial
-    if name == "type1":
-        return tuple(range(nd))
-    if name == "type2":
-        return (nd - 1,) if nd else ()
-    if name == "type3":
-        return ()
-    from .base import get_strategy
-
-    strat = get_strategy(name)
-    if hasattr(strat, "lowered_axes"):
-        return tuple(strat.lowered_axes(geom))
-    raise KeyError(f"no cost model for lowering '{name}'")
-
-
-def _shape_terms(name: str, geom: ConvGeometry, batch: int) -> dict:
-    nd = geom.num_spatial
-    low = set(lowered_axes(name, geom))
-    ext = geom.used_extent
-    if name == "type1":
-        # type1 pads to max(in + 2p, ext) (im2col's padded copy)
-        ext = tuple(max(i + 2 * p, e) for i, p, e in zip(geom.in_shape, geom.pad, ext))
-    k_low = math.prod(geom.kernel[i] for i in range(nd) if i in low)
-    k_lift = math.prod(geom.kernel[i] for i in range(nd) if i not in low)
-    cols = batch * math.prod(geom.out_shape[i] if i in low else ext[i] for i in range(nd))
-    return {"g": geom.group, "cg": geom.channels_in // geom.group, "mg": geom.channels_out // geom.group,
-            "C": geom.channels_in, "M": geom.channels_out, "k_low": k_low, "k_lift": k_lift, "cols": cols,
-            "E": batch * math.prod(ext), "P": batch * geom.out_size, "I": batch * geom.in_size,
-            "lifted": len(low) < nd}
+    """Spatial axes a GEMM lowering replicates (type1: all, type2: the last, type3: none)."""
+    strat = strategy(name)
+    if not hasattr(strat, "lowered_axes"):
+        raise KeyError(f"'{name}' is not a GEMM lowering")
+    return tuple(strat.lowered_axes(geom))
 
 
 def figure6(name: str, geom: ConvGeometry, batch: int = 1) -> dict:
-    """The paper's Figure 6 row for one lowering (per group sizes, totals over groups).
-
-    Keys: ``lowered_data`` (rows, cols), ``lowered_kernel`` (rows, cols), ``gemm_output``
-    (rows, cols), ``gemm_flops``, ``lifting_flops``, ``lifting_ram_read`` (elements),
-    ``lowering_elems`` (elements written by the lowering).
-    """
-    t = _shape_terms(name, geom, batch)
-    g, cg, mg, kl, kf, cols, P = t["g"], t["cg"], t["mg"], t["k_low"], t["k_lift"], t["cols"], t["P"]
-    lifting = kf * geom.channels_out * P if t["lifted"] else 0  # the paper counts k (resp. k^2) adds per output
-    return {
-        "lowered_data": (cg * kl, cols),
-        "lowered_kernel": (mg * kf, cg * kl),
-        "gemm_output": (mg * kf, cols),
-        "gemm_flops": 2 * g * mg * kf * cg * kl * cols,
-        "lifting_flops": lifting,
-        "lifting_ram_read": g * mg * kf * cols if t["lifted"] else geom.channels_out * P,
-        "lowering_elems": t["C"] * kl * cols if kl > 1 or name == "type1" else 0,
-    }
+    """The paper's Figure 6 row of a GEMM lowering (:meth:`cct.lowering.gemm_ops.LoweringShape.figure6`)."""
+    strat = strategy(name)
+    if not hasattr(strat, "shape"):
+        raise KeyError(f"'{name}' is not a GEMM lowering")
+    return strat.shape(geom, batch).figure6()
 
 
 def pass_ops(name: str, geom: ConvGeometry, batch: int, pass_: str = "fwd") -> list[tuple]:
-    """Primitive operations of one pass: ``("gemm", m, n, k, count)`` and ``(kind, elems)``.
-
-    Kinds: ``copy``/``add``/``zero`` (generic sweeps) and ``lower``/``unlower`` (a lowering's
-    own replication and its adjoint, per lowered element, priced from the per-type calibration
-    when the Machine has it). Mirrors ``type1.py`` and ``type2.py`` (type 3 = no lowered axis).
-    """
-    t = _shape_terms(name, geom, batch)
-    g, cg, mg, C, M = t["g"], t["cg"], t["mg"], t["C"], t["M"]
-    kl, kf, cols, E, P, inp = t["k_low"], t["k_lift"], t["cols"], t["E"], t["P"], t["I"]
-    type1 = name == "type1"
-    lowered = kl > 1 or type1
-    ops: list[tuple] = []
-
-    def lower():
-        if lowered:  # padding copy + k_low strided copies (or a compiled im2col), priced per lowered element
-            ops.append(("lower", C * kl * cols))
-        else:  # type 3: the padded, channel-major copy of the input is the lowered matrix
-            ops.append(("copy", C * inp))
-            if E != inp:
-                ops.append(("zero", C * E))
-
-    def scatter():  # adjoint of the lifting: dy into the (zeroed) GEMM-result layout
-        if t["lifted"]:
-            ops.append(("zero", g * mg * kf * cols))
-            ops.append(("copy", kf * M * P))
-        elif batch > 1:
-            ops.append(("copy", M * P))  # type 1: dy to group-major (one image's dy already is)
-
-    if pass_ == "fwd":
-        lower()
-        ops.append(("gemm", mg * kf, cols, cg * kl, g))
-        if t["lifted"]:
-            ops.append(("copy", M * P))  # first shifted slice (+ bias, fused)
-            ops.append(("add", (kf - 1) * M * P))
-        else:
-            ops.append(("add", M * P))  # type 1: bias add doubles as the transposing lift
-    elif pass_ == "bwd_data":
-        scatter()
-        ops.append(("gemm", cg * kl, cols, mg * kf, g))
-        if lowered:
-            ops.append(("unlower", C * kl * cols))  # col2im-style accumulation (+ its zeroed buffer)
-        if not type1:
-            ops.append(("copy", C * inp))  # crop + transpose back to (N, C, ...)
-    elif pass_ == "bwd_weights":
-        lower()
-        scatter()
-        ops.append(("gemm", mg * kf, cg * kl, cols, g))
-        ops.append(("add", M * P))  # bias reduction
-    else:
+    """The operations strategy ``name`` declares for one pass on ``batch`` images (its ``pass_ops``)."""
+    if pass_ not in PASSES:
         raise ValueError(f"unknown pass {pass_!r}: expected one of {PASSES} or 'total'")
-    return ops
+    return strategy(name).pass_ops(geom, batch, pass_)
+
+
+def price(ops: list[tuple], machine: Machine, lowering: str | None = None) -> dict:
+    """Seconds of a list of operations on ``machine``: ``{"gemm", "elementwise", "direct", "fft", "total"}``.
+
+    GEMMs by the interpolated grids (plus DRAM streaming of operands beyond the cache), complex
+    GEMMs by their measured rate, sweeps by the calibrated curves (``lower``/``unlower`` by
+    ``lowering``'s own), direct-kernel multiply-adds and FFT flops by their calibrated rates.
+    """
+    out = {"gemm": 0.0, "elementwise": 0.0, "direct": 0.0, "fft": 0.0}
+    stream = getattr(machine, "streaming_seconds", None)
+    for op in ops:
+        kind = op[0]
+        if kind == "gemm":
+            _, m, n, k, count = op
+            if count <= 0:
+                continue
+            out["gemm"] += count * machine.gemm_seconds(m, n, k)
+            if stream is not None:  # operands bigger than the cache stream from DRAM
+                out["gemm"] += stream(4.0 * count * (m * k + k * n + m * n))
+        elif kind == "cgemm":
+            _, m, n, k, count = op
+            out["gemm"] += machine.cgemm_seconds(m, n, k, count)
+            if stream is not None:
+                out["gemm"] += stream(8.0 * count * (m * k + k * n + m * n))
+        elif kind == "direct":
+            out["direct"] += machine.direct_seconds(op[1])
+        elif kind == "fft":
+            out["fft"] += machine.fft_seconds(op[1])
+        else:
+            out["elementwise"] += machine.elem_seconds(kind, op[1], lowering)
+    out["total"] = sum(out.values())
+    return out
 
 
 def predict_breakdown(name: str, geom: ConvGeometry, batch: int, machine: Machine | None = None,
                       pass_: str = "fwd") -> dict:
-    """Predicted seconds of one pass split into ``gemm``, ``lowering``/``lifting`` (element-wise)."""
+    """Predicted seconds of one pass (or ``total``) of strategy ``name``, split as :func:`price` does."""
     if machine is None:
         from .calibrate import load_machine
 
         machine = load_machine(measure_if_missing=False)
     passes = PASSES if pass_ == "total" else (pass_,)
-    gemm = elem = 0.0
-    stream = getattr(machine, "streaming_seconds", None)
-    for p in passes:
-        for op in pass_ops(name, geom, batch, p):
-            if op[0] == "gemm":
-                _, m, n, k, count = op
-                gemm += count * machine.gemm_seconds(m, n, k)
-                if stream is not None:  # operands bigger than the cache stream from DRAM
-                    gemm += stream(4.0 * count * (m * k + k * n + m * n))
-            else:
-                elem += machine.elem_seconds(op[0], op[1], name)
-    return {"gemm": gemm, "elementwise": elem, "total": gemm + elem}
+    parts = [price(pass_ops(name, geom, batch, p), machine, name) for p in passes]
+    return {k: sum(p[k] for p in parts) for k in parts[0]}
 
 
-def predict_seconds(name: str, geom: ConvGeometry, batch: int, machine: Machine | None = None,
+def predict_seconds(name: str | Mapping[str, str], geom: ConvGeometry, batch: int, machine: Machine | None = None,
                     pass_: str = "fwd") -> float:
-    """Predicted seconds of ``pass_`` (``fwd``/``bwd_data``/``bwd_weights``/``total``) of a lowering."""
+    """Predicted seconds of ``pass_`` (``fwd``/``bwd_data``/``bwd_weights``/``total``) of a strategy, or of
+    a per-pass mapping ``{pass: name}`` (``total`` then sums each pass's own strategy)."""
+    if isinstance(name, Mapping):
+        passes = PASSES if pass_ == "total" else (pass_,)
+        return sum(predict_breakdown(name[p], geom, batch, machine, p)["total"] for p in passes)
     return predict_breakdown(name, geom, batch, machine, pass_)["total"]
 
 
-def chunked_seconds(name: str, geom: ConvGeometry, batch: int, bp: int, machine: Machine,
+def chunked_seconds(name: str | Mapping[str, str], geom: ConvGeometry, batch: int, bp: int, machine: Machine,
                     pass_: str = "total") -> float:
     """Predicted seconds of ``pass_`` on ``batch`` images run as chunks of ``bp`` images.
 
     Each chunk is priced at its own size: the element-wise sweeps by the calibrated per-size
     curves (a chunk whose lowered matrix stays in cache sweeps faster than a whole-batch one that
     streams through DRAM), the GEMMs at ``N = bp * P`` (thin GEMMs are slower), plus
-    ``machine.chunk_overhead_s`` of dispatch per chunk.
+    ``machine.chunk_overhead_s`` of dispatch per chunk. ``name``: a strategy or ``{pass: name}``.
     """
     bp = max(1, min(int(bp), max(int(batch), 1)))
     full, rem = divmod(max(int(batch), 0), bp)
@@ -398,27 +386,21 @@ def batch_partition_candidates(batch: int, max_bp: int | None = None) -> list[in
     return sorted(cands)
 
 
-def best_batch_partition(name: str, geom: ConvGeometry, batch: int, machine: Machine, pass_: str = "total",
-                         max_bp: int | None = None) -> tuple[int, float]:
-    """``(b_p, seconds)``: the chunk size with the least predicted time (ties: the larger chunk)."""
+def best_batch_partition(name: str | Mapping[str, str], geom: ConvGeometry, batch: int, machine: Machine,
+                         pass_: str = "total", max_bp: int | None = None) -> tuple[int, float]:
+    """``(b_p, seconds)``: the chunk size with the least predicted time (ties: the larger chunk). The one
+    chooser of ``b_p``: the optimizer and :class:`~cct.lowering.partition.BatchedLowering` both call it."""
     best = None
     for bp in batch_partition_candidates(batch, max_bp):
         t = chunked_seconds(name, geom, batch, bp, machine, pass_)
-        if best is None or t <= best[1] * (1 - 1e-9) or (abs(t - best[1]) <= 1e-12 and bp > best[0]):
+        if best is None or t <= best[1] * (1 + 1e-12):  # candidates ascend: a tie goes to the larger chunk
             best = (bp, t)
     return best if best is not None else (1, 0.0)
 
 
 def workspace_bytes(name: str, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
-    """Peak temporary memory (bytes) of one pass of a lowering on ``batch`` images.
-
-    Counted: padded input, lowered data (all groups), one group's GEMM output, and for the
-    backward passes the scattered gradient; it grows linearly with ``batch``.
-    """
-    t = _shape_terms(name, geom, batch)
-    lowered = t["C"] * t["k_low"] * t["cols"] if (t["k_low"] > 1 or name == "type1") else 0
-    result = t["mg"] * t["k_lift"] * t["cols"]
-    return int(itemsize * (t["C"] * t["E"] + lowered + 2 * result + t["M"] * t["P"]))
+    """Peak temporary bytes of one pass of strategy ``name`` on ``batch`` images (its ``workspace_bytes``)."""
+    return int(strategy(name).workspace_bytes(geom, batch, itemsize))
 
 
 def describe_ops(name: str, geom: ConvGeometry, batch: int, pass_: str = "fwd") -> str:

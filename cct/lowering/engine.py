@@ -75,11 +75,13 @@ def config() -> EngineConfig:
 
 def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
                   config: EngineConfig | None = None) -> LoweringStrategy:
-    """The lowering a conv layer should run for ``geom`` at ``batch`` images under ``config`` (None: the
-    current configuration's engine settings); logs the choice."""
+    """The strategy a conv layer should run for ``geom`` at ``batch`` images under ``config`` (None: the
+    current configuration's engine settings): the optimizer's :class:`~cct.lowering.optimizer.Plan`
+    (strategy per pass, ``b_p``, partitions, checked against the memory budget) wrapped in the
+    :class:`~cct.lowering.partition.BatchedLowering` that executes it; logs the plan report."""
     from .. import blas
     from .calibrate import load_machine
-    from .optimizer import lowering_for_layer, parse_overrides
+    from .optimizer import describe_plan, parse_overrides, plan_convolution
     from .partition import BatchedLowering
 
     cfg = config if config is not None else current().engine
@@ -93,13 +95,22 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
     if cfg.calibrate and cfg.partitions == "model" and machine.threads > 1:
         # constants for two partitions too (more partitions are only considered once calibrated)
         load_machine(measure_if_missing=True, threads=machine.threads // 2)
-    strategy, _plan, line = lowering_for_layer(layer_name, geom, batch, machine=machine, overrides=overrides)
-    lowering = BatchedLowering(strategy, batch_partition="auto", partitions=cfg.partitions)
-    try:
-        from .partition import describe
-
-        line += f" [{describe(lowering, geom, batch)}]"
-    except Exception:  # noqa: BLE001 - the log line must never break net setup
-        pass
-    log.info("%s", line)
+    budget = memory_budget_of(current())
+    plan = plan_convolution(geom, batch, machine, override=overrides.get(layer_name, overrides.get("*")),
+                            budget=budget, partitions=cfg.partitions)
+    if plan.b_p:
+        lowering = BatchedLowering(plan.strategy(), batch_partition=plan.b_p, partitions=plan.partitions,
+                                   budget=plan.budget)
+    else:  # partitions "auto": measured by the wrapper on the first call
+        lowering = BatchedLowering(plan.strategy(), batch_partition="auto", partitions=cfg.partitions, budget=budget)
+    lowering.plan_report = describe_plan(layer_name, plan)
+    lowering.chosen_plan = plan
+    log.info("%s", lowering.plan_report)
     return lowering
+
+
+def memory_budget_of(cfg: object) -> int | str | None:
+    """The memory budget of a :class:`cct.config.Config` (its ``memory_budget`` field, when the config has
+    one; None: ``$CCT_LOWERING_MEMORY`` or a quarter of the available RAM, see
+    :func:`cct.lowering.partition.memory_budget`)."""
+    return getattr(cfg, "memory_budget", None)

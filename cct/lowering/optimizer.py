@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import type2, type3  # noqa: F401  (register "type2" / "type3")
 from .base import LoweringStrategy, get_strategy, strategy_names
-from .cost_model import KNOWN_TYPES, PASSES, Machine, best_batch_partition, chunked_seconds, predict_seconds
+from .cost_model import PASSES, Machine, best_batch_partition, chunked_seconds, predict_seconds
+from .cost_model import strategy as priced_strategy
 from .geometry import ConvGeometry
+
+PARTITION_OVERHEAD_S = 30e-6  # handing a partition to a worker thread and joining it
 
 
 def supports(strategy: LoweringStrategy, geom: ConvGeometry) -> bool:
@@ -34,9 +36,14 @@ def supports(strategy: LoweringStrategy, geom: ConvGeometry) -> bool:
 
 
 def candidates(geom: ConvGeometry, names: list[str] | None = None) -> list[str]:
-    """Registered lowerings with a cost model that can compute ``geom``."""
-    pool = names if names is not None else [n for n in strategy_names() if n in KNOWN_TYPES]
-    return [n for n in pool if supports(get_strategy(n), geom)]
+    """Registered strategies that declare their operations and can compute ``geom``."""
+    pool = names if names is not None else strategy_names()
+    out = []
+    for n in pool:
+        s = priced_strategy(n)
+        if supports(s, geom) and (names is not None or s.priced()):
+            out.append(n)
+    return out
 
 
 def predictions(geom: ConvGeometry, batch: int, machine: Machine | None = None, pass_: str = "fwd",
@@ -85,22 +92,39 @@ def choose_lowering(geom: ConvGeometry, batch: int, machine: Machine | None = No
 
 
 @dataclass
-class LoweringPlan:
-    """The chosen lowering per pass and the predictions behind the choice."""
+class Plan:
+    """One conv layer's plan: the strategy per pass, the batch chunk ``b_p``, the parallel batch
+    partitions, and the predictions behind the choice (what :class:`BatchedLowering` executes).
+
+    ``predictions[pass][name]``: predicted seconds of every candidate at its own best chunking;
+    ``workspace[name]``: its peak temporary bytes at that chunking (times the partitions);
+    ``budget``: the memory budget the plan was checked against (``fits``: the chosen workspace is
+    within it -- False only when no candidate fits, then the smallest workspace was taken).
+    """
 
     fwd: str
     bwd_data: str
     bwd_weights: str
     predictions: dict[str, dict[str, float]] = field(default_factory=dict)
     overridden: bool = False
+    b_p: int = 0  # 0: not chosen (the executing wrapper chooses)
+    partitions: int = 1
+    workspace: dict[str, int] = field(default_factory=dict)
+    budget: int = 0
+    fits: bool = True
 
     @property
     def single(self) -> str | None:
         """The lowering name when every pass uses the same one, else None."""
         return self.fwd if self.fwd == self.bwd_data == self.bwd_weights else None
 
+    @property
+    def names(self) -> dict[str, str]:
+        """``{pass: strategy name}``."""
+        return {p: getattr(self, p) for p in PASSES}
+
     def strategy(self) -> LoweringStrategy:
-        """A strategy object implementing this plan (plain or :class:`PerPassLowering`)."""
+        """A strategy object implementing this plan's passes (plain or :class:`PerPassLowering`)."""
         if self.single is not None:
             return get_strategy(self.single)
         bwd_data = get_strategy(self.bwd_data)  # one object for both gradients when they agree (fused backward)
@@ -113,29 +137,125 @@ class LoweringPlan:
             return sum(self.predicted(p) for p in PASSES)
         return self.predictions[pass_][getattr(self, pass_)]
 
+    def chosen_workspace(self) -> int:
+        """Peak temporary bytes of the chosen strategies (the largest of the passes)."""
+        return max((self.workspace.get(n, 0) for n in set(self.names.values())), default=0)
+
+
+LoweringPlan = Plan  # the name of the per-pass choice before plans carried b_p and partitions
+
+
+def _budget_bytes(budget: int | str | None) -> int:
+    from .partition import memory_budget
+
+    return memory_budget(budget)
+
 
 def choose_plan(geom: ConvGeometry, batch: int, machine: Machine | None = None, per_pass: bool = True,
                 min_gain: float = 0.05, override: str | None = None,
-                names: list[str] | None = None, budget: int | str | None = None) -> LoweringPlan:
-    """Pick the lowering(s) for a layer: one for all passes, or one per pass if that saves
-    more than ``min_gain`` (fraction) of the predicted total."""
+                names: list[str] | None = None, budget: int | str | None = None) -> Plan:
+    """Pick the strategy (or one per pass, if that saves more than ``min_gain`` of the predicted total)
+    among the candidates whose workspace fits the memory budget at one image per chunk; the fastest
+    that fits wins (ZNNi's memory-aware choice). When none fits, the one with the smallest workspace."""
     machine = _machine(machine)
-    preds = {p: predictions(geom, batch, machine, p, names, budget) for p in PASSES}
+    cap = _budget_bytes(budget)
+    preds = {p: predictions(geom, batch, machine, p, names, cap) for p in PASSES}
+    common = [n for n in preds["fwd"] if all(n in preds[p] for p in PASSES)]
+    from .partition import max_batch_partition
+
+    ws = {}
+    for n in common:
+        bp = max_batch_partition(get_strategy(n), geom, max(batch, 1), 4, cap) if batch > 1 else 1
+        ws[n] = int(priced_strategy(n).workspace_bytes(geom, bp, 4))
     if override:
         if not supports(get_strategy(override), geom):
             raise ValueError(f"lowering '{override}' cannot compute this convolution")
-        return LoweringPlan(override, override, override, preds, overridden=True)
-    common = [n for n in preds["fwd"] if all(n in preds[p] for p in PASSES)]
+        return Plan(override, override, override, preds, overridden=True, workspace=ws, budget=cap,
+                    fits=ws.get(override, 0) <= cap)
     if not common:
         raise ValueError("no lowering supports this convolution")
-    totals = {n: sum(preds[p][n] for p in PASSES) for n in common}
-    single = min(common, key=lambda n: (totals[n], n))
+    fitting = [n for n in common if ws[n] <= cap]
+    pool = fitting or [min(common, key=lambda n: (ws[n], n))]
+    totals = {n: sum(preds[p][n] for p in PASSES) for n in pool}
+    single = min(pool, key=lambda n: (totals[n], n))
+    plan = Plan(single, single, single, preds, workspace=ws, budget=cap, fits=bool(fitting))
     if per_pass:
-        best = {p: min(preds[p], key=lambda n, p=p: (preds[p][n], n)) for p in PASSES}
+        best = {p: min(pool, key=lambda n, p=p: (preds[p][n], n)) for p in PASSES}
         mixed = sum(preds[p][best[p]] for p in PASSES)
         if mixed < (1.0 - min_gain) * totals[single]:
-            return LoweringPlan(best["fwd"], best["bwd_data"], best["bwd_weights"], preds)
-    return LoweringPlan(single, single, single, preds)
+            plan = Plan(best["fwd"], best["bwd_data"], best["bwd_weights"], preds, workspace=ws, budget=cap,
+                        fits=bool(fitting))
+    return plan
+
+
+def choose_chunking(names: dict[str, str], geom: ConvGeometry, batch: int, threads: int,
+                    budget: int | str | None = None, partitions: int | None = None,
+                    machine_for: Callable[[int], Machine] | None = None) -> tuple[int, int, float]:
+    """``(partitions, b_p, predicted seconds)`` for running the passes ``names`` on ``batch`` images:
+    each candidate partition count ``p`` (or the given one) priced with the constants measured for
+    ``threads // p`` BLAS threads (counts without measured constants are skipped), its chunk size by
+    :func:`cost_model.best_batch_partition` within ``budget / p``. The one place both are decided."""
+    from .cost_model import detect_cache_bytes
+    from .partition import max_batch_partition, split
+
+    machine_for = machine_for or _machine_for_threads
+    cap = _budget_bytes(budget)
+    pool = [partitions] if partitions else _partition_candidates(threads, batch)
+    best: tuple[int, int, float] | None = None
+    for p in pool:
+        per = max(1, threads // p)
+        mach = machine_for(per)
+        if p > 1 and partitions is None and getattr(mach, "nominal", False):
+            continue  # no measured constants for this thread count: do not guess
+        if p > 1 and hasattr(mach, "cache_bytes"):  # concurrent partitions share the last-level cache
+            mach = dataclasses.replace(mach, cache_bytes=max(1, (mach.cache_bytes or detect_cache_bytes()) // p))
+        per_part = max((e - s for s, e in split(batch, p)), default=0) if batch else 0
+        if per_part < 1:
+            bp, t = 1, 0.0
+        else:
+            bp_cap = min(max_batch_partition(get_strategy(n), geom, per_part, 4, cap // p) for n in set(names.values()))
+            bp, t = best_batch_partition(names, geom, per_part, mach, "total", max_bp=bp_cap)
+        t += PARTITION_OVERHEAD_S * p if p > 1 else 0.0
+        if best is None or t < best[2]:
+            best = (p, bp, t)
+    return best if best is not None else (1, max(1, batch), 0.0)
+
+
+def _partition_candidates(threads: int, batch: int) -> tuple[int, ...]:
+    return tuple(sorted({p for p in (1, 2, 4, 8, 16, threads) if 1 <= p <= max(1, min(threads, batch))}))
+
+
+def _machine_for_threads(threads: int) -> Machine:
+    from .calibrate import load_machine
+
+    return load_machine(measure_if_missing=False, threads=threads)
+
+
+def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = None,
+                     override: str | None = None, budget: int | str | None = None,
+                     partitions: int | str = "model", threads: int | None = None, per_pass: bool = True,
+                     min_gain: float = 0.05, machine_for: Callable[[int], Machine] | None = None) -> Plan:
+    """The whole plan of one conv layer, chosen once: strategy per pass (:func:`choose_plan`), then
+    the partition count and ``b_p`` (:func:`choose_chunking`; ``partitions`` an int fixes the count,
+    ``"auto"`` leaves both to measurement by the executing wrapper: ``b_p = 0``)."""
+    from .. import blas
+
+    plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override,
+                       budget=budget)
+    if partitions == "auto":
+        return plan
+    total = int(threads or max(1, blas.get_num_threads()))
+    fixed = int(partitions) if isinstance(partitions, int) else (1 if total <= 1 or batch <= 1 else None)
+    if machine is not None and machine_for is None:
+        full = machine.threads
+
+        def machine_for(t: int, _m=machine, _full=full) -> Machine:
+            return _m if t == _full or getattr(_m, "nominal", False) else _machine_for_threads(t)
+    p, bp, _t = choose_chunking(plan.names, geom, batch, total, plan.budget, fixed, machine_for)
+    plan.partitions, plan.b_p = p, bp
+    names = set(plan.names.values())
+    plan.workspace.update({n: int(priced_strategy(n).workspace_bytes(geom, bp, 4)) * p for n in names})
+    return plan
 
 
 class PerPassLowering(LoweringStrategy):
@@ -194,8 +314,13 @@ class PerPassLowering(LoweringStrategy):
             else:
                 dx[...] = self.bwd_data.backward_data(dy, w, geom)
 
-    def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:
-        return self.fwd.cost(geom, batch, machine)
+    def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:
+        """The operations of ``pass_`` as its delegate declares them."""
+        return getattr(self, pass_).pass_ops(geom, batch, pass_)
+
+    def workspace_bytes(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
+        """The largest workspace of the three delegates."""
+        return max(int(s.workspace_bytes(geom, batch, itemsize)) for s in (self.fwd, self.bwd_data, self.bwd_weights))
 
 
 def _pretty(name: str) -> str:
@@ -233,6 +358,38 @@ def describe_choice(layer_name: str, name: str | LoweringPlan, preds: Mapping[st
         return head
     others = ", ".join(f"{_pretty(n)} {_ms(v)}" for n, v in sorted(preds.items()) if n != name)
     return f"{head} (predicted {pass_} {_ms(preds[name])} ms" + (f"; {others})" if others else ")")
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f} MiB"
+
+
+def describe_plan(layer_name: str, plan: Plan) -> str:
+    """The plan report of a conv layer (setup log, ``cct time``), e.g.
+    ``conv1: direct, b_p=64 p=1 (predicted 3.1 ms = fwd 1.0 + bwd_data 1.1 + bwd_weights 1.0, workspace
+    0.9 MiB of 4096.0 MiB; type 1 4.2 ms 12.0 MiB, fft 9.9 ms 30.1 MiB)``; a per-pass plan names each
+    pass's strategy; ``[override]``, ``[over budget]`` flag overrides and budget misses."""
+    names = plan.names
+    head = plan.single or ", ".join(f"{p} {_pretty(n)}" for p, n in names.items())
+    chunk = f", b_p={plan.b_p} p={plan.partitions}" if plan.b_p else ""
+    parts = " + ".join(f"{p} {_ms(plan.predictions[p][names[p]])}" for p in PASSES if names[p] in plan.predictions[p])
+    total = sum(plan.predictions[p].get(names[p], 0.0) for p in PASSES)
+    line = (f"{layer_name}: {_pretty(head)}{chunk} (predicted {_ms(total)} ms = {parts}, workspace "
+            f"{_mib(plan.chosen_workspace())} of {_mib(plan.budget)}")
+    others = []
+    for n in sorted(plan.predictions.get("fwd", {})):
+        if n in names.values() or not all(n in plan.predictions[p] for p in PASSES):
+            continue
+        t = sum(plan.predictions[p][n] for p in PASSES)
+        w = plan.workspace.get(n, 0)
+        flag = " over budget" if plan.budget and w > plan.budget else ""
+        others.append(f"{_pretty(n)} {_ms(t)} ms {_mib(w)}{flag}")
+    line += ("; " + ", ".join(others) if others else "") + ")"
+    if plan.overridden:
+        line += " [override]"
+    if not plan.fits:
+        line += " [over budget: no strategy fits]"
+    return line
 
 
 def parse_overrides(spec: str | None = None) -> dict[str, str]:

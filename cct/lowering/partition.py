@@ -53,7 +53,6 @@ from .geometry import ConvGeometry
 
 DEFAULT_FRACTION = 0.25
 MIN_BUDGET = 64 << 20
-PARTITION_OVERHEAD_S = 30e-6  # handing a partition to a worker thread and joining it
 
 
 def parse_bytes(text: str) -> int:
@@ -95,15 +94,12 @@ def memory_budget(budget: int | str | None = None) -> int:
 
 
 def workspace_bytes(strategy: LoweringStrategy, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
-    """Temporary memory of one pass of ``strategy`` on ``batch`` images."""
-    fn = getattr(strategy, "workspace_bytes", None)
-    if fn is not None:
-        return int(fn(geom, batch, itemsize))
-    from .cost_model import KNOWN_TYPES
-    from .cost_model import workspace_bytes as model_ws
-
-    name = strategy.name if strategy.name in KNOWN_TYPES else "type1"
-    return model_ws(name, geom, batch, itemsize)
+    """Temporary memory of one pass of ``strategy`` on ``batch`` images (0 when it does not declare it:
+    a hand-set strategy without a cost model is not held to the budget)."""
+    try:
+        return int(strategy.workspace_bytes(geom, batch, itemsize))
+    except NotImplementedError:
+        return 0
 
 
 def max_batch_partition(strategy: LoweringStrategy, geom: ConvGeometry, batch: int, itemsize: int = 4,
@@ -194,53 +190,30 @@ class BatchedLowering(IntoLowering):
             self._total_threads = max(1, blas.get_num_threads())
         return self._total_threads
 
-    def _machine_for(self, threads: int):
-        if self.machine is not None:
-            return self.machine
-        from .calibrate import load_machine
+    def _pass_names(self) -> dict[str, str] | None:
+        """The strategy run by each pass (a per-pass plan mixes them), or None if one has no cost model."""
+        from .cost_model import PASSES
 
-        return load_machine(measure_if_missing=False, threads=threads)
+        names = {}
+        for q in PASSES:
+            s = getattr(self.inner, q, None)
+            s = s if isinstance(s, LoweringStrategy) else self.inner
+            if not s.priced():
+                return None
+            names[q] = s.name
+        return names
 
-    def _pass_types(self) -> dict[str, str] | None:
-        """The cost-model type run by each pass (a per-pass plan mixes them), or None if unknown."""
-        from .cost_model import KNOWN_TYPES, PASSES
+    def _model_chunking(self, geom: ConvGeometry, batch: int, partitions: int | None) -> tuple[int, int, float]:
+        """``(p, b_p, predicted s)`` by the optimizer's one chooser (:func:`optimizer.choose_chunking`)."""
+        from .optimizer import choose_chunking
 
-        names = {q: getattr(getattr(self.inner, q, None), "name", self.inner.name) for q in PASSES}
-        return names if all(n in KNOWN_TYPES for n in names.values()) else None
-
-    def _model_bp(self, geom: ConvGeometry, per_part: int, cap_bp: int, threads: int,
-                  parts: int = 1) -> tuple[int, float]:
-        from .cost_model import batch_partition_candidates, chunked_seconds, detect_cache_bytes
-
-        types = self._pass_types()
-        if types is None:  # a lowering without a cost model: CcT's default, the largest chunk that fits
-            return cap_bp, 0.0
-        mach = self._machine_for(threads)
-        if parts > 1 and hasattr(mach, "cache_bytes"):  # concurrent partitions share the last-level cache
-            mach = dataclasses.replace(mach, cache_bytes=max(1, (mach.cache_bytes or detect_cache_bytes()) // parts))
-        best: tuple[int, float] | None = None
-        for bp in batch_partition_candidates(per_part, cap_bp):
-            t = sum(chunked_seconds(name, geom, per_part, bp, mach, q) for q, name in types.items())
-            if best is None or t < best[1] * (1 - 1e-9):
-                best = (bp, t)
-        return best if best is not None else (cap_bp, 0.0)
-
-    def _model_partitions(self, geom: ConvGeometry, batch: int, itemsize: int) -> int:
-        """The ``p`` with the least predicted time (each partition priced at ``threads // p`` threads)."""
-        total = self.total_threads()
-        if self._pass_types() is None or self.batch_partition != "auto" or total <= 1 or batch <= 1:
-            return 1
-        best_p, best_t = 1, None
-        for p in _default_candidates(total, batch):
-            per = max(1, total // p)
-            mach = self._machine_for(per)
-            if p > 1 and getattr(mach, "nominal", False):
-                continue  # no measured constants for this thread count: do not guess
-            plan = self.plan(geom, batch, itemsize, partitions=p)
-            t = plan["predicted_s"] + (PARTITION_OVERHEAD_S * p if p > 1 else 0.0)
-            if best_t is None or t < best_t:
-                best_p, best_t = p, t
-        return best_p
+        names = self._pass_names()
+        machine_for = (lambda t: self.machine) if self.machine is not None else None
+        if names is None:  # no cost model: CcT's default, the largest chunk that fits
+            p = partitions or 1
+            per_part = max((e - s for s, e in split(batch, p)), default=1)
+            return p, max_batch_partition(self.inner, geom, max(per_part, 1), 4, memory_budget(self.budget) // p), 0.0
+        return choose_chunking(names, geom, batch, self.total_threads(), self.budget, partitions, machine_for)
 
     def plan(self, geom: ConvGeometry, batch: int, itemsize: int = 4, partitions: int | None = None) -> dict:
         """``{"p": partitions, "b_p": images per GEMM, "ranges": [[(start, stop), ...] per partition]}``
@@ -251,7 +224,8 @@ class BatchedLowering(IntoLowering):
             elif self.partitions == "model":
                 key = ("p", geom, batch, itemsize)
                 if key not in self._chosen:
-                    self._chosen[key] = self._model_partitions(geom, batch, itemsize)
+                    model = batch > 1 and self.batch_partition == "auto" and self.total_threads() > 1
+                    self._chosen[key] = self._model_chunking(geom, batch, None)[0] if model else 1
                 partitions = self._chosen[key]
             else:
                 partitions = self._chosen.get((geom, batch, itemsize), 1)
@@ -262,16 +236,15 @@ class BatchedLowering(IntoLowering):
         p = max(1, min(partitions, batch)) if batch else 1
         parts = split(batch, p)
         per_part = max((e - s for s, e in parts), default=0)
-        predicted = None
-        if self.batch_partition in ("auto", "budget"):
-            cap = memory_budget(self.budget) // p
-            bp = max_batch_partition(self.inner, geom, max(per_part, 1), itemsize, cap)
-            if self.batch_partition == "auto" and per_part >= 1:
-                bp, predicted = self._model_bp(geom, per_part, bp, max(1, self.total_threads() // p), p)
+        predicted = 0.0
+        if self.batch_partition == "budget":
+            bp = max_batch_partition(self.inner, geom, max(per_part, 1), itemsize, memory_budget(self.budget) // p)
+        elif self.batch_partition == "auto":
+            _, bp, predicted = self._model_chunking(geom, batch, p)
         else:
             bp = min(int(self.batch_partition), max(per_part, 1))
-        out = {"p": p, "b_p": bp, "ranges": [chunks(s, e, bp) for s, e in parts]}
-        out["predicted_s"] = predicted if predicted is not None else 0.0
+        out = {"p": p, "b_p": max(1, bp), "ranges": [chunks(s, e, max(1, bp)) for s, e in parts],
+               "predicted_s": predicted}
         self._plans[key] = out
         return out
 
@@ -456,11 +429,6 @@ class BatchedLowering(IntoLowering):
                 if db is not None:
                     db += adb
 
-    def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:
-        """Inner cost summed over the chunks of one partition (partitions run concurrently)."""
-        plan = self.plan(geom, batch)
-        return sum(self.inner.cost(geom, e - s, machine) for s, e in plan["ranges"][0])
-
     def __repr__(self) -> str:
         return f"<lowering {self.name} b_p={self.batch_partition} p={self.partitions}>"
 
@@ -488,8 +456,9 @@ def caffe_mode(inner: LoweringStrategy) -> BatchedLowering:
 
 
 def _default_candidates(threads: int, batch: int) -> tuple[int, ...]:
-    c = sorted({p for p in (1, 2, 4, 8, 16, threads) if 1 <= p <= max(1, min(threads, batch))})
-    return tuple(c)
+    from .optimizer import _partition_candidates
+
+    return _partition_candidates(threads, batch)
 
 
 def _partition_cache_name() -> str:

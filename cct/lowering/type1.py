@@ -29,6 +29,7 @@ from typing import Any
 from .. import blas
 from ..backend import get_array_module
 from .base import IntoLowering, register_strategy
+from .gemm_ops import GemmLoweringOps
 from .geometry import ConvGeometry
 from .im2col import col2im, im2col
 
@@ -56,10 +57,15 @@ def _group_major(a: Any, n: int, g: int, per_group: int, p: int, out: Any = None
     return out.reshape(g, per_group, n * p)
 
 
-class Type1Lowering(IntoLowering):
+class Type1Lowering(GemmLoweringOps, IntoLowering):
     """im2col over the batch, one GEMM per group, trivial lifting (see module docstring)."""
 
     name = "type1"
+    im2col = True
+
+    def lowered_axes(self, geom: ConvGeometry) -> tuple[int, ...]:
+        """Every spatial axis (im2col)."""
+        return tuple(range(geom.num_spatial))
 
     def __init__(self) -> None:
         self._tls = threading.local()

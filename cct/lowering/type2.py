@@ -30,48 +30,25 @@ from typing import Any
 from .. import blas
 from ..backend import get_array_module
 from .base import LoweringStrategy, register_strategy
+from .gemm_ops import GemmLoweringOps
 from .geometry import ConvGeometry
 
 
-class PartialLowering(LoweringStrategy):
+class PartialLowering(GemmLoweringOps, LoweringStrategy):
     """Lower the spatial axes in ``lowered_axes(geom)``, lift the others (see module doc)."""
 
     name = "partial"
-
-    # -- which axes -----------------------------------------------------------------------
-    def lowered_axes(self, geom: ConvGeometry) -> tuple[int, ...]:
-        """Spatial axes (0-based) replicated in the lowering; the rest are lifted."""
-        raise NotImplementedError
 
     def supports(self, geom: ConvGeometry) -> bool:
         """Whether this lowering can compute ``geom`` (any N-d conv with >= 1 spatial axis)."""
         return geom.num_spatial >= 1
 
-    # -- shapes ----------------------------------------------------------------------------
     def plan(self, geom: ConvGeometry, batch: int) -> dict:
-        """Matrix shapes of this lowering for ``batch`` images (per group) and element counts."""
-        low = set(self.lowered_axes(geom))
-        nd = geom.num_spatial
-        ext = geom.used_extent
-        k_low = math.prod(geom.kernel[i] for i in range(nd) if i in low)
-        k_lift = math.prod(geom.kernel[i] for i in range(nd) if i not in low)
-        cols = batch * math.prod(geom.out_shape[i] if i in low else ext[i] for i in range(nd))
-        cg = geom.channels_in // geom.group
-        mg = geom.channels_out // geom.group
-        return {
-            "k_low": k_low, "k_lift": k_lift, "cols": cols,
-            "data": (cg * k_low, cols),  # lowered data, per group
-            "kernel": (mg * k_lift, cg * k_low),  # lowered kernel, per group
-            "result": (mg * k_lift, cols),  # GEMM output, per group
-            "padded": batch * geom.channels_in * math.prod(ext),
-        }
-
-    def workspace_bytes(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
-        """Peak temporary memory of one pass on ``batch`` images (lowered data + GEMM result)."""
-        p = self.plan(geom, batch)
-        data = geom.group * p["data"][0] * p["data"][1]
-        res = p["result"][0] * p["result"][1]  # one group's result at a time
-        return int(itemsize * (data + res + p["padded"]))
+        """Matrix shapes of this lowering for ``batch`` images (per group), from :class:`LoweringShape`."""
+        t = self.shape(geom, batch)
+        f = t.figure6()
+        return {"k_low": t.k_low, "k_lift": t.k_lift, "cols": t.cols, "data": f["lowered_data"],
+                "kernel": f["lowered_kernel"], "result": f["gemm_output"], "padded": t.C * t.E}
 
     # -- helpers -----------------------------------------------------------------------------
     def _layout(self, geom: ConvGeometry):
@@ -272,12 +249,6 @@ class PartialLowering(LoweringStrategy):
             km = blas.gemm(rb2, dg, trans_b=True)
             dw[gi * mg:(gi + 1) * mg] = self._kernel_from_matrix(km, geom)
         return dw, db
-
-    def cost(self, geom: ConvGeometry, batch: int, machine: Any = None) -> float:
-        """Predicted seconds of one forward pass (``cct.lowering.cost_model``)."""
-        from .cost_model import predict_seconds
-
-        return predict_seconds(self.name, geom, batch, machine, pass_="fwd")
 
 
 class Type2Lowering(PartialLowering):

@@ -1,0 +1,55 @@
+"""Measured throughput of the non-GEMM convolution primitives the cost model prices.
+
+:func:`measure_rates` times, on the calling thread's BLAS/kernel thread counts (well under a
+second once numba's cached machine code is loaded):
+
+* ``direct_gflops`` -- the direct-convolution kernel (:mod:`cct.kernels.direct`) on a thin layer
+  (2 flops per multiply-add), the numpy path when the kernels are off;
+* ``fft_gflops`` -- ``scipy.fft`` real transforms of conv-sized planes, in nominal FFT flops
+  (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
+* ``cgemm_gflops`` -- the stacked complex GEMMs of FFT convolution's channel sums (8 real flops
+  per complex multiply-add).
+
+Each point keeps the best of a few runs. :func:`cct.lowering.calibrate.calibrate` stores them in
+the :class:`~cct.lowering.cost_model.Machine`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import blas
+from .geometry import ConvGeometry
+
+
+def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
+    o = n - k + 1 + 2 * (k // 2)
+    return ConvGeometry(c, m, 1, (n, n), (k, k), (k // 2, k // 2), (1, 1), (1, 1), (o, o), False)
+
+
+def measure_rates(repeats: int = 3) -> dict[str, float]:
+    """``{"direct_gflops", "fft_gflops", "cgemm_gflops"}`` of this machine (see module docstring)."""
+    import scipy.fft as sfft
+
+    from .direct import DirectConvolution
+    from .fft import _fft_flops
+
+    rng = np.random.default_rng(0)
+    g = _geom(16, 16, 16, 3)
+    x = rng.standard_normal((8, 16, 16, 16), dtype=np.float32)
+    w = rng.standard_normal(g.weight_shape, dtype=np.float32)
+    direct = DirectConvolution()
+    direct.forward(x, w, None, g)  # compile / load the kernel
+    t = blas.best_time(lambda: direct.forward(x, w, None, g), repeats)
+    macs = 8 * 16 * 16 * 9 * g.out_size
+    direct_gflops = 2.0 * macs / t / 1e9
+
+    planes = rng.standard_normal((64, 16, 18, 18), dtype=np.float32)
+    workers = max(1, blas.get_num_threads())
+    t = blas.best_time(lambda: sfft.rfftn(planes, s=(18, 18), axes=(2, 3), workers=workers), repeats)
+    fft_gflops = 64 * 16 * _fft_flops((18, 18), (18, 18)) / t / 1e9
+
+    a = (rng.standard_normal((90, 32, 64)) + 1j * rng.standard_normal((90, 32, 64))).astype(np.complex64)
+    b = (rng.standard_normal((90, 64, 64)) + 1j * rng.standard_normal((90, 64, 64))).astype(np.complex64)
+    t = blas.best_time(lambda: np.matmul(a, b), repeats)
+    cgemm_gflops = 8.0 * 90 * 32 * 64 * 64 / t / 1e9
+    return {"direct_gflops": direct_gflops, "fft_gflops": fft_gflops, "cgemm_gflops": cgemm_gflops}
