@@ -15,6 +15,7 @@ For numpy float arrays MAX and AVE (and the STOCHASTIC TRAIN backward) run compi
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ def pooled_size(size: int, kernel: int, pad: int, stride: int, padded: bool | No
 
 @register("Pooling")
 class PoolingLayer(Layer):
-    """Caffe's Pooling layer on 4-D blobs ``(N, C, H, W)``."""
+    """Caffe's Pooling layer on 4-D blobs ``(N, C, H, W)``, and 3-D pooling of 5-D ``(N, C, D, H, W)`` ones."""
 
     param_fields = ("pooling_param",)
     exact_num_bottom = 1
@@ -84,9 +85,11 @@ class PoolingLayer(Layer):
         has_s, has_sh, has_sw = p.HasField("stride"), p.HasField("stride_h"), p.HasField("stride_w")
         if not ((not has_s and has_sh and has_sw) or (not has_sh and not has_sw)):
             raise self.error("Stride is stride OR stride_h and stride_w are required.")
+        # 5-D bottoms (3-D pooling, ZNNi's volumes) take the scalar forms for every spatial axis
+        self._uniform = not (has_kh or has_ph or has_sh)
         if self.global_pooling:
-            self._check_4d(bottom[0])
-            self.kernel = (bottom[0].shape[2], bottom[0].shape[3])
+            self._check_axes(bottom[0])
+            self.kernel = tuple(bottom[0].shape[2:])
         elif has_k:
             self.kernel = (int(p.kernel_size), int(p.kernel_size))
         else:
@@ -97,12 +100,12 @@ class PoolingLayer(Layer):
         self.stride = (int(p.stride_h), int(p.stride_w)) if has_sh else (int(p.stride), int(p.stride))
         if min(self.stride) <= 0:
             raise self.error(f"stride must be > 0 (stride {list(self.stride)})")
-        if self.global_pooling and (self.pad != (0, 0) or self.stride != (1, 1)):
+        if self.global_pooling and (any(self.pad) or any(s != 1 for s in self.stride)):
             raise self.error("With Global_pooling: true; only pad = 0 and stride = 1")
-        if self.pad != (0, 0):
+        if any(self.pad):
             if self.method not in (_PP.AVE, _PP.MAX):
                 raise self.error("Padding implemented only for average and max pooling.")
-            if self.pad[0] >= self.kernel[0] or self.pad[1] >= self.kernel[1]:
+            if any(p >= k for p, k in zip(self.pad, self.kernel)):
                 raise self.error(f"pad {list(self.pad)} must be smaller than the kernel {list(self.kernel)}")
         self.round_mode = p.round_mode
         if self.round_mode not in (_PP.CEIL, _PP.FLOOR):
@@ -113,67 +116,74 @@ class PoolingLayer(Layer):
         self.arg = None
         self.pool_size = None
 
-    def _check_4d(self, blob: Blob) -> None:
-        if blob.num_axes != 4:
-            raise self.error("Input must have 4 axes, corresponding to (num, channels, height, width); "
-                             f"got shape {list(blob.shape)}")
+    def _check_axes(self, blob: Blob) -> None:
+        if blob.num_axes == 5 and not self._uniform:
+            raise self.error("3-D pooling (5-D bottom) takes kernel_size, pad and stride for every spatial axis "
+                             "(not the _h/_w forms)")
+        if blob.num_axes not in (4, 5):
+            raise self.error("Input must have 4 axes, corresponding to (num, channels, height, width), or 5 "
+                             f"(num, channels, depth, height, width); got shape {list(blob.shape)}")
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        self._check_4d(bottom[0])
-        n, c, h, w = bottom[0].shape
+        self._check_axes(bottom[0])
+        shape = tuple(bottom[0].shape)
+        n, c, spatial = shape[0], shape[1], shape[2:]
+        nd = len(spatial)
         if self.global_pooling:
-            self.kernel = (h, w)
-        (kh, kw), (ph, pw), (sh, sw) = self.kernel, self.pad, self.stride
-        padded = (ph, pw) != (0, 0)  # Caffe applies the drop rule to both axes if either is padded
-        oh = pooled_size(h, kh, ph, sh, padded, self.round_mode)
-        ow = pooled_size(w, kw, pw, sw, padded, self.round_mode)
-        if oh <= 0 or ow <= 0:
-            raise self.error(f"kernel {list(self.kernel)} too large for the input {h}x{w} (pad {list(self.pad)})")
-        self.in_hw = (h, w)
-        self.out_hw = (oh, ow)
+            self.kernel = spatial
+        elif len(self.kernel) != nd:  # the scalar forms, repeated per spatial axis
+            self.kernel, self.pad, self.stride = ((v[0],) * nd for v in (self.kernel, self.pad, self.stride))
+        padded = any(self.pad)  # Caffe applies the drop rule to every axis if any is padded
+        out = tuple(pooled_size(i, k, p, s, padded, self.round_mode)
+                    for i, k, p, s in zip(spatial, self.kernel, self.pad, self.stride))
+        if any(o <= 0 for o in out):
+            raise self.error(f"kernel {list(self.kernel)} too large for the input {'x'.join(map(str, spatial))} "
+                             f"(pad {list(self.pad)})")
+        self.in_hw = spatial
+        self.out_hw = out
         for t in top:
-            t.reshape((n, c, oh, ow))
+            t.reshape((n, c) + out)
         # Padded working extent: every window fits, and the input sits at offset pad.
-        self.ext = (max(h + ph, (oh - 1) * sh + kh), max(w + pw, (ow - 1) * sw + kw))
+        self.ext = tuple(max(i + p, (o - 1) * s + k)
+                         for i, k, p, s, o in zip(spatial, self.kernel, self.pad, self.stride, out))
         if self.method == _PP.AVE:
             xp = bottom[0].xp
-            hs = np.arange(oh) * sh - ph
-            ws = np.arange(ow) * sw - pw
-            area_h = np.minimum(hs + kh, h + ph) - hs
-            area_w = np.minimum(ws + kw, w + pw) - ws
-            self.pool_size = xp.asarray(np.outer(area_h, area_w).astype(bottom[0].dtype))
+            size = np.ones((), dtype=np.int64)
+            for i, k, p, s, o in zip(spatial, self.kernel, self.pad, self.stride, out):
+                starts = np.arange(o) * s - p
+                size = np.multiply.outer(size, np.minimum(starts + k, i + p) - starts)
+            self.pool_size = xp.asarray(size.astype(bottom[0].dtype))
 
     # -- helpers -------------------------------------------------------------------
     def _offsets(self):
-        kh, kw = self.kernel
-        for i in range(kh):
-            for j in range(kw):
-                yield i, j
+        return itertools.product(*(range(k) for k in self.kernel))
 
-    def _win(self, i: int, j: int) -> tuple:
-        (oh, ow), (sh, sw) = self.out_hw, self.stride
-        return (Ellipsis, slice(i, i + (oh - 1) * sh + 1, sh), slice(j, j + (ow - 1) * sw + 1, sw))
+    def _win(self, off: tuple) -> tuple:
+        return (Ellipsis,) + tuple(slice(i, i + (o - 1) * s + 1, s) for i, o, s in zip(off, self.out_hw, self.stride))
 
     def _padded(self, x, fill: float):
         xp = self.xp
-        n, c, h, w = x.shape
-        (ph, pw), (eh, ew) = self.pad, self.ext
-        if (ph, pw) == (0, 0) and (eh, ew) == (h, w):
+        if not any(self.pad) and tuple(self.ext) == tuple(x.shape[2:]):
             return x
-        buf = xp.full((n, c, eh, ew), fill, dtype=x.dtype)
-        buf[:, :, ph:ph + h, pw:pw + w] = x
+        buf = xp.full(x.shape[:2] + tuple(self.ext), fill, dtype=x.dtype)
+        buf[(slice(None), slice(None)) + tuple(slice(p, p + i) for p, i in zip(self.pad, self.in_hw))] = x
         return buf
 
     def _crop(self, buf):
-        (ph, pw), (h, w) = self.pad, self.in_hw
-        return buf[:, :, ph:ph + h, pw:pw + w]
+        return buf[(slice(None), slice(None)) + tuple(slice(p, p + i) for p, i in zip(self.pad, self.in_hw))]
 
-    def _valid(self, i: int, j: int):
-        """Mask (OH, OW) of windows whose offset (i, j) lies inside the (unpadded) input."""
-        (oh, ow), (sh, sw), (ph, pw), (h, w) = self.out_hw, self.stride, self.pad, self.in_hw
-        rows = np.arange(oh) * sh - ph + i
-        cols = np.arange(ow) * sw - pw + j
-        return self.xp.asarray(((rows >= 0) & (rows < h))[:, None] & ((cols >= 0) & (cols < w))[None, :])
+    def _starts(self):
+        """Per axis, the window starts in input coordinates, shaped to broadcast over the output."""
+        nd = len(self.out_hw)
+        return [(np.arange(o) * s - p).reshape((o,) + (1,) * (nd - 1 - a))
+                for a, (o, s, p) in enumerate(zip(self.out_hw, self.stride, self.pad))]
+
+    def _valid(self, off: tuple):
+        """Mask over the output of windows whose offset ``off`` lies inside the (unpadded) input."""
+        ok = True
+        for st, i, n in zip(self._starts(), off, self.in_hw):
+            ok = ok & (st + i >= 0) & (st + i < n)
+        return self.xp.asarray(ok)
 
     # -- forward ---------------------------------------------------------------------
     def _kernels(self, *arrays):
@@ -185,7 +195,7 @@ class PoolingLayer(Layer):
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         self.xp = bottom[0].xp
         x = bottom[0].data
-        km = self._kernels(x, top[0].data, self.pool_size) if self.method == _PP.AVE else None
+        km = self._kernels(x, top[0].data, self.pool_size) if self.method == _PP.AVE and x.ndim == 4 else None
         if km is not None:
             km.ave_forward(x, top[0].data, self.pool_size, self.kernel, self.pad, self.stride)
         elif self.method == _PP.MAX:
@@ -194,8 +204,8 @@ class PoolingLayer(Layer):
             xpad = self._padded(x, 0.0)
             out = top[0].data
             out[...] = 0
-            for i, j in self._offsets():
-                out += xpad[self._win(i, j)]
+            for off in self._offsets():
+                out += xpad[self._win(off)]
             with np.errstate(divide="ignore", invalid="ignore"):  # empty windows (stride > kernel), as Caffe
                 out /= self.pool_size
         elif self.phase == caffe_pb2.TRAIN:
@@ -204,8 +214,8 @@ class PoolingLayer(Layer):
             xpad = self._padded(x, 0.0)
             s1 = self.xp.full(top[0].shape, _FLT_MIN, dtype=x.dtype)
             s2 = self.xp.zeros(top[0].shape, dtype=x.dtype)
-            for i, j in self._offsets():
-                v = xpad[self._win(i, j)]
+            for off in self._offsets():
+                v = xpad[self._win(off)]
                 s1 += v
                 s2 += v * v
             self.test_sum = s1
@@ -214,7 +224,7 @@ class PoolingLayer(Layer):
     def _forward_max(self, x, top) -> None:
         xp = self.xp
         best = top[0].data
-        km = self._kernels(x, best)
+        km = self._kernels(x, best) if x.ndim == 4 else None
         if km is not None:
             arg = self.arg
             if not isinstance(arg, np.ndarray) or arg.shape != best.shape:
@@ -225,37 +235,39 @@ class PoolingLayer(Layer):
             best[...] = -_FLT_MAX
             arg = xp.full(best.shape, -1, dtype=np.int32)
             k = 0
-            for i, j in self._offsets():
-                v = xpad[self._win(i, j)]
+            for off in self._offsets():
+                v = xpad[self._win(off)]
                 better = v > best
                 xp.copyto(best, v, where=better)
                 xp.copyto(arg, np.int32(k), where=better)
                 k += 1
         self.arg = arg
         if len(top) > 1:
-            (oh, ow), (sh, sw), (ph, pw), kw = self.out_hw, self.stride, self.pad, self.kernel[1]
-            w = self.in_hw[1]
-            hs = xp.asarray(np.arange(oh) * sh - ph)[:, None]
-            ws = xp.asarray(np.arange(ow) * sw - pw)[None, :]
-            flat = (hs + arg // kw) * w + ws + arg % kw
+            offs, rest = [], arg  # the window offset per axis of each maximum (row-major in the window)
+            for k in reversed(self.kernel):
+                offs.insert(0, rest % k)
+                rest = rest // k
+            flat = 0
+            for st, o, n in zip(self._starts(), offs, self.in_hw):  # flat input index, row-major
+                flat = flat * n + xp.asarray(st) + o
             top[1].data[...] = xp.where(arg >= 0, flat, -1)
 
     def _forward_stochastic_train(self, x, out) -> None:
         xp = self.xp
         xpad = self._padded(x, 0.0)
         total = xp.zeros(out.shape, dtype=x.dtype)
-        for i, j in self._offsets():
-            total += xpad[self._win(i, j)]
+        for off in self._offsets():
+            total += xpad[self._win(off)]
         u = xp.asarray(rng.get_rng().random(out.shape).astype(x.dtype))
         thres = u * total
         cum = xp.zeros(out.shape, dtype=x.dtype)
         arg = xp.full(out.shape, -1, dtype=np.int32)
         out[...] = 0
         k = 0
-        for i, j in self._offsets():
-            v = xpad[self._win(i, j)]
+        for off in self._offsets():
+            v = xpad[self._win(off)]
             cum += v
-            take = (cum >= thres) & (arg < 0) & self._valid(i, j)
+            take = (cum >= thres) & (arg < 0) & self._valid(off)
             xp.copyto(out, v, where=take)
             xp.copyto(arg, np.int32(k), where=take)
             k += 1
@@ -267,37 +279,36 @@ class PoolingLayer(Layer):
             return
         self.xp = xp = bottom[0].xp
         dy = top[0].diff
-        if self.method == _PP.AVE:
+        if self.method == _PP.AVE and dy.ndim == 4:
             km = self._kernels(dy, bottom[0].diff, self.pool_size)
             if km is not None:
                 km.ave_backward(dy, self.pool_size, bottom[0].diff, self.kernel, self.pad, self.stride)
                 return
-        elif isinstance(self.arg, np.ndarray) and self.arg.shape == dy.shape:
+        elif isinstance(self.arg, np.ndarray) and self.arg.shape == dy.shape and dy.ndim == 4:
             km = self._kernels(dy, bottom[0].diff) if self.arg.flags.c_contiguous else None
             if km is not None:
                 km.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
                 return
-        n, c, h, w = bottom[0].shape
-        acc = xp.zeros((n, c) + self.ext, dtype=dy.dtype)
+        acc = xp.zeros(tuple(bottom[0].shape[:2]) + tuple(self.ext), dtype=dy.dtype)
         if self.method == _PP.AVE:
             with np.errstate(divide="ignore", invalid="ignore"):
                 g = dy / self.pool_size
-            for i, j in self._offsets():
-                acc[self._win(i, j)] += g
+            for off in self._offsets():
+                acc[self._win(off)] += g
         elif self.method == _PP.MAX or self.phase == caffe_pb2.TRAIN:
             if self.arg is None:
                 raise self.error("backward called before forward")
             zero = xp.zeros((), dtype=dy.dtype)
             k = 0
-            for i, j in self._offsets():
-                acc[self._win(i, j)] += xp.where(self.arg == k, dy, zero)
+            for off in self._offsets():
+                acc[self._win(off)] += xp.where(self.arg == k, dy, zero)
                 k += 1
         else:  # STOCHASTIC, TEST: y = sum(x^2) / sum(x) -> dy/dx = (2x - y) / sum(x)
             x = bottom[0].data
             xpad = self._padded(x, 0.0)
             g = dy / self.test_sum
             y = top[0].data
-            for i, j in self._offsets():
-                v = xpad[self._win(i, j)]
-                acc[self._win(i, j)] += g * (2 * v - y)
+            for off in self._offsets():
+                v = xpad[self._win(off)]
+                acc[self._win(off)] += g * (2 * v - y)
         bottom[0].diff[...] = self._crop(acc)
