@@ -1,4 +1,4 @@
-"""Figure 8 of the CcT paper: lowering types 1/2/3 as the input (d) and output (o) channels vary.
+"""Figure 8 of the CcT paper: the convolution strategies as the input (d) and output (o) channels vary.
 
 For each point of two sweeps -- (a) d varies at fixed o, (b) o varies at fixed d, with n, k,
 batch fixed -- this measures each lowering's time per pass, predicts it with the calibrated
@@ -9,7 +9,9 @@ model picks for it (``BatchedLowering``, one partition), compared by chunked pre
 and 3 have no per-chunk entry points, so their chunks pay a copy the model does not price). It reports the
 fraction of points where the pick is the measured-fastest type (target >= 90%) and the worst
 slowdown of the pick over the measured-fastest (target <= 10%), plus the same with a 5% tie
-tolerance.
+tolerance. The strategies are lowering types 1-3, direct and FFT convolution (``--types``);
+``--extended`` adds thin-channel, 1x1 and large-kernel (k = 7, 11) points (issue 12's Figure 8
+extension).
 
     python benchmarks/bench_lowering.py --quick        # smoke run (~1 min on 2 cores)
     python benchmarks/bench_lowering.py                # full sweep (quiet machine)
@@ -53,6 +55,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep-env", action="store_true", help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
     ap.add_argument("--recalibrate", action="store_true", help="re-measure the cost-model constants")
+    ap.add_argument("--types", default="type1,type2,type3,direct,fft",
+                    help="comma-separated strategies to measure and pick among")
+    ap.add_argument("--extended", action="store_true",
+                    help="add thin-channel, 1x1 and large-kernel (k = 7, 11) points to the d/o sweeps")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/lowering[_quick].json)")
     args = ap.parse_args(argv)
     removed = common.reexec_clean(keep_env=args.keep_env)
@@ -85,46 +91,52 @@ def main(argv=None) -> int:
     machine = cal.calibrate() if args.recalibrate else cal.load_machine()
     print(f"# cost model: machine {machine.key} threads {machine.threads} "
           f"({'nominal' if machine.nominal else 'calibrated'})")
-    types = ["type1", "type2", "type3"]
+    types = args.types.split(",")
     rng = np.random.default_rng(0)
     points = []
-    for sweep, var in (("a: vary d", "d"), ("b: vary o", "o")):
-        for v in values:
-            d, o = (v, fixed) if var == "d" else (fixed, v)
-            geom = common.conv_geom(args.n, args.k, d, o, pad=args.pad)
-            x = rng.standard_normal((batch, d, args.n, args.n), dtype=np.float32)
-            w = (rng.standard_normal(geom.weight_shape, dtype=np.float32) * 0.01).astype(np.float32)
-            b = np.zeros(o, np.float32)
-            dy = rng.standard_normal((batch, o) + geom.out_shape, dtype=np.float32)
-            for p in passes:
-                strategies = {t: BatchedLowering(get_strategy(t), batch_partition="auto", partitions=1)
-                              if args.chunked else get_strategy(t) for t in types}
-                fns = {t: functools.partial(run_pass, strategies[t], p, x, w, b, dy, geom) for t in types}
-                for fn in fns.values():  # warm-up
-                    fn()
-                # round-robin repeats, best of each: load bursts from other processes hit all types alike
-                meas = {t: float("inf") for t in types}
-                for _ in range(repeats):
-                    for t in types:
-                        meas[t] = min(meas[t], common.time_call(fns[t], repeats=1, warmup=0)["best"])
-                if args.chunked:  # what the engine's optimizer compares: each type in its cost-model chunks
-                    pred = opt.predictions(geom, batch, machine, p, names=types)
-                else:
-                    pred = {t: predict_seconds(t, geom, batch, machine, p) for t in types}
-                pick = min(pred, key=lambda t: (pred[t], t))
-                fastest = min(meas, key=meas.get)
-                points.append({"sweep": sweep, "d": d, "o": o, "pass": p, "measured": meas, "predicted": pred,
-                               "pick": pick, "fastest": fastest, "slowdown": meas[pick] / meas[fastest] - 1.0})
+    cases = [(sweep, args.n, args.k, args.pad, *((v, fixed) if var == "d" else (fixed, v)))
+             for sweep, var in (("a: vary d", "d"), ("b: vary o", "o")) for v in values]
+    if args.extended:  # Figure 8 extended: thin channels, 1x1, large kernels
+        thin = [4, 8] if args.quick else [3, 4, 8, 16]
+        cases += [("thin", args.n, args.k, args.pad, c, c) for c in thin]
+        cases += [("1x1", args.n, 1, 0, d, o) for d, o in ((fixed, fixed // 2), (fixed // 2, fixed))]
+        cases += [(f"k{k}", max(args.n, k + 2), k, k // 2, d, o) for k in (7, 11) for d, o in ((16, 32), (64, 64))]
+    for sweep, n_in, k, pad, d, o in cases:
+        geom = common.conv_geom(n_in, k, d, o, pad=pad)
+        x = rng.standard_normal((batch, d, n_in, n_in), dtype=np.float32)
+        w = (rng.standard_normal(geom.weight_shape, dtype=np.float32) * 0.01).astype(np.float32)
+        b = np.zeros(o, np.float32)
+        dy = rng.standard_normal((batch, o) + geom.out_shape, dtype=np.float32)
+        for p in passes:
+            strategies = {t: BatchedLowering(get_strategy(t), batch_partition="auto", partitions=1)
+                          if args.chunked else get_strategy(t) for t in types}
+            fns = {t: functools.partial(run_pass, strategies[t], p, x, w, b, dy, geom) for t in types}
+            for fn in fns.values():  # warm-up
+                fn()
+            # round-robin repeats, best of each: load bursts from other processes hit all types alike
+            meas = {t: float("inf") for t in types}
+            for _ in range(repeats):
+                for t in types:
+                    meas[t] = min(meas[t], common.time_call(fns[t], repeats=1, warmup=0)["best"])
+            if args.chunked:  # what the engine's optimizer compares: each type in its cost-model chunks
+                pred = opt.predictions(geom, batch, machine, p, names=types)
+            else:
+                pred = {t: predict_seconds(t, geom, batch, machine, p) for t in types}
+            pick = min(pred, key=lambda t: (pred[t], t))
+            fastest = min(meas, key=meas.get)
+            points.append({"sweep": sweep, "n": n_in, "k": k, "d": d, "o": o, "pass": p, "measured": meas,
+                           "predicted": pred, "pick": pick, "fastest": fastest,
+                           "slowdown": meas[pick] / meas[fastest] - 1.0})
 
     rows = []
     for pt in points:
-        rows.append([pt["sweep"][0], pt["d"], pt["o"], f"{pt['d'] / pt['o']:.3g}", pt["pass"]]
+        rows.append([pt["sweep"].split(":")[0], pt["k"], pt["d"], pt["o"], f"{pt['d'] / pt['o']:.3g}", pt["pass"]]
                     + [f"{pt['measured'][t] * 1e3:.2f}/{pt['predicted'][t] * 1e3:.2f}" for t in types]
                     + [pt["pick"], pt["fastest"], f"{pt['slowdown'] * 100:.1f}%"])
     mode = "cost-model chunks (BatchedLowering, 1 partition)" if args.chunked else "whole batch per call"
     print(f"\nFigure 8: n={args.n} k={args.k} pad={args.pad} batch={batch} fixed={fixed}, {mode}; "
           "times in ms, measured/predicted")
-    common.print_table(["fig", "d", "o", "d/o", "pass"] + [f"{t} ms" for t in types]
+    common.print_table(["fig", "k", "d", "o", "d/o", "pass"] + [f"{t} ms" for t in types]
                        + ["pick", "fastest", "slowdown"], rows)
     n = len(points)
     hits = sum(pt["pick"] == pt["fastest"] for pt in points)
@@ -139,7 +151,8 @@ def main(argv=None) -> int:
     path = common.write_json("lowering_quick" if args.quick else "lowering",
                              {"config": {"n": args.n, "k": args.k, "pad": args.pad, "batch": batch, "fixed": fixed,
                                          "values": values, "passes": passes, "repeats": repeats,
-                                         "chunked": bool(args.chunked)},
+                                         "chunked": bool(args.chunked), "types": types,
+                                         "extended": bool(args.extended)},
                               "environment": rep, "machine": machine.to_json(), "points": points,
                               "summary": summary}, args.out)
     print(f"wrote {path}")
