@@ -13,7 +13,8 @@ iteration, SE = iterations to the target, time = their product as measured. The 
 from the fully asynchronous run (t_fc and t_conv(1) medians) and predicts every g; the lines for 9
 and 33 ranks are the model alone (marked), with an assumed network. The implicit momentum table fits
 ``V(t+1) = m V(t) - eta' grad(W(t))`` to the conv model trajectory of a convex problem (logistic
-regression as a convolution, no FC tail) on real ranks with explicit momentum 0, averaged over runs,
+regression as a convolution, no FC tail, the whole data set as the batch so that the only randomness
+is the ranks' timing) on real ranks with explicit momentum 0, averaged over runs,
 beside the event-driven simulation for larger g and the prediction 1 - 1/g.
 
 All ranks share this machine's cores: with more ranks than cores, k ranks in a group do not run k
@@ -76,7 +77,7 @@ def solver_param(model: str, d: Path):
 
         text_format.Merge(f'''name: "convex"
 layer {{ name: "d" type: "HDF5Data" top: "data" top: "label"
-        hdf5_data_param {{ source: "{d}/convex_list.txt" batch_size: 16 }} }}
+        hdf5_data_param {{ source: "{d}/convex_list.txt" batch_size: 256 }} }}
 layer {{ name: "conv" type: "Convolution" bottom: "data" top: "conv"
         convolution_param {{ num_output: 3 kernel_size: 6 weight_filler {{ type: "constant" }} }} }}
 layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "conv" bottom: "label" top: "loss" }}''', net)
@@ -164,17 +165,22 @@ def bench_model(comm, model: str, d: Path, quick: bool) -> dict:
     class Runner(MPITrialRunner):
         def train(self, g, mu, lr_, iters):
             left = iters
+            state, done = server.checkpoint(), len(trained)
             while left > 0:
                 res = server.run_phase(g, mu, lr_, min(20, left))
                 left -= len(res.losses)
                 trained.extend(res.losses)
+                if not np.all(np.isfinite(res.losses)):
+                    server.restore(state)
+                    del trained[done:]
+                    return float("nan")
                 if np.mean(trained[-20:]) <= target or len(trained) >= max_iters:
                     raise _Reached
             return float(np.mean(trained[-20:]))
 
     epoch = 100 if quick else 200
     opt = OmnivoreOptimizer(Runner(server), n_conv, epoch_iters=epoch, he=he, cold_start_iters=epoch // 2,
-                            trial_iters=10)
+                            trial_iters=20)
     try:
         opt.run(max_iters)
     except _Reached:
@@ -201,7 +207,7 @@ def bench_momentum(comm, d: Path, quick: bool) -> dict:
     server = OmnivoreServer(solver, comm)
     net = solver.net
     start = server.checkpoint()
-    steps, runs = (60, 2) if quick else (120, 4)
+    steps, runs = (80, 3) if quick else (150, 5)
 
     def full_gradient(w):
         at = 0
@@ -209,12 +215,9 @@ def bench_momentum(comm, d: Path, quick: bool) -> dict:
             p = net.learnable_params[pid]
             p.data[...] = w[at:at + p.data.size].reshape(p.data.shape)
             at += p.data.size
-        grads = np.zeros_like(w)
-        for _ in range(256 // 16):
-            net.clear_param_diffs()
-            net.forward_backward()
-            grads += np.concatenate([net.learnable_params[i].diff.ravel() for i in server.conv_pids])
-        return grads / 16
+        net.clear_param_diffs()
+        net.forward_backward()  # the batch is the whole data set: the exact gradient
+        return np.concatenate([net.learnable_params[i].diff.ravel() for i in server.conv_pids])
 
     rows = []
     for g in range(1, server.n_conv + 1):
@@ -270,7 +273,7 @@ def ranks_main(args) -> None:
 def report(out: dict, ranks: int, cpu: str, load: str) -> None:
     print(f"\nOmnivore, {ranks} MPI ranks (1 FC/model server + {ranks - 1} conv ranks) on {cpu}; load {load}")
     for model, r in out.items():
-        if model == "momentum":
+        if model in ("momentum", "environment"):
             continue
         print(f"\n{model}: target training loss {r['target_loss']} (mean of 20 iterations); "
               f"t_fc = {1e3 * r['t_fc_s']:.2f} ms, t_conv(1) = {1e3 * r['t_conv1_s']:.2f} ms (measured)")

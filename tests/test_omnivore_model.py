@@ -181,3 +181,16 @@ def test_optimizer_drops_diverged_trials():
     d = opt.epoch(1)
     assert d.mu == 0.3 and d.g == 2
     assert any(t.diverged for t in d.trials)
+
+
+def test_optimizer_retries_a_diverged_training_at_a_lower_rate():
+    class Fragile(Oracle):
+        def train(self, g, mu, lr, iters):
+            self.trained.append((g, mu, lr, iters))
+            return math.nan if lr > 0.005 else 1.0
+
+    oracle = Fragile()
+    opt = OmnivoreOptimizer(oracle, 2, epoch_iters=100)
+    d = opt.cold_start()
+    assert [t[2] for t in oracle.trained] == [0.01, pytest.approx(0.001)]
+    assert d.lr == pytest.approx(0.001) and opt.lr_last == pytest.approx(0.001)

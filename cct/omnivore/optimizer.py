@@ -1,7 +1,8 @@
 """Omnivore's automatic optimizer: Algorithm 1 with the cold start of E.4 and the pruned grid of E.3.
 
 Cold start: synchronous (g = 1), momentum 0.9, learning rates 1e-5 ... 0.1 tried low to high, stopping
-when one is worse than the one before or diverges; the best is trained for the cold-start iterations.
+when one is worse than the best so far by more than the 5% noise threshold, or diverges; the best is
+trained for the cold-start iterations.
 Then every epoch: g starts at the smallest number of groups that saturates the FC server (the HE
 model; all conv ranks without one); (mu, eta) is grid-searched over {0, .3, .6, .9} x {eta_last,
 eta_last/10}, skipping mu > mu_last at eta_last; if the best mu is 0, mu = 0.1 and 0.2 are tried too,
@@ -38,7 +39,8 @@ class TrialRunner(Protocol):
         (non-finite when it diverged), and put the model back to the checkpoint."""
 
     def train(self, g: int, mu: float, lr: float, iters: int) -> float:
-        """Train ``iters`` iterations from the current model and checkpoint the result; returns the final loss."""
+        """Train ``iters`` iterations from the current model and checkpoint the result; returns the final
+        loss. If the loss becomes non-finite, put the model back as it was before and return NaN."""
 
 
 @dataclass(frozen=True)
@@ -173,9 +175,10 @@ class OmnivoreOptimizer:
         for lr in self.lr_grid:
             t = self._run(1, 0.9, lr, self.trial_iters)
             trials.append(t)
-            if t.diverged or (best is not None and t.loss > best.loss):
+            if t.diverged or (best is not None and t.loss > best.loss * (1 + self.tie)):
                 break
-            best = t
+            if best is None or t.loss < best.loss:
+                best = t
         if best is None:
             raise RuntimeError("Omnivore: every cold-start learning rate diverged "
                                f"(trials: {'; '.join(str(t) for t in trials)})")
@@ -183,7 +186,7 @@ class OmnivoreOptimizer:
         d = Decision(0, 1, 0.9, best.lr, trials, self.cold_start_iters)
         self._decide(d)
         if self.cold_start_iters:
-            self.runner.train(1, 0.9, best.lr, self.cold_start_iters)
+            self._train(d)
         return d
 
     def epoch(self, number: int) -> Decision:
@@ -199,8 +202,20 @@ class OmnivoreOptimizer:
         self.mu_last, self.lr_last = best.mu, best.lr
         d = Decision(number, best.g, best.mu, best.lr, trials, self.epoch_iters)
         self._decide(d)
-        self.runner.train(best.g, best.mu, best.lr, self.epoch_iters)
+        self._train(d)
         return d
+
+    def _train(self, d: Decision, retries: int = 3) -> None:
+        """Train the decision; a run that diverges (the runner restores the model) retries at a tenth the rate."""
+        for _ in range(retries + 1):
+            loss = self.runner.train(d.g, d.mu, d.lr, d.train_iters)
+            if math.isfinite(loss):
+                return
+            log.warning("Omnivore: %s diverged while training g=%d mu=%g lr=%g; back to the checkpoint, lr=%g",
+                        "cold start" if d.epoch == 0 else f"epoch {d.epoch}", d.g, d.mu, d.lr, d.lr / 10)
+            d.lr /= 10
+            self.lr_last = d.lr
+        raise RuntimeError(f"Omnivore: training diverged {retries + 1} times (last lr {d.lr * 10:g})")
 
     def run(self, total_iters: int) -> list[Decision]:
         """Cold start, then epochs until ``total_iters`` training iterations (trials not counted) are done."""

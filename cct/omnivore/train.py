@@ -69,6 +69,7 @@ class MPITrialRunner:
         p = s.param
         stop = s.iter + iters
         res = None
+        state = self.server.checkpoint()
         while s.iter < stop:
             if p.test_interval and s.iter % p.test_interval == 0 and (s.iter > 0 or p.test_initialization):
                 s.test_all()
@@ -78,6 +79,9 @@ class MPITrialRunner:
                     nxt = min(nxt, (s.iter // every + 1) * every)
             res = self.server.run_phase(g, mu, lr, nxt - s.iter, fail_rank=self.fail_rank)
             self.results.append(("train", mu, res))
+            if lr is not None and not all(math.isfinite(x) for x in res.losses):
+                self.server.restore(state)  # the optimizer retries at a lower rate
+                return math.nan
             check_finite(res, f"g={g} mu={mu:g} lr={lr if lr is not None else 'policy'}")
             if p.snapshot and s.iter % p.snapshot == 0:
                 s.snapshot()
