@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     common.print_environment(rep)
     machine = cal.load_machine()
     print(f"# cost model: machine {machine.key} threads {machine.threads} direct {machine.direct_gflops:.3g} "
-          f"fft {machine.fft_gflops:.3g} cgemm {machine.cgemm_gflops:.3g} GFLOPS")
+          f"fft {machine.fft_gflops:.3g} GFLOPS")
     result = crossover_map(args, machine, rep) if args.mode == "map" else net3d(args, machine, rep)
     name = f"crossover_{args.mode}" + ("_quick" if args.quick else "")
     path = common.write_json(name, dict(result, environment=rep, machine=machine.to_json(),

@@ -35,7 +35,7 @@ from .geometry import ConvGeometry
 # reports direct convolution far below GEMM efficiency, FFT libraries at a few GFLOPS per core).
 DIRECT_SHARE = 0.03
 FFT_SHARE = 0.03
-CGEMM_SHARE = 0.3
+CGEMM_SHARE = 0.3  # complex GEMMs at most this share of the real peak
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,7 +67,6 @@ class Machine:
     stream_ns_per_byte: float = 0.0  # extra cost of a byte streamed from DRAM; 0: derive from the copy curve
     direct_gflops: float = 0.0  # direct-convolution kernel (2 flops per multiply-add); 0: DIRECT_SHARE of peak
     fft_gflops: float = 0.0  # FFT flops (2.5 n log2 n per complex line); 0: FFT_SHARE of peak
-    cgemm_gflops: float = 0.0  # stacked complex GEMMs (8 flops per complex multiply-add); 0: CGEMM_SHARE of peak
     threads: int = 1
     backend: str = "openblas"
     kernel: str = ""
@@ -106,14 +105,13 @@ class Machine:
         return float(flops) / (rate * 1e9) + (self.gemm_overhead_s if flops else 0.0)
 
     def cgemm_seconds(self, m: int, n: int, k: int, count: int) -> float:
-        """Predicted seconds of ``count`` complex GEMMs ``(m, k) @ (k, n)`` (one stacked matmul)."""
+        """Predicted seconds of ``count`` complex GEMMs ``(m, k) @ (k, n)`` (one stacked matmul): four real
+        GEMMs each at the grids' rate, never faster than ``CGEMM_SHARE`` of the peak."""
         if count <= 0 or m <= 0 or n <= 0 or k <= 0:
             return 0.0
-        if not self.cgemm_gflops:  # unmeasured: four real GEMMs each at the grid's rate, below CGEMM_SHARE
-            real = self.gemm_seconds(m, n, k) - self.gemm_overhead_s
-            floor = 8.0 * m * n * k / (CGEMM_SHARE * self.peak_gflops() * 1e9)
-            return count * max(4 * real, floor) + self.gemm_overhead_s
-        return 8.0 * count * m * n * k / (self.cgemm_gflops * 1e9) + self.gemm_overhead_s
+        real = self.gemm_seconds(m, n, k) - self.gemm_overhead_s
+        floor = 8.0 * m * n * k / (CGEMM_SHARE * self.peak_gflops() * 1e9)
+        return count * max(4 * real, floor) + self.gemm_overhead_s
 
     def elem_seconds(self, kind: str, elems: float, lowering: str | None = None) -> float:
         """Predicted seconds of an element-wise sweep (``copy``, ``add``, ``zero``, or a

@@ -7,8 +7,6 @@ second once numba's cached machine code is loaded):
   (2 flops per multiply-add), the numpy path when the kernels are off;
 * ``fft_gflops`` -- ``scipy.fft`` real transforms of conv-sized planes, in nominal FFT flops
   (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
-* ``cgemm_gflops`` -- the stacked complex GEMMs of FFT convolution's channel sums (8 real flops
-  per complex multiply-add).
 
 Each point keeps the best of a few runs. :func:`cct.lowering.calibrate.calibrate` stores them in
 the :class:`~cct.lowering.cost_model.Machine`.
@@ -27,7 +25,8 @@ def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
 
 
 def measure_rates(repeats: int = 3) -> dict[str, float]:
-    """``{"direct_gflops", "fft_gflops", "cgemm_gflops"}`` of this machine (see module docstring)."""
+    """``{"direct_gflops", "fft_gflops"}`` of this machine (see module docstring). Complex GEMMs are
+    priced from the real GEMM grids (a complex multiply-add is four real ones)."""
     import scipy.fft as sfft
 
     from .direct import DirectConvolution
@@ -48,8 +47,4 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     t = blas.best_time(lambda: sfft.rfftn(planes, s=(18, 18), axes=(2, 3), workers=workers), repeats)
     fft_gflops = 64 * 16 * _fft_flops((18, 18), (18, 18)) / t / 1e9
 
-    a = (rng.standard_normal((90, 32, 64)) + 1j * rng.standard_normal((90, 32, 64))).astype(np.complex64)
-    b = (rng.standard_normal((90, 64, 64)) + 1j * rng.standard_normal((90, 64, 64))).astype(np.complex64)
-    t = blas.best_time(lambda: np.matmul(a, b), repeats)
-    cgemm_gflops = 8.0 * 90 * 32 * 64 * 64 / t / 1e9
-    return {"direct_gflops": direct_gflops, "fft_gflops": fft_gflops, "cgemm_gflops": cgemm_gflops}
+    return {"direct_gflops": direct_gflops, "fft_gflops": fft_gflops}
