@@ -327,13 +327,7 @@ class ConvWorker:
                 net.forward_from_to(0, sp.data_end - 1)
         first = True
         while True:
-            if leader:
-                comm.send(None, 0, TAG_START)
-                it = comm.recv(0, TAG_GRANT)[0]
-                for m in members:
-                    gc.send(it, m, TAG_GROUP)
-            else:
-                it = gc.recv(0, TAG_GROUP)[0]
+            it = _from_leader(gc, lambda: _ask(comm, None, TAG_START, TAG_GRANT))
             if it < 0:
                 break
             if phase.fail_rank == comm.rank:
@@ -359,13 +353,7 @@ class ConvWorker:
             loss = 0.0
             for li in range(sp.data_end, sp.conv_end):
                 if self.layer_pids.get(li):
-                    if leader:
-                        comm.send(li, 0, TAG_PULL)
-                        arrays = comm.recv(0, TAG_MODEL)[0]
-                        for m in members:
-                            gc.send(arrays, m, TAG_GROUP)
-                    else:
-                        arrays = gc.recv(0, TAG_GROUP)[0]
+                    arrays = _from_leader(gc, lambda li=li: _ask(comm, li, TAG_PULL, TAG_MODEL))
                     for b, a in zip(net.layers[li].blobs, arrays):
                         b.data[...] = a
                 loss += net.forward_from_to(li, li)
@@ -414,6 +402,23 @@ class ConvWorker:
                 gc.send((grads, loss), 0, TAG_GROUP)
         if leader:
             comm.send(None, 0, TAG_DONE)
+
+
+def _ask(comm: Comm, request, tag: int, reply_tag: int):
+    """Send ``request`` to rank 0 and wait for its reply."""
+    comm.send(request, 0, tag)
+    return comm.recv(0, reply_tag)[0]
+
+
+def _from_leader(gc: Comm, fetch):
+    """On the group's leader (group rank 0): ``fetch()`` and send the value to the group's other ranks;
+    on those: receive it."""
+    if gc.rank != 0:
+        return gc.recv(0, TAG_GROUP)[0]
+    value = fetch()
+    for m in range(1, gc.size):
+        gc.send(value, m, TAG_GROUP)
+    return value
 
 
 def check_finite(res: PhaseResult, what: str) -> None:
