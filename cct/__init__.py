@@ -11,6 +11,11 @@ The Python API in one screen::
     solver = cct.get_solver("models/lenet/lenet_solver.prototxt")
     solver.step(100)                     # or cct.SGDSolver(...), cct.AdamSolver(...), ...
 """
+# ruff: noqa: E402 (the OpenMP spin defaults must be set before any import can load a runtime)
+from .blas.spin import set_openmp_spin_defaults
+
+set_openmp_spin_defaults()  # before numba's OpenMP pool or MKL load: they read it once
+
 from .blob import Blob
 from .errors import CctError, LayerError, NetError, ProtoParseError, SolverError
 from .layers import Layer, layer_type_list, register

@@ -219,6 +219,9 @@ def build_train_parser() -> FlagParser:
     p.add_argument("--omnivore_epoch", type=int, default=None,
                    help="with --groups auto: iterations per optimizer epoch (default a quarter of the run)")
     p.add_argument("--omnivore_fail_rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: this rank fails
+    p.add_argument("--phase_times", action="store_true",
+                   help="time each iteration's data wait, forward, backward, update, test and snapshot; "
+                        "log the summary at the end")
     _add_common(p)
     add_device_arguments(p)
     return p
@@ -269,7 +272,7 @@ def run_train(args: argparse.Namespace) -> int:
         return omnivore_train(param, solver_path, config, args.groups, args.omnivore_epoch, resume=args.snapshot,
                               fail_rank=args.omnivore_fail_rank)
     handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
-    solver = get_solver(param, _source=solver_path, config=config, comm=comm)
+    solver = get_solver(param, _source=solver_path, config=config, comm=comm, phase_times=args.phase_times)
     solver.set_action_function(handler.get_action_function())
     with handler:
         if args.snapshot:

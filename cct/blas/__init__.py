@@ -15,7 +15,7 @@ run configuration (:class:`cct.config.BlasConfig`; ``set_backend`` changes the p
 * :mod:`.multiply` the GEMM itself (``gemm``, ``matmul``, ``sgemm``);
 * :mod:`.timing` the one GEMM timer (``gemm_gflops``, ``best_time``) every measurement uses;
 * :mod:`.threads` thread limits (``blas_threads``, ``get_num_threads``, ``set_num_threads``);
-* :mod:`.spin` OpenBLAS's idle-worker spinning (``limit_openblas_spin``);
+* :mod:`.spin` idle-worker spinning of OpenBLAS (``limit_openblas_spin``) and OpenMP (``set_openmp_spin_defaults``);
 * :mod:`.mkl`, :mod:`.openblas` the library bindings; :mod:`.cache` the cache dir and machine key;
   :mod:`.info` what runs (``blas_info``, ``describe``).
 """

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import MutableMapping
 
 from .openblas import numpy_openblas_cdll
 
 DEFAULT_THREAD_TIMEOUT = 16  # 2**16 cycles (~20 us) of spinning before an idle OpenBLAS worker sleeps
+#: name prefixes of cct's threads that never run a GEMM (data prefetch, image decoding)
+BLAS_FREE_THREADS = ("cct-data-", "cct-decode", "cct-prefetch")
 _lock = threading.Lock()
 _spin_done = False
 
@@ -31,8 +34,11 @@ def limit_openblas_spin(exponent: int | None = None) -> bool:
             return False
         # Restarting the pool is only safe while no other thread can be inside a GEMM: require the
         # main thread and no live cct worker threads (devices, partitions); else try again later.
+        # Data prefetch and decode threads never call BLAS: they may run (a data layer is set up
+        # before the first conv layer, so its thread is always alive by then).
         if threading.current_thread() is not threading.main_thread() or any(
-                t.name.startswith("cct-") and t.is_alive() for t in threading.enumerate()):
+                t.name.startswith("cct-") and not t.name.startswith(BLAS_FREE_THREADS) and t.is_alive()
+                for t in threading.enumerate()):
             return False
         _spin_done = True
         env = os.environ.get("CCT_BLAS_THREAD_TIMEOUT", "").strip().lower()
@@ -58,3 +64,36 @@ def limit_openblas_spin(exponent: int | None = None) -> bool:
             os.environ.pop("OPENBLAS_THREAD_TIMEOUT", None)
             read_env()  # forget it again; the restarted pool keeps the timeout it read
         return True
+
+
+DEFAULT_OMP_SPINCOUNT = 1000  # spins before an idle libgomp worker sleeps (libgomp's own default: 300000)
+_OFF = ("off", "no", "false", "default")
+
+
+def set_openmp_spin_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Short idle spinning for the OpenMP runtimes under numba's kernels and MKL; returns what was set.
+
+    numba's ``omp`` threading layer and MKL's GNU threading run on libgomp, whose idle workers spin
+    for ``GOMP_SPINCOUNT`` (300000 by default, ~0.1-1 ms) after every parallel region; Intel's
+    OpenMP (MKL's ``intel_thread``) spins for ``KMP_BLOCKTIME`` (200 ms). A training iteration of a
+    small net runs dozens of short regions from the main thread, the batch-partition threads and
+    OpenBLAS's own pool, and the data prefetch thread runs beside them: on a machine with few cores
+    the spinners take the cores the next region or the prefetch thread needs. Both runtimes read
+    these variables once, when they are loaded, so cct sets them at import (before it loads numba's
+    pool or MKL): ``GOMP_SPINCOUNT = $CCT_OMP_SPINCOUNT`` (default 1000) and ``KMP_BLOCKTIME = 0``.
+
+    Nothing is changed where the user set ``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY`` or
+    ``KMP_BLOCKTIME`` already, or with ``CCT_OMP_SPINCOUNT=off``. A runtime that another library
+    loaded before cct (e.g. PyTorch's own libgomp) keeps what it read.
+    """
+    env = os.environ if environ is None else environ
+    done: dict[str, str] = {}
+    req = env.get("CCT_OMP_SPINCOUNT", "").strip().lower()
+    if req in _OFF:
+        return done
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+        count = int(req) if req.isdigit() else DEFAULT_OMP_SPINCOUNT
+        env["GOMP_SPINCOUNT"] = done["GOMP_SPINCOUNT"] = str(count)
+    if "KMP_BLOCKTIME" not in env:
+        env["KMP_BLOCKTIME"] = done["KMP_BLOCKTIME"] = "0"
+    return done

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -129,6 +130,8 @@ class PrefetchingDataLayer(Layer):
     exact_num_bottom = 0
 
     _prefetcher: Prefetcher | None = None
+    #: wall-clock seconds spent in forward (waiting for the prefetch thread + copying), for phase timers
+    forward_seconds: float = 0.0
 
     def _transform_param(self, legacy: Any, section: str) -> caffe_pb2.TransformationParameter:
         """``transform_param`` with any legacy fields of ``section`` (data_param...) moved into it."""
@@ -211,6 +214,13 @@ class PrefetchingDataLayer(Layer):
         """Copy the next prefetched batch into the tops."""
         if self._prefetcher is None:
             raise self.error("forward before setup")
+        start = time.perf_counter()
+        try:
+            self._forward_batch(top)
+        finally:
+            self.forward_seconds += time.perf_counter() - start
+
+    def _forward_batch(self, top: Sequence[Blob]) -> None:
         try:
             batch, self._read_state = self._prefetcher.get()
         except CctError as e:

@@ -21,6 +21,7 @@ snapshot when the solver has snapshots configured); Caffe itself would go on wit
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -39,6 +40,7 @@ from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
 from ..net import Net
 from ..proto import caffe_pb2
 from . import lr_policy, signals, snapshot, updates
+from .timing import PhaseTimer, data_seconds
 
 log = logging.getLogger("cct")
 
@@ -101,7 +103,8 @@ class Solver:
     :func:`cct.config.current`), ``comm`` (the :class:`cct.distributed.Comm` of a data-parallel run;
     default: every rank of the job under ``mpiexec``, else none) and ``parallel`` (its
     :class:`cct.distributed.parallel.DataParallel`, None in a single process). Subclasses implement
-    :meth:`compute_update_value`.
+    :meth:`compute_update_value`. ``phase_timer``: a :class:`cct.solver.timing.PhaseTimer` when built
+    with ``phase_times=True`` (where each iteration's time went, logged after ``solve``).
     """
 
     type: ClassVar[str] = ""
@@ -110,7 +113,7 @@ class Solver:
 
     def __init__(self, param: str | os.PathLike | caffe_pb2.SolverParameter, *,
                  action_function: Callable[[], str] | None = None, _source: str | None = None,
-                 config: Config | None = None, comm=None):
+                 config: Config | None = None, comm=None, phase_times: bool | PhaseTimer = False):
         if not isinstance(param, caffe_pb2.SolverParameter):
             _source = os.fspath(param)
             param = read_solver_param(param)
@@ -148,6 +151,8 @@ class Solver:
         self._action_function = action_function
         self._last_snapshot_iter: int | None = None
         self.history: list = []
+        self.phase_timer: PhaseTimer | None = (phase_times if isinstance(phase_times, PhaseTimer)
+                                               else PhaseTimer() if phase_times else None)
         self.pre_solve()
         if self.comm is not None and self.comm.size > 1:
             from ..distributed.parallel import DataParallel
@@ -346,7 +351,8 @@ class Solver:
         self.step(self.param.max_iter - self.iter)
         p = self.param
         if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
-            self.snapshot()
+            with self._phase("snapshot"):
+                self.snapshot()
         if self.requested_early_exit:
             log.info("Optimization stopped early.")
             return
@@ -357,8 +363,11 @@ class Solver:
             self._update_smoothed_loss(loss, start_iter, p.average_loss)
             log.info("Iteration %d, loss = %s", self.iter, _fmt(self.smoothed_loss))
         if p.test_interval and self.iter % p.test_interval == 0:
-            self.test_all()
+            with self._phase("test"):
+                self.test_all()
         log.info("Optimization Done.")
+        if self.phase_timer is not None:
+            self.phase_timer.log_summary()
 
     def validate_update_params(self) -> None:
         """Check the lr policy and regularization settings (Caffe finds them bad only at the first
@@ -383,10 +392,14 @@ class Solver:
         self.smoothed_loss = 0.0
         timer = time.perf_counter()
         iterations_last = self.iter
+        phases = self.phase_timer
         while self.iter < stop_iter:
+            if phases is not None:
+                phases.start_iteration()
             self.net.clear_param_diffs()
             if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
-                self.test_all()
+                with self._phase("test"):
+                    self.test_all()
                 if self.requested_early_exit:
                     break
             for on_start, _ in self._callbacks:
@@ -398,7 +411,7 @@ class Solver:
             for k in range(p.iter_size):
                 if self.parallel is not None and k == p.iter_size - 1:
                     self.parallel.arm()  # reduce this pass's (accumulated) gradients while backward runs
-                loss += np.float32(self.net.forward_backward())
+                loss += np.float32(self._forward_backward())
             loss /= np.float32(p.iter_size)
             if self.parallel is not None:
                 loss = self.parallel.finish(loss)  # gradients summed over ranks / N; the global mean loss
@@ -416,14 +429,37 @@ class Solver:
             for _, on_grad in self._callbacks:
                 if on_grad is not None:
                     on_grad()
-            self.apply_update()
+            with self._phase("update"):
+                self.apply_update()
             self.iter += 1
             request = self.get_requested_action()
             if (p.snapshot and self.iter % p.snapshot == 0) or request == signals.SNAPSHOT:
-                self.snapshot()
+                with self._phase("snapshot"):
+                    self.snapshot()
+            if phases is not None:
+                phases.end_iteration()
             if request == signals.STOP:
                 self.requested_early_exit = True
                 break
+
+    def _phase(self, name: str):
+        """Book the block to phase ``name`` of the phase timer (a no-op context without one)."""
+        return self.phase_timer.phase(name) if self.phase_timer is not None else contextlib.nullcontext()
+
+    def _forward_backward(self) -> float:
+        """One forward + backward of the train net; with a phase timer, timed as data/forward/backward."""
+        phases = self.phase_timer
+        if phases is None:
+            return self.net.forward_backward()
+        clock = phases.clock
+        data_before = data_seconds(self.net.layers)
+        t0 = clock()
+        loss = self.net.forward()
+        t1 = clock()
+        phases.split_forward(t1 - t0, data_seconds(self.net.layers) - data_before)
+        self.net.backward()
+        phases.add("backward", clock() - t1)
+        return loss
 
     def _log_outputs(self, net: Net, what: str) -> None:
         index = 0
