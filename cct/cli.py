@@ -380,6 +380,7 @@ def run_time(args: argparse.Namespace) -> int:
     n_layers = len(net.layers)
     fwd = [0.0] * n_layers
     bwd = [0.0] * n_layers
+    fwd_samples: list[list[float]] = [[] for _ in range(n_layers)]
     forward_time = backward_time = 0.0
     log.info("*** Benchmark begins ***")
     log.info("Testing for %d iterations.", args.iterations)
@@ -392,7 +393,9 @@ def run_time(args: argparse.Namespace) -> int:
                 t = clock()
                 layer.reshape(net.bottom_vecs[i], net.top_vecs[i])
                 layer.forward(net.bottom_vecs[i], net.top_vecs[i])
-                fwd[i] += clock() - t
+                dt = clock() - t
+                fwd[i] += dt
+                fwd_samples[i].append(dt)
             f_end = clock()
             forward_time += f_end - iter_start
             for i in range(n_layers - 1, -1, -1):
@@ -419,6 +422,9 @@ def run_time(args: argparse.Namespace) -> int:
         if report:
             log.info("Plan %s; measured %g ms", report, (fwd[i] + bwd[i]) * 1e3 / n)
     log.info("*** Benchmark ends ***")
+    from .net.overhead import gemm_overhead, log_gemm_overhead
+
+    log_gemm_overhead(gemm_overhead(net, fwd_samples, repeats=max(20, n)))
     return 0
 
 

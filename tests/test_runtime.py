@@ -195,3 +195,47 @@ def test_openblas_spin_limit_applies_beside_a_data_thread():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("applied", "nolib"), out.stdout
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5), (64, 500, 10), (64, 800, 30)])  # tiny, small (1 thread), larger
+@pytest.mark.parametrize("trans_a,trans_b,alpha,beta", [(False, True, 1.0, 0.0), (True, False, 0.5, 1.0),
+                                                        (False, False, 2.0, 0.5)])
+def test_small_gemms_on_mkl_match_float64(shape, trans_a, trans_b, alpha, beta):
+    from cct import blas
+
+    if not blas.mkl_available():
+        pytest.skip("MKL not installed")
+    m, k, n = shape
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    out = rng.standard_normal((m, n)).astype(np.float32)
+    opa = (a.T if trans_a else a).astype(np.float64)
+    opb = (b.T if trans_b else b).astype(np.float64)
+    ref = alpha * opa @ opb + beta * out.astype(np.float64)
+    got = blas.gemm(a, b, out=out, trans_a=trans_a, trans_b=trans_b, alpha=alpha, beta=beta, backend="mkl")
+    assert got is out
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-4 * np.sqrt(k))
+
+
+def test_cct_time_reports_inner_product_vs_bare_gemm(tmp_path):
+    from cct.net import Net
+    from cct.net.overhead import gemm_overhead
+
+    proto = tmp_path / "ip.prototxt"
+    proto.write_text('''
+        layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 64 dim: 800 } } }
+        layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "y"
+          inner_product_param { num_output: 500 weight_filler { type: "gaussian" std: 0.01 } } }''')
+    net = Net(str(proto), 1)
+    samples = [[0.002, 0.001, 0.003], [0.004, 0.002, 0.006]]
+    rows = gemm_overhead(net, samples, repeats=3)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["layer"], r["M"], r["K"], r["N"]) == ("ip1", 64, 800, 500)
+    assert r["in_net_s"] == 0.004 and r["bare_numpy_s"] > 0 and r["bare_backend_s"] > 0
+    assert r["ratio"] == pytest.approx(0.004 / r["bare_numpy_s"])
+    out = subprocess.run([sys.executable, "-m", "cct", "time", "--model", str(proto), "--iterations", "3"],
+                         capture_output=True, text=True, env=dict(os.environ, CCT_CALIBRATE="0"), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ip1\tforward (median)" in out.stderr and "vs bare GEMM 64x800x500: numpy.matmul" in out.stderr

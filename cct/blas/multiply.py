@@ -22,6 +22,15 @@ _NO_TRANS = 111
 _TRANS = 112
 
 _ACC_BLOCK_BYTES = 512 << 10  # row-block size of accumulating (beta = 1) GEMMs into big outputs
+#: GEMMs of at most this many multiply-adds (M*N*K) run on the calling thread alone (MKL): ~25-50 us of
+#: work, where waking and joining a thread team costs as much as it saves on a quiet machine and many
+#: times more on a busy one (LeNet's ip2, 64x500x10: 0.02 ms single-threaded, 2-15 ms as a 2-thread
+#: team on a loaded 2-core box). OpenBLAS has the same rule built in (at 2^18).
+SMALL_GEMM_MACS = 1 << 20
+#: below this many multiply-adds the MKL backend hands the product to numpy's OpenBLAS, which runs
+#: it on the calling thread (its own threshold) at a fraction of MKL's per-call cost through ctypes
+#: (64x500x10: 0.015 vs 0.1 ms)
+TINY_GEMM_MACS = 1 << 19
 
 
 def _as_cblas_operand(x: np.ndarray, trans: bool) -> tuple[np.ndarray, bool, int]:
@@ -41,6 +50,11 @@ def _as_cblas_operand(x: np.ndarray, trans: bool) -> tuple[np.ndarray, bool, int
     return np.ascontiguousarray(x), trans, max(cols, 1)
 
 
+def _address(x: np.ndarray) -> int:
+    """The data pointer (``x.ctypes.data`` builds a ctypes helper object: ~5x slower)."""
+    return x.__array_interface__["data"][0]
+
+
 def _cblas_gemm(fn: Any, a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:
     """``out = alpha * op(a) @ op(b) + beta * out`` through a ctypes ``cblas_?gemm`` (row-major)."""
     m = a.shape[1] if trans_a else a.shape[0]
@@ -58,7 +72,7 @@ def _cblas_gemm(fn: Any, a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray
             target *= beta
         else:
             fn(_ROW_MAJOR, _TRANS if ta else _NO_TRANS, _TRANS if tb else _NO_TRANS, m, n, k, alpha,
-               A.ctypes.data, lda, B.ctypes.data, ldb, beta, target.ctypes.data, ldc)
+               _address(A), lda, _address(B), ldb, beta, _address(target), ldc)
     if target is not out:
         out[...] = target
     return out
@@ -66,8 +80,25 @@ def _cblas_gemm(fn: Any, a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray
 
 def _mkl_gemm(a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:
     lib = load_mkl()
-    return _cblas_gemm(lib.sgemm if a.dtype == np.float32 else lib.dgemm, a, b, out, trans_a, trans_b,
-                       alpha, beta)
+    fn = lib.sgemm if a.dtype == np.float32 else lib.dgemm
+    k = a.shape[0] if trans_a else a.shape[1]
+    if out.size * k <= TINY_GEMM_MACS:
+        if beta == 0:
+            np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+            if alpha != 1:
+                out *= alpha
+            return out
+        ob = load_openblas()
+        if ob is not None:
+            return _cblas_gemm(ob.sgemm if a.dtype == np.float32 else ob.dgemm, a, b, out, trans_a, trans_b,
+                               alpha, beta)
+    if lib.set_local is None or out.size * k > SMALL_GEMM_MACS:
+        return _cblas_gemm(fn, a, b, out, trans_a, trans_b, alpha, beta)
+    prev = lib.set_local(1)  # per calling thread; 0 (no local limit) restores the global setting
+    try:
+        return _cblas_gemm(fn, a, b, out, trans_a, trans_b, alpha, beta)
+    finally:
+        lib.set_local(prev)
 
 
 def gemm(a: Any, b: Any, out: Any = None, trans_a: bool = False, trans_b: bool = False,
