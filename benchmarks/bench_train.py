@@ -286,7 +286,7 @@ def run_torch(model: str, data: dict, solver: dict, work: Path) -> dict:
         sched.step()
         t5 = clock()
         if s["display"] and it % s["display"] == 0:
-            float(loss)
+            loss.item()
         if s["snapshot"] and (it + 1) % s["snapshot"] == 0:
             torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, work / "snap" / f"torch_{it + 1}.pt")
         t6 = clock()

@@ -239,3 +239,31 @@ def test_cct_time_reports_inner_product_vs_bare_gemm(tmp_path):
                          capture_output=True, text=True, env=dict(os.environ, CCT_CALIBRATE="0"), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ip1\tforward (median)" in out.stderr and "vs bare GEMM 64x800x500: numpy.matmul" in out.stderr
+
+
+def test_small_kernel_calls_run_serially_and_restore_the_thread_count():
+    from cct import kernels
+
+    if not kernels.numba_available():
+        pytest.skip("numba not installed")
+    import numba
+
+    seen = []
+    before = numba.get_num_threads()
+    assert kernels.serial_if_small(10, lambda a: seen.append(numba.get_num_threads()) or a, 7) == 7
+    assert kernels.serial_if_small(kernels.SMALL_WORK, lambda: seen.append(numba.get_num_threads())) is None
+    assert seen == [1, before] and numba.get_num_threads() == before
+    with pytest.raises(ZeroDivisionError):
+        kernels.serial_if_small(1, lambda: 1 / 0)
+    assert numba.get_num_threads() == before
+    # the serial and the threaded runs of a kernel give the same bits (the update of a bias and of a weight)
+    ku = kernels.get("update")
+    rng = np.random.default_rng(0)
+    for n in (500, kernels.SMALL_WORK + 3):
+        w, g, h = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+        ref_w, ref_g, ref_h = w.copy(), g.copy(), h.copy()
+        ref_g += np.float32(5e-4) * ref_w
+        ref_h = ref_h * np.float32(0.9) + np.float32(0.01) * ref_g
+        ku.sgd_l2(w, g, h, 5e-4, 0.01, 0.9)
+        np.testing.assert_array_equal(h, ref_h)
+        np.testing.assert_array_equal(g, ref_h)

@@ -195,6 +195,29 @@ def get_num_threads() -> int:
     return int(numba.get_num_threads())
 
 
+#: elements below which a kernel runs on the calling thread alone: waking the OpenMP team costs more
+#: than it saves (an SGD update of 500 parameters: ~4 us serial, 30-70 us as a 2-thread region; a
+#: net's biases and small layers make several such calls per iteration)
+SMALL_WORK = 1 << 15
+
+
+def serial_if_small(n: int, fn, *args):
+    """``fn(*args)``, on one kernel thread when ``n`` (the elements it touches) is below
+    :data:`SMALL_WORK`; the calling thread's thread count is restored afterwards."""
+    if n >= SMALL_WORK:
+        return fn(*args)
+    import numba
+
+    old = numba.get_num_threads()
+    if old == 1:
+        return fn(*args)
+    numba.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        numba.set_num_threads(old)
+
+
 @contextlib.contextmanager
 def num_threads(n: int | None) -> Iterator[int]:
     """Context manager: run the kernels of the calling thread on ``n`` threads, then restore."""

@@ -23,6 +23,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from . import serial_if_small
+
 _OPTS = dict(nogil=True, cache=True, error_model="numpy",
              parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
                            numpy=False, stencil=False, fusion=False))
@@ -107,7 +109,7 @@ def _flat(a: np.ndarray) -> np.ndarray:
 def relu_forward(x: np.ndarray, out: np.ndarray, negative_slope: float = 0.0) -> np.ndarray:
     """``out[...] = relu(x)`` exactly as ``np.maximum(x, 0)`` / ``np.where(x > 0, x, x * slope)``."""
     t = x.dtype.type
-    _relu_fwd(_flat(x), _flat(out), t(negative_slope), t(0), negative_slope != 0)
+    serial_if_small(x.size, _relu_fwd, _flat(x), _flat(out), t(negative_slope), t(0), negative_slope != 0)
     return out
 
 
@@ -115,9 +117,11 @@ def relu_backward(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, negative_slope:
     """``dx[...] = where(x > 0, dy, 0 or dy * slope)``; ``x`` may be the layer's output when slope >= 0."""
     t = x.dtype.type
     if dx is dy or (dx.ctypes.data == dy.ctypes.data and dx.shape == dy.shape):
-        _relu_bwd_inplace(_flat(x), _flat(dx), t(negative_slope), t(0), negative_slope != 0)
+        serial_if_small(x.size, _relu_bwd_inplace, _flat(x), _flat(dx), t(negative_slope), t(0),
+                        negative_slope != 0)
     else:
-        _relu_bwd(_flat(x), _flat(dy), _flat(dx), t(negative_slope), t(0), negative_slope != 0)
+        serial_if_small(x.size, _relu_bwd, _flat(x), _flat(dy), _flat(dx), t(negative_slope), t(0),
+                        negative_slope != 0)
     return dx
 
 
@@ -129,5 +133,5 @@ def swap01(src: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None) -> 
     if src.ndim != 3 or out.shape != (src.shape[1], src.shape[0], src.shape[2]):
         raise ValueError(f"swap01: src {src.shape} and out {out.shape} are not (A, B, P) and (B, A, P)")
     b = bias if bias is not None else src[:, 0, 0]
-    _swap01(src, out, np.ascontiguousarray(b, dtype=src.dtype), bias is not None)
+    serial_if_small(src.size, _swap01, src, out, np.ascontiguousarray(b, dtype=src.dtype), bias is not None)
     return out

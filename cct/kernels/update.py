@@ -11,6 +11,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from . import serial_if_small
+
 _OPTS = dict(nogil=True, cache=True, error_model="numpy",
              parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
                            numpy=False, stencil=False, fusion=False))
@@ -42,5 +44,5 @@ def sgd_l2(data: np.ndarray, diff: np.ndarray, history: np.ndarray, decay, rate,
     if not data.size == diff.size == history.size:
         raise ValueError(f"sgd_l2: sizes differ ({data.size}, {diff.size}, {history.size})")
     t = data.dtype.type
-    _sgd_l2(data.reshape(-1), diff.reshape(-1), history.reshape(-1), t(decay), t(rate), t(momentum),
-            bool(t(decay) != 0))
+    serial_if_small(data.size, _sgd_l2, data.reshape(-1), diff.reshape(-1), history.reshape(-1), t(decay), t(rate),
+                    t(momentum), bool(t(decay) != 0))
