@@ -90,6 +90,7 @@ def test_one_group_equals_synchronous_sgd(tmp_path):
                "--groups", "sync")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "FC tail ip..loss (inputs conv2, label)" in r.stderr
+    assert re.search(r"Omnivore: ranks: 0=pid \d+@\S+, 1=pid \d+@\S+, 2=pid \d+@", r.stderr)
     a, b = weights(ref_dir / "out_iter_12.caffemodel"), weights(run_dir / "out_iter_12.caffemodel")
     assert a.keys() == b.keys() == {"conv1", "conv2", "ip"}
     for name in a:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 
 from ..errors import CctError
 from .comm import Comm
@@ -111,6 +113,9 @@ def omnivore_train(param, source: str, config, groups: str, epoch_iters: int | N
     """Run Omnivore training on every rank (rank 0 returns after the run, the others when told to stop)."""
     comm = comm if comm is not None else Comm()
     role = "FC server + conv model server" if comm.rank == 0 else "conv compute"
+    pids = comm.comm.gather((os.getpid(), socket.gethostname()), root=0)
+    if comm.rank == 0:  # mpiexec names a killed process by its PID: this line maps PIDs to ranks
+        log.info("Omnivore: ranks: %s", ", ".join(f"{r}=pid {p}@{h}" for r, (p, h) in enumerate(pids)))
     try:
         if comm.rank == 0:
             _rank0(param, source, config, groups, epoch_iters, resume, fail_rank, comm)
