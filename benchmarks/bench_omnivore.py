@@ -133,6 +133,7 @@ class _Reached(Exception):
 
 
 def bench_model(comm, model: str, d: Path, quick: bool) -> dict:
+    from cct.distributed import LocalComm
     from cct.omnivore.he_model import HEModel
     from cct.omnivore.momentum import compensate_momentum
     from cct.omnivore.mpi_exec import OmnivoreServer
@@ -140,7 +141,7 @@ def bench_model(comm, model: str, d: Path, quick: bool) -> dict:
     from cct.omnivore.train import MPITrialRunner, measure_he
     from cct.solver import get_solver
 
-    solver = get_solver(solver_param(model, d))
+    solver = get_solver(solver_param(model, d), comm=LocalComm())
     server = OmnivoreServer(solver, comm)
     n_conv = server.n_conv
     lr = solver.param.base_lr
@@ -199,11 +200,12 @@ def bench_model(comm, model: str, d: Path, quick: bool) -> dict:
 
 
 def bench_momentum(comm, d: Path, quick: bool) -> dict:
+    from cct.distributed import LocalComm
     from cct.omnivore.momentum import fit_momentum, implicit_momentum, simulate_async
     from cct.omnivore.mpi_exec import OmnivoreServer
     from cct.solver import get_solver
 
-    solver = get_solver(solver_param("convex", d))
+    solver = get_solver(solver_param("convex", d), comm=LocalComm())
     server = OmnivoreServer(solver, comm)
     net = solver.net
     start = server.checkpoint()
@@ -244,6 +246,7 @@ def bench_momentum(comm, d: Path, quick: bool) -> dict:
 def ranks_main(args) -> None:
     import logging
 
+    from cct.distributed import LocalComm
     from cct.omnivore.comm import Comm
     from cct.omnivore.mpi_exec import ConvWorker
 
@@ -256,7 +259,8 @@ def ranks_main(args) -> None:
         if comm.rank != 0:
             from cct.solver import get_solver
 
-            ConvWorker(get_solver(solver_param("convex" if job == "momentum" else job, d)).net, comm).serve()
+            p = solver_param("convex" if job == "momentum" else job, d)
+            ConvWorker(get_solver(p, comm=LocalComm()).net, comm).serve()
             continue
         from cct.omnivore.mpi_exec import OmnivoreServer
 
