@@ -43,3 +43,16 @@ def test_guide_links_resolve_and_its_commands_exist():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", guide):
         if not target.startswith("http"):
             assert (DOCS / target).is_file(), target
+
+
+def test_readme_curves_picture_is_there_and_made_from_the_log():
+    readme = (DOCS.parent / "README.md").read_text(encoding="utf-8")
+    for target in re.findall(r"\]\((docs/[^)#]+)\)", readme):
+        assert (DOCS.parent / target).is_file(), target
+    assert "![LeNet training curves" in readme
+    png = (DOCS / "lenet_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    from cct.tools.parse_log import parse_log
+
+    train, test = parse_log(str(DOCS / "lenet.log"))
+    assert test[-1]["NumIters"] == 10000.0 and test[-1]["accuracy"] > 0.99
