@@ -18,6 +18,9 @@ table is a model, not a measurement: t(N) = t_compute(b) + (1 - hidden) * t_allr
 all-reduce t_allreduce(N) = 2 (N-1)/N * bytes / bandwidth + 2 (N-1) * latency, the measured compute
 time per iteration at per-rank batch b, the measured hidden fraction, and an assumed network
 (``--bandwidth`` Gbit/s, ``--latency`` us). Writes ``results/bench_mpi[_quick].json``.
+
+"Exposed" all-reduce time is what the solver waited for before the update; it also contains any
+wait for a slower rank, so on a loaded machine it over-states the communication cost.
 """
 from __future__ import annotations
 
@@ -32,7 +35,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-from common import ROOT, environment_report, print_environment, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    ROOT,
+    environment_report,
+    print_environment,
+    print_table,
+    reexec_clean,
+    write_json,
+)
 
 from cct.paths import shared_path  # noqa: E402
 
@@ -161,6 +171,7 @@ def main() -> None:
     p.add_argument("--bandwidth", type=float, default=10.0, help="assumed network bandwidth, Gbit/s (model)")
     p.add_argument("--latency", type=float, default=20.0, help="assumed per-message latency, us (model)")
     p.add_argument("--out", default=None)
+    p.add_argument("--keep-env", action="store_true", help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--solver_file", help=argparse.SUPPRESS)
     p.add_argument("--overlap", type=int, default=1, help=argparse.SUPPRESS)
@@ -168,9 +179,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    removed = reexec_clean(keep_env=args.keep_env)
     if args.quick:
         args.iters, args.warmup = 8, 2
-    rep = environment_report()
+    rep = environment_report(removed)
     print_environment(rep)
     results = {"environment": rep, "models": {}, "model_assumptions": {
         "bandwidth_gbit_s": args.bandwidth, "latency_us": args.latency, "allreduce": "ring"}}

@@ -222,9 +222,23 @@ def build_train_parser() -> FlagParser:
     p.add_argument("--phase_times", action="store_true",
                    help="time each iteration's data wait, forward, backward, update, test and snapshot; "
                         "log the summary at the end")
+    p.add_argument("--batch_shares", default="equal",
+                   help="data parallel under mpiexec -n N: equal (every rank the prototxt's batch, as Caffe), auto "
+                        "(shares of the global batch in proportion to each rank's measured speed), or b0,b1,... "
+                        "(per-rank batch sizes summing to N x batch_size); the update stays exact")
     _add_common(p)
     add_device_arguments(p)
     return p
+
+
+def _batch_shares(flag: str):
+    """--batch_shares: 'equal' -> None, 'auto', or a list of per-rank batch sizes."""
+    if flag in ("equal", "auto"):
+        return None if flag == "equal" else flag
+    try:
+        return [int(x) for x in flag.split(",")]
+    except ValueError:
+        raise CctError(f"--batch_shares must be equal, auto or comma-separated batch sizes, not '{flag}'") from None
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -272,7 +286,8 @@ def run_train(args: argparse.Namespace) -> int:
         return omnivore_train(param, solver_path, config, args.groups, args.omnivore_epoch, resume=args.snapshot,
                               fail_rank=args.omnivore_fail_rank)
     handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
-    solver = get_solver(param, _source=solver_path, config=config, comm=comm, phase_times=args.phase_times)
+    solver = get_solver(param, _source=solver_path, config=config, comm=comm, phase_times=args.phase_times,
+                        shares=_batch_shares(args.batch_shares))
     solver.set_action_function(handler.get_action_function())
     with handler:
         if args.snapshot:

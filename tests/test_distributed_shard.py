@@ -110,7 +110,7 @@ def test_shard_state_round_trip_and_uneven_stream(tmp_path, source):
         assert state["offset"] == 17  # the shared record counter: stream position after the last record taken
         ahead = _labels(layer, top, 3)
         layer.set_read_state(state)
-        assert layer.shard == (1, 5)
+        assert layer.shard == (1, 1, 5)
         assert _labels(layer, top, 3) == ahead == [[21 % 12, 26 % 12], [31 % 12, 36 % 12], [41 % 12, 46 % 12]]
     finally:
         layer.close()
@@ -120,3 +120,30 @@ def test_shard_state_round_trip_and_uneven_stream(tmp_path, source):
             layer2.set_shard(5, 5)
         finally:
             layer2.close()
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_block_shards_for_unequal_batch_shares(tmp_path, source):
+    """Shares 3 + 1 of a global batch of 4: rank 0 reads records 4i..4i+2, rank 1 record 4i+3."""
+    make = SOURCES[source](tmp_path)
+    ranks = []
+    for start, count in ((0, 3), (3, 1)):
+        layer, top = _layer(make(2))
+        layer.set_shard(0, 4, block=(start, count))
+        ranks.append((layer, top))
+    try:
+        a, b = (_labels(layer, top, 6) for layer, top in ranks)
+    finally:
+        for layer, _ in ranks:
+            layer.close()
+    assert a == [[(4 * i + j) % RECORDS for j in range(3)] for i in range(6)]
+    assert b == [[(4 * i + 3) % RECORDS] for i in range(6)]
+
+
+def test_proportional_shares():
+    from cct.distributed.parallel import proportional_shares
+
+    assert proportional_shares([1.0, 1.0], 4) == [2, 2]
+    assert proportional_shares([3.0, 1.0], 8) == [6, 2]
+    assert proportional_shares([100.0, 1.0], 4) == [3, 1]  # every rank keeps at least one record
+    assert sum(proportional_shares([0.3, 0.5, 0.2], 7)) == 7

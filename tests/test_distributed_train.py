@@ -70,6 +70,18 @@ def test_two_ranks_at_batch_2_equal_caffe_at_batch_4(case):
     assert stats["iterations"] == 10 and stats["bytes"] == 4 * 431080 and stats["buckets"] >= 2
 
 
+@pytest.mark.parametrize("shares", ["3,1", "auto"])
+def test_unequal_batch_shares_keep_the_update_exact(case, shares):
+    """Stretch goal: rank 0 takes 3 and rank 1 takes 1 record of every global batch of 4 (or shares
+    set from the measured speeds); gradients weighted by share: still Caffe's batch-4 run."""
+    _train(case, 2, 2, 10, case / "out.caffemodel", "--init", "init.caffemodel", "--shares", shares)
+    _compare(case / "out.caffemodel", case / "final.caffemodel", 1e-4)
+    got = json.loads((case / "out.caffemodel.json").read_text())
+    want = json.loads((case / "losses.json").read_text())["losses"]
+    assert np.allclose(got["losses"], want, rtol=1e-5)
+    assert sum(got["shares"]) == 4 and (shares == "auto" or got["shares"] == [3, 1])
+
+
 def test_three_ranks_with_iter_size_equal_one_process_at_the_combined_batch(case):
     _train(case, 3, 2, 4, case / "three.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")
     _train(case, 0, 6, 4, case / "one.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")

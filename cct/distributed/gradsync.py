@@ -65,6 +65,9 @@ class GradientSync:
         self.comm = comm
         self.overlap = bool(overlap)
         self.scale_by = 1.0 / comm.size
+        #: None: sum, then scale by 1/N (Caffe); a number: this rank's diffs are multiplied by it
+        #: before the sum (unequal batch shares: share / global batch), and the sum is the result
+        self.weight: float | None = None
         self.stats = SyncStats()
         params = net.learnable_params
         ready = [len(net.layers)] * len(params)
@@ -131,6 +134,8 @@ class GradientSync:
         for k, off in zip(b.params, b.offsets):
             d = params[k].diff
             b.send[off:off + d.size] = to_numpy(d).reshape(-1)
+            if self.weight is not None:
+                b.send[off:off + d.size] *= b.send.dtype.type(self.weight)
         b.request = self.comm.iallreduce(b.send, out=b.recv)
         self.stats.launch_s += time.perf_counter() - t
 
@@ -148,7 +153,7 @@ class GradientSync:
         for b in self.buckets:
             for k, off in zip(b.params, b.offsets):
                 d = params[k].diff
-                scale = d.dtype.type(self.scale_by)
+                scale = d.dtype.type(self.scale_by if self.weight is None else 1)
                 src = b.recv[off:off + d.size].reshape(d.shape)
                 if isinstance(d, np.ndarray):
                     np.multiply(src, scale, out=d)

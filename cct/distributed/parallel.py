@@ -11,6 +11,10 @@ comm=world())``, automatic under ``mpiexec``) gets a :class:`DataParallel`:
   runs (:class:`~cct.distributed.gradsync.GradientSync`) and scaled by 1/N before the update, so N
   ranks at batch b update exactly as one process at batch N*b; the loss shown is the mean over
   ranks (the loss of the global batch);
+* unequal shares (``shares=[b_0, ..., b_{N-1}]`` summing to N x batch_size, or ``"auto"``: set
+  from each rank's measured speed): rank r reads b_r records of every global batch (a contiguous
+  block of the record stream), and its gradient and loss are weighted by b_r / (N x batch_size)
+  instead of 1/N, so the update is still exactly the single-process one at the global batch;
 * the SIGINT/SIGHUP requests of all ranks are combined once per iteration (every rank stops or
   snapshots together); snapshots gather every rank's data read position to the root, which alone
   writes the files; only the root runs the test nets.
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -64,24 +70,34 @@ class DataParallel:
     """Attach synchronous data parallelism over ``comm`` to ``solver`` (see module docstring).
 
     ``bucket_bytes`` sizes the all-reduce buckets; ``overlap=False`` reduces only after backward
-    (for measuring what the overlap hides).
+    (for measuring what the overlap hides); ``shares``: None (every rank the prototxt's batch, as
+    Caffe), a list of per-rank batch sizes summing to N x batch_size, or ``"auto"`` (measured).
     """
 
-    def __init__(self, solver, comm: Comm, bucket_bytes: int = 1 << 20, overlap: bool = True):
+    def __init__(self, solver, comm: Comm, bucket_bytes: int = 1 << 20, overlap: bool = True,
+                 shares: Sequence[int] | str | None = None):
         self.solver = solver
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
+        self.shares: list[int] | None = None
+        self.block: tuple[int, int] | None = None  # this rank's (start, count) of every global batch
         comm.agree(definition_hash(solver), "the solver and net definitions (solver prototxt, net prototxt, "
                    "level/stage)")
         self.broadcast_weights()
         self._seed_rank_streams()
-        self.shard_data()
         self.sync = GradientSync(solver.net, comm, bucket_bytes=bucket_bytes, overlap=overlap)
+        if shares is not None and shares != "equal":
+            self.set_shares(self.measure_shares() if shares == "auto" else list(shares))
+        else:
+            self.shard_data()
         solver.net.backward_hooks.append(self.sync.hook)
         if comm.is_root:
             b = _train_batch(solver.net)
+            each = f"batch {b}" if b else "its batch"
+            if self.shares is not None:
+                each = "batch " + "/".join(map(str, self.shares)) + " (by rank)"
             log.info("Data parallel on %d MPI ranks: each rank %s, global batch %s; gradients summed in %d "
-                     "bucket(s) of %d bytes in all", self.size, f"batch {b}" if b else "its batch",
+                     "bucket(s) of %d bytes in all", self.size, each,
                      f"{b * self.size}" if b else f"{self.size} x batch", len(self.sync.buckets),
                      self.sync.stats.bytes)
 
@@ -116,7 +132,49 @@ class DataParallel:
             states = self.comm.bcast_obj({n: layer.get_read_state() for n, layer in layers} if self.is_root
                                          else None)
         for name, layer in layers:
-            layer.set_shard(self.rank, self.size, state=states.get(name))
+            if self.shares is None:
+                layer.set_shard(self.rank, self.size, state=states.get(name))
+            else:
+                layer.set_shard(self.rank, sum(self.shares), state=states.get(name), block=self.block)
+
+    def set_shares(self, shares: Sequence[int], states: dict | None = None) -> None:
+        """Give rank r ``shares[r]`` records of every global batch (the shares sum to N x batch_size)
+        and weight its gradient and loss by its share (see module docstring)."""
+        from .errors import DistributedError
+
+        shares = [int(x) for x in shares]
+        total = self.size * _train_batch(self.solver.net)
+        if len(shares) != self.size or min(shares) < 1 or (total and sum(shares) != total):
+            raise DistributedError(f"batch shares {shares} must give each of the {self.size} ranks at least 1 "
+                                   f"record and sum to the global batch {total}")
+        self.shares = shares
+        self.block = (sum(shares[:self.rank]), shares[self.rank])
+        self.sync.weight = shares[self.rank] / sum(shares)
+        self.shard_data(states)
+        if self.is_root:
+            log.info("Batch shares of the global batch %d: %s", sum(shares),
+                     ", ".join(f"rank {r} {b}" for r, b in enumerate(shares)))
+
+    def measure_shares(self, passes: int = 3) -> list[int]:
+        """Per-rank batch sizes proportional to each rank's measured speed (``passes`` forward/backward
+        passes at the prototxt batch; the data read positions and diffs are restored afterwards)."""
+        net = self.solver.net
+        layers = data_layers(net)
+        states = {n: layer.get_read_state() for n, layer in layers}
+        net.forward_backward()  # warm-up (lowering plans, buffers)
+        t = time.perf_counter()
+        for _ in range(passes):
+            net.forward_backward()
+        rate = passes / (time.perf_counter() - t)
+        net.clear_param_diffs()
+        for name, layer in layers:
+            layer.set_read_state(states[name])
+        rates = self.comm.allgather_obj(rate)
+        shares = proportional_shares(rates, self.size * _train_batch(net))
+        if self.is_root:
+            log.info("Measured speeds (passes/s at batch %d): %s", _train_batch(net),
+                     ", ".join(f"rank {r} {x:.3g}" for r, x in enumerate(rates)))
+        return shares
 
     # -- each iteration --------------------------------------------------------------------------
     def arm(self) -> None:
@@ -124,11 +182,13 @@ class DataParallel:
         self.sync.arm()
 
     def finish(self, loss: float) -> np.float32:
-        """Wait for the summed gradients (scaled by 1/N); returns the mean loss over ranks."""
-        req = self.comm.iallreduce(np.array([loss], np.float64))
+        """Wait for the summed gradients (scaled by 1/N, or weighted by the shares); returns the loss of
+        the global batch (the mean over ranks, or the share-weighted sum)."""
+        w = self.sync.weight
+        req = self.comm.iallreduce(np.array([loss if w is None else loss * w], np.float64))
         self.sync.finish()
         total = req.wait()[0]
-        return np.float32(total / self.size)
+        return np.float32(total / self.size if w is None else total)
 
     def combine_action(self, local: str) -> str:
         """The solver action all ranks take this iteration: the strongest any rank requested."""
@@ -142,6 +202,22 @@ class DataParallel:
 
     def gather_rng_states(self) -> list[dict] | None:
         return self.comm.gather_obj(rng.get_state(), root=0)
+
+
+def proportional_shares(rates: Sequence[float], total: int) -> list[int]:
+    """``total`` records split in proportion to ``rates`` (largest remainders; at least 1 each)."""
+    n = len(rates)
+    if total < n:
+        raise ValueError(f"cannot give {n} ranks at least one of {total} records")
+    exact = [total * r / sum(rates) for r in rates]
+    out = [max(1, int(x)) for x in exact]
+    while sum(out) > total:
+        i = max(range(n), key=lambda k: (out[k] - exact[k], out[k]))
+        out[i] -= 1
+    while sum(out) < total:
+        i = max(range(n), key=lambda k: exact[k] - out[k])
+        out[i] += 1
+    return out
 
 
 def _train_batch(net) -> int:

@@ -86,6 +86,12 @@ def set_rng_state(rng: np.random.Generator | None, state: dict | None) -> None:
         rng.bit_generator.state = state
 
 
+def keeps(shard: tuple[int, int, int], offset: int) -> bool:
+    """Whether a loader sharded as ``(start, count, period)`` keeps the record at stream ``offset``."""
+    start, count, period = shard
+    return start <= offset % period < start + count
+
+
 def _rank_rng(rng: np.random.Generator | None, rank: int) -> None:
     """Give rank ``rank`` > 0 a transform stream of its own, derived from the shared one (rank 0 keeps
     the shared stream, so one rank reproduces a single process)."""
@@ -167,19 +173,27 @@ class PrefetchingDataLayer(Layer):
         return self._read_state
 
     @property
-    def shard(self) -> tuple[int, int]:
-        """``(rank, size)``: this layer keeps the records whose stream offset is rank modulo size."""
-        return getattr(self._loader, "shard", (0, 1))
+    def shard(self) -> tuple[int, int, int]:
+        """``(start, count, period)``: this layer keeps the records whose stream offset modulo
+        ``period`` lies in ``[start, start + count)`` (``(rank, 1, N)``: Caffe's ``Skip()``)."""
+        return getattr(self._loader, "shard", (0, 1, 1))
 
-    def set_shard(self, rank: int, size: int, state: dict | None = None) -> None:
+    def set_shard(self, rank: int, size: int, state: dict | None = None,
+                  block: tuple[int, int] | None = None) -> None:
         """Read only records ``rank, rank + size, rank + 2*size, ...`` of the stream (Caffe's ``Skip()``
         with ``size`` solvers). ``state`` (a read state, e.g. rank 0's, the same on every rank) is
         where to continue from (default: this layer's own); ranks > 0 then draw their transforms
-        (crop, mirror) from a stream of their own. Drops prefetched batches."""
+        (crop, mirror) from a stream of their own. Drops prefetched batches.
+
+        ``block=(start, count)``: unequal shares instead: of every ``size`` consecutive records keep
+        ``count`` from ``start`` on, and read batches of ``count`` (a rank's share of a global batch
+        of ``size``)."""
         if self._prefetcher is None:
             raise self.error("set_shard before setup")
-        if not (0 <= int(rank) < int(size)):
+        if block is None and not (0 <= int(rank) < int(size)):
             raise self.error(f"shard rank {rank} is not in 0..{int(size) - 1}")
+        if block is not None and not (0 <= block[0] and 1 <= block[1] and block[0] + block[1] <= size):
+            raise self.error(f"shard block {block} does not fit in {size} records")
         self._prefetcher.close()
         self._finalizer.detach()
         try:
@@ -187,7 +201,11 @@ class PrefetchingDataLayer(Layer):
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise self.error(f"cannot restore the data read state: {e}") from None
         if hasattr(self._loader, "shard"):
-            self._loader.shard = (int(rank), int(size))
+            if block is None:
+                self._loader.shard = (int(rank), 1, int(size))
+            else:
+                self._loader.shard = (int(block[0]), int(block[1]), int(size))
+                self._loader.batch_size = int(block[1])
         else:  # a layer that samples at random (WindowData): each rank draws samples of its own
             _rank_rng(getattr(self._loader, "rng", None), int(rank))
         _rank_rng(getattr(getattr(self._loader, "transformer", None), "rng", None), int(rank))
@@ -262,7 +280,7 @@ class _DBLoader:
         for _ in range(skip % max(1, len(db))):  # wrapping past the end = starting over
             self.next()
         self.offset = 0  # records passed since setup (never wraps): the sharding counter
-        self.shard = (0, 1)
+        self.shard = (0, 1, 1)
 
     def state(self) -> dict:
         return {"pos": self.pos, "offset": self.offset, "transform_rng": rng_state(self.transformer.rng)}
@@ -303,9 +321,8 @@ class _DBLoader:
     def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
         bs = self.batch_size
         records = []
-        rank, size = self.shard
         for _ in range(bs):  # read the batch's records in key order
-            while self.offset % size != rank:  # another rank's record (Caffe's Skip)
+            while not keeps(self.shard, self.offset):  # another rank's record (Caffe's Skip)
                 self.next()
             key = self.cursor.key
             records.append((key, parse_datum(self.cursor.value, key, self.path)))
@@ -391,7 +408,7 @@ class _ImageListLoader:
         self.pos = start
         self._order = tuple(lines)  # the list order as of the last shuffle (states refer to it)
         self.offset = 0  # images passed since setup (never wraps): the sharding counter
-        self.shard = (0, 1)
+        self.shard = (0, 1, 1)
 
     def state(self) -> dict:
         return {"pos": self.pos, "offset": self.offset, "lines": self._order if self.shuffle else None,
@@ -423,9 +440,8 @@ class _ImageListLoader:
     def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
         bs = self.batch_size
         picked = []
-        rank, size = self.shard
         for _ in range(bs):
-            while self.offset % size != rank:  # another rank's image (Caffe's Skip)
+            while not keeps(self.shard, self.offset):  # another rank's image (Caffe's Skip)
                 self._next()
             picked.append(self.lines[self.pos])
             self._next()
@@ -563,7 +579,7 @@ class _HDF5Loader:
         self.trailing: list[tuple[int, ...]] | None = None
         self._load(self.files[self.file_perm[0]])
         self.offset = 0  # rows passed since setup (never wraps): the sharding counter
-        self.shard = (0, 1)
+        self.shard = (0, 1, 1)
 
     def state(self) -> dict:
         # file_perm and row_perm are replaced, never mutated, so a state can refer to them.
@@ -613,10 +629,9 @@ class _HDF5Loader:
     def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
         bs = self.batch_size
         outs = buf if buf is not None else [np.empty((bs,) + t, dt) for t, dt in zip(self.trailing, self.dtypes)]
-        rank, size = self.shard
-        if size > 1:  # row by row, stepping over the other ranks' rows (Caffe's Skip)
+        if self.shard[2] > 1:  # row by row, stepping over the other ranks' rows (Caffe's Skip)
             for pos in range(bs):
-                while self.offset % size != rank:
+                while not keeps(self.shard, self.offset):
                     self._next_row()
                 row = self.cur_row if self.row_perm is None else self.row_perm[self.cur_row]
                 for out, arr in zip(outs, self.arrays):

@@ -101,7 +101,8 @@ class Solver:
     ``lr`` (the rate used by the last update), ``history`` (the update-history arrays Caffe
     snapshots), ``config`` (the :class:`cct.config.Config` it gives its nets; default
     :func:`cct.config.current`), ``comm`` (the :class:`cct.distributed.Comm` of a data-parallel run;
-    default: every rank of the job under ``mpiexec``, else none) and ``parallel`` (its
+    default: every rank of the job under ``mpiexec``, else none; ``shares=``: per-rank batch sizes or
+    ``"auto"``, see :class:`~cct.distributed.parallel.DataParallel`) and ``parallel`` (its
     :class:`cct.distributed.parallel.DataParallel`, None in a single process). Subclasses implement
     :meth:`compute_update_value`. ``phase_timer``: a :class:`cct.solver.timing.PhaseTimer` when built
     with ``phase_times=True`` (where each iteration's time went, logged after ``solve``).
@@ -113,7 +114,8 @@ class Solver:
 
     def __init__(self, param: str | os.PathLike | caffe_pb2.SolverParameter, *,
                  action_function: Callable[[], str] | None = None, _source: str | None = None,
-                 config: Config | None = None, comm=None, phase_times: bool | PhaseTimer = False):
+                 config: Config | None = None, comm=None, shares=None,
+                 phase_times: bool | PhaseTimer = False):
         if not isinstance(param, caffe_pb2.SolverParameter):
             _source = os.fspath(param)
             param = read_solver_param(param)
@@ -157,7 +159,7 @@ class Solver:
         if self.comm is not None and self.comm.size > 1:
             from ..distributed.parallel import DataParallel
 
-            self.parallel = DataParallel(self, self.comm)
+            self.parallel = DataParallel(self, self.comm, shares=shares)
 
     # -- construction ----------------------------------------------------------------------
     def check_params(self) -> None:
@@ -655,6 +657,8 @@ class Solver:
             state["ranks"] = self.parallel.size
             state["train_net_ranks"] = self.parallel.gather_read_states(train)
             state["rng_ranks"] = self.parallel.gather_rng_states()
+            if self.parallel.shares is not None:
+                state["shares"] = self.parallel.shares
         return state
 
     def restore(self, state_file: str | os.PathLike) -> None:
@@ -692,6 +696,8 @@ class Solver:
         ranks = 1 if self.parallel is None else self.parallel.size
         rank = 0 if self.parallel is None else self.parallel.rank
         train_states = state.get("train_net", {})
+        if self.parallel is not None and state.get("shares") != self.parallel.shares:
+            saved_ranks = -1  # other batch shares: the ranks' positions do not carry over
         if saved_ranks == ranks and ranks > 1:
             train_states = state["train_net_ranks"][rank]
             if "rng_ranks" in state:
@@ -717,8 +723,9 @@ class Solver:
             shared = shared_counter_states(state.get("train_net_ranks") or [train_states])
             counters = ", ".join(f"{n} at record {int(s.get('offset', 0))}" for n, s in sorted(shared.items()))
             if self.is_root:
-                log.info("%s was written by %d rank(s), this run has %d: the data read positions restart from "
-                         "the shared record counter (%s)", path, saved_ranks, ranks, counters or "no data layers")
+                before = f"{saved_ranks} rank(s)" if saved_ranks > 0 else "other batch shares"
+                log.info("%s was written by %s, this run has %d: the data read positions restart from "
+                         "the shared record counter (%s)", path, before, ranks, counters or "no data layers")
             if self.parallel is not None:
                 self.parallel._seed_rank_streams()
                 self.parallel.shard_data(shared)

@@ -19,6 +19,7 @@ a.add_argument("--init", default=None)
 a.add_argument("--snapshot", type=int, default=0)
 a.add_argument("--resume", default=None)
 a.add_argument("--iter_size", type=int, default=1)
+a.add_argument("--shares", default=None, help="auto or b0,b1,... (unequal per-rank batch sizes)")
 a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fails at that iteration")
 args = a.parse_args()
 os.chdir(args.workdir)
@@ -34,7 +35,8 @@ param.max_iter = args.iters
 param.iter_size = args.iter_size
 param.snapshot = args.snapshot
 param.snapshot_prefix = "snap"
-solver = get_solver(param)
+shares = args.shares if args.shares in (None, "auto") else [int(x) for x in args.shares.split(",")]
+solver = get_solver(param, shares=shares)
 if args.init:
     solver.net.copy_from(args.init)
 losses = []
@@ -64,4 +66,5 @@ if solver.is_root:
     solver.net.save(args.out)
     with open(args.out + ".json", "w") as f:
         json.dump({"losses": losses, "ranks": 1 if solver.parallel is None else solver.parallel.size,
+                   "shares": None if solver.parallel is None else solver.parallel.shares,
                    "stats": None if solver.parallel is None else solver.parallel.sync.stats.as_dict()}, f)
