@@ -70,6 +70,14 @@ def test_two_ranks_at_batch_2_equal_caffe_at_batch_4(case):
     assert stats["iterations"] == 10 and stats["bytes"] == 4 * 431080 and stats["buckets"] >= 2
 
 
+def test_ranks_compose_with_each_ranks_own_devices(case):
+    """Each rank splits its batch of 2 over two CPU devices (the scheduler's executor): the gradients
+    are final only after its finish_backward, and the run still equals Caffe's batch-4 run."""
+    _train(case, 2, 2, 10, case / "out.caffemodel", "--init", "init.caffemodel", "--devices",
+           "cpu:0:threads=1,cpu:1:threads=1")
+    _compare(case / "out.caffemodel", case / "final.caffemodel", 1e-4)
+
+
 @pytest.mark.parametrize("shares", ["3,1", "auto"])
 def test_unequal_batch_shares_keep_the_update_exact(case, shares):
     """Stretch goal: rank 0 takes 3 and rank 1 takes 1 record of every global batch of 4 (or shares
@@ -146,6 +154,8 @@ def test_a_failing_rank_ends_the_job_quickly(case, how):
         assert "MPI rank 1 of 2 failed, ending the job: CctError: injected failure at iteration 3" in p.stderr
     else:
         assert "EXIT CODE: 9" in p.stdout + p.stderr
+        pids = dict(re.findall(r"(\d+)=pid (\d+)@", p.stderr))
+        assert f"PID {pids['1']} " in p.stdout + p.stderr  # the rank 0 log maps mpiexec's pid to rank 1
 
 
 def _train_fail(case, how):

@@ -91,7 +91,13 @@ class DataParallel:
         else:
             self.shard_data()
         solver.net.backward_hooks.append(self.sync.hook)
+        # mpiexec names a rank that dies by its pid: say which pid is which rank
+        import os
+        import socket
+
+        where = comm.gather_obj((os.getpid(), socket.gethostname()), root=0)
         if comm.is_root:
+            log.info("MPI ranks: %s", ", ".join(f"{r}=pid {p}@{h}" for r, (p, h) in enumerate(where)))
             b = _train_batch(solver.net)
             each = f"batch {b}" if b else "its batch"
             if self.shares is not None:

@@ -5,9 +5,11 @@ python train_run.py WORKDIR BATCH ITERS OUT [--init W] [--snapshot K] [--resume 
 """
 import argparse
 import json
+import logging
 import os
 
 from cct.io.prototxt import read_net_prototxt
+from cct.log import init_log
 from cct.solver import get_solver, read_solver_param
 
 a = argparse.ArgumentParser()
@@ -21,7 +23,13 @@ a.add_argument("--resume", default=None)
 a.add_argument("--iter_size", type=int, default=1)
 a.add_argument("--shares", default=None, help="auto or b0,b1,... (unequal per-rank batch sizes)")
 a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fails at that iteration")
+a.add_argument("--devices", default=None, help="split each rank's batch over these devices (cct.set_devices)")
 args = a.parse_args()
+init_log(logging.INFO)
+if args.devices:
+    import cct
+
+    cct.set_devices(args.devices.split(","), shares=[0.5, 0.5])
 os.chdir(args.workdir)
 param = read_solver_param("solver.prototxt")
 net = read_net_prototxt(param.net)
