@@ -8,6 +8,7 @@ import json
 import logging
 import os
 
+from cct.distributed import launcher_rank_size
 from cct.io.prototxt import read_net_prototxt
 from cct.log import init_log
 from cct.solver import get_solver, read_solver_param
@@ -25,7 +26,7 @@ a.add_argument("--shares", default=None, help="auto or b0,b1,... (unequal per-ra
 a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fails at that iteration")
 a.add_argument("--devices", default=None, help="split each rank's batch over these devices (cct.set_devices)")
 args = a.parse_args()
-init_log(logging.INFO)
+init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
     import cct
 
