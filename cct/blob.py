@@ -10,7 +10,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from .config import current
 from .errors import CctError
+from .membudget import check_blob_size
 
 MAX_BLOB_AXES = 32
 
@@ -53,6 +55,7 @@ class Blob:
             raise CctError(f"blob '{self.name}': negative dimension in shape {list(shape)}")
         if shape == self._shape and self.data.shape == shape:
             return
+        check_blob_size(self.name, shape, self.dtype.itemsize, current().memory_budget)
         self._shape = shape
         self.data = self.xp.zeros(shape, dtype=self.dtype)
         self.diff = self.xp.zeros(shape, dtype=self.dtype)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .errors import CctError
+from .errors import CctError, LayerError
 from .flags import FlagParser, add_progress_flag, command_parser
 from .progress import Progress
 
@@ -102,6 +102,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default="", help="comma-separated net state stages")
     p.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only (and no progress bar)")
     add_progress_flag(p)
+    p.add_argument("--no_python_layers", action="store_true",
+                   help="refuse type: \"Python\" layers (they run code named by the prototxt); "
+                        "also CCT_PYTHON_LAYERS=0")
     p.add_argument("--lowering", default=None,
                    help="override the conv lowering choice: 'type1'|'type2'|'type3' for all layers, or per "
                         "layer 'conv1=type3,conv2=type1'")
@@ -185,14 +188,15 @@ def _use_devices(args, engine, solver_param=None):
     """This run's :class:`cct.config.Config`: the engine settings and the devices (--devices/--share, --gpu,
     or the solver's solver_mode). It becomes the process default too (so a later run in the same process
     closes these devices) and is handed to the solver or net."""
-    from .config import update_default
+    from .config import python_layers_from_env, update_default
     from .scheduler import devices_from_args, set_devices
 
     cfg = devices_from_args(args, solver_param)
     if cfg is None:
         log.info("Use CPU.")
     set_devices(cfg)
-    return update_default(engine=engine)
+    python_layers = python_layers_from_env() and not getattr(args, "no_python_layers", False)
+    return update_default(engine=engine, python_layers=python_layers)
 
 
 def _init_logging(quiet: bool, stream=None) -> None:
@@ -342,7 +346,10 @@ def run_test(args: argparse.Namespace) -> int:
     loss = np.float32(0)
     with Progress(args.iterations, "test", unit="batch", enabled=_wants_progress(args)) as bar:
         for i in range(args.iterations):
-            loss += np.float32(net.forward())
+            try:
+                loss += np.float32(net.forward())
+            except LayerError as e:
+                raise e.in_context(f"batch {i}") from e
             for idx, (name, v) in enumerate(net.output_values()):
                 if i == 0:
                     scores.append(v)

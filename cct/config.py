@@ -60,6 +60,19 @@ class BlasConfig:
             object.__setattr__(self, "backend", name)
 
 
+def python_layers_from_env() -> bool:
+    """``$CCT_PYTHON_LAYERS``: ``0``/``false``/``no``/``off`` refuse ``type: "Python"`` layers (default: allowed)."""
+    import os
+
+    return os.environ.get("CCT_PYTHON_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _default_memory_budget() -> int | None:
+    from .membudget import default_budget
+
+    return default_budget()
+
+
 def _default_engine() -> EngineConfig:
     from .lowering.engine import EngineConfig
 
@@ -73,13 +86,17 @@ class Config:
     ``engine``: lowering settings (:class:`cct.lowering.engine.EngineConfig`); ``devices``: the
     devices each batch is split over (:class:`cct.scheduler.DeviceConfig`; None: the plain
     single-device path); ``blas``: the GEMM backend (:class:`BlasConfig`); ``python_layers``:
-    whether ``type: "Python"`` layers may be built (the switch for nets from untrusted sources).
+    whether ``type: "Python"`` layers may be built (the switch for nets from untrusted sources: a
+    Python layer imports and runs code named by the prototxt; default ``$CCT_PYTHON_LAYERS``, on);
+    ``memory_budget``: bytes a blob's data and diff may take (None: no limit; default
+    ``$CCT_MEMORY_BUDGET``, else the physical memory; see :mod:`cct.membudget`).
     """
 
     engine: EngineConfig = field(default_factory=_default_engine)
     devices: DeviceConfig | None = None
     blas: BlasConfig = field(default_factory=BlasConfig)
-    python_layers: bool = True
+    python_layers: bool = field(default_factory=python_layers_from_env)
+    memory_budget: int | None = field(default_factory=_default_memory_budget)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes``; a mapping for ``engine`` or ``blas`` changes only those fields

@@ -169,7 +169,8 @@ def read_image(path: str | os.PathLike, height: int = 0, width: int = 0, is_colo
 def read_image_list(source: str) -> list[tuple[str, int]]:
     """Parse Caffe's image list: each line "path label" (the label after the last space)."""
     try:
-        with open(source, encoding="utf-8") as f:
+        # Bytes as Caffe reads them: a non-UTF-8 path still names its file (surrogateescape, like os.fsdecode).
+        with open(source, encoding="utf-8", errors="surrogateescape") as f:
             text = f.read()
     except OSError as e:
         raise CctError(f"cannot read image list '{source}': {e.strerror}") from None

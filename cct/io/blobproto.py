@@ -19,20 +19,46 @@ def blobproto_shape(proto: caffe_pb2.BlobProto) -> tuple[int, ...]:
     return tuple(int(d) for d in proto.shape.dim)
 
 
-def blobproto_to_array(proto: caffe_pb2.BlobProto, return_diff: bool = False) -> np.ndarray:
-    """The data (or diff) of a BlobProto as a float32 array of its shape."""
+def check_blobproto(proto: caffe_pb2.BlobProto) -> tuple[int, ...]:
+    """Caffe's Blob::FromProto checks; returns the shape. At most 32 axes, no negative dimension, at
+    most INT_MAX elements; ``double_data`` (else ``data``) holds exactly one value per element, and so
+    does ``double_diff`` (else ``diff``) when present."""
+    from ..blob import MAX_BLOB_AXES
+    from ..membudget import INT_MAX
+
     shape = blobproto_shape(proto)
+    if len(shape) > MAX_BLOB_AXES:
+        raise CctError(f"BlobProto has {len(shape)} axes, more than a blob's {MAX_BLOB_AXES}")
+    count = 1
+    for d in shape:
+        if d < 0:
+            raise CctError(f"BlobProto shape {list(shape)} has a negative dimension")
+        count *= d
+        if count > INT_MAX:
+            raise CctError(f"BlobProto shape {list(shape)}: blob size exceeds INT_MAX")
+    data_field = "double_data" if len(proto.double_data) else "data"
+    checks = [(data_field, len(getattr(proto, data_field)))]
+    if len(proto.double_diff):
+        checks.append(("double_diff", len(proto.double_diff)))
+    elif len(proto.diff):
+        checks.append(("diff", len(proto.diff)))
+    for field, n in checks:
+        if n != count:
+            raise CctError(f"BlobProto {field} holds {n} values but its shape {list(shape)} needs {count}")
+    return shape
+
+
+def blobproto_to_array(proto: caffe_pb2.BlobProto, return_diff: bool = False) -> np.ndarray:
+    """The data (or diff) of a BlobProto as a float32 array of its shape (checked as Caffe's
+    Blob::FromProto does, :func:`check_blobproto`; a missing diff reads as zeros)."""
+    shape = check_blobproto(proto)
     if return_diff:
         values = proto.double_diff if len(proto.double_diff) else proto.diff
+        if not len(values):
+            return np.zeros(shape, dtype=np.float32)
     else:
         values = proto.double_data if len(proto.double_data) else proto.data
-    arr = np.asarray(values, dtype=np.float32)
-    count = int(np.prod(shape, dtype=np.int64))
-    if arr.size != count:
-        if arr.size == 0 and return_diff:
-            return np.zeros(shape, dtype=np.float32)
-        raise CctError(f"BlobProto holds {arr.size} values but its shape {list(shape)} needs {count}")
-    return arr.reshape(shape)
+    return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
 def _varint(n: int) -> bytes:

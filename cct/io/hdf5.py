@@ -57,6 +57,14 @@ def _open_read(path: str | os.PathLike, what: str):
         raise ProtoParseError(f"{source}: not a readable HDF5 file ({e})") from None
 
 
+# What h5py raises on a damaged file (bad B-tree/heap/object headers, truncated chunks...).
+_H5_DAMAGE = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+
+
+def _damaged(source: str, e: BaseException) -> ProtoParseError:
+    return ProtoParseError(f"{source}: damaged HDF5 file ({type(e).__name__}: {e})")
+
+
 def _save_nd(group, name: str, arr) -> None:
     # np.array, not np.ascontiguousarray: that makes a 0-d blob (PReLU channel_shared) 1-d
     a = np.array(arr, dtype=np.float32, order="C")
@@ -140,14 +148,19 @@ def read_hdf5_weights(path: str | os.PathLike, diff: bool = False) -> OrderedDic
     source = os.fspath(path)
     group_name = "diff" if diff else "data"
     out: OrderedDict[str, list[np.ndarray | None]] = OrderedDict()
-    with _open_read(source, "HDF5 weights") as f:
-        if group_name not in f:
-            raise ProtoParseError(f"{source}: no '{group_name}' group; not a Caffe HDF5 weights file")
-        for name, g in _layer_groups(f[group_name]):
-            arrays = _param_arrays(g, source, name)
-            # A group holding only subgroups is the first part of a layer name containing '/'.
-            if arrays or len(g) == 0:
-                out[name] = arrays
+    try:
+        with _open_read(source, "HDF5 weights") as f:
+            if group_name not in f:
+                raise ProtoParseError(f"{source}: no '{group_name}' group; not a Caffe HDF5 weights file")
+            for name, g in _layer_groups(f[group_name]):
+                arrays = _param_arrays(g, source, name)
+                # A group holding only subgroups is the first part of a layer name containing '/'.
+                if arrays or len(g) == 0:
+                    out[name] = arrays
+    except CctError:
+        raise
+    except _H5_DAMAGE as e:
+        raise _damaged(source, e) from None
     return out
 
 
@@ -184,6 +197,15 @@ def read_hdf5_solverstate(path: str | os.PathLike) -> dict:
     """Read a Caffe HDF5 solver state: dict with ``iter``, ``learned_net`` (str, "" when absent),
     ``current_step`` and ``history`` (list of float32 arrays, by index)."""
     source = os.fspath(path)
+    try:
+        return _read_hdf5_solverstate(source)
+    except CctError:
+        raise
+    except _H5_DAMAGE as e:
+        raise _damaged(source, e) from None
+
+
+def _read_hdf5_solverstate(source: str) -> dict:
     with _open_read(source, "HDF5 solver state") as f:
         for key in ("iter", "current_step", "history"):
             if key not in f:

@@ -31,11 +31,24 @@ def parse_text(text: str, message: Message, source: str = "<string>") -> Message
 def read_text_file(path: str | os.PathLike, message: Message) -> Message:
     """Parse the prototxt file at ``path`` into ``message``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as e:
         raise CctError(f"cannot read '{path}': {e.strerror}") from None
-    return parse_text(text, message, source=os.fspath(path))
+    return parse_text(decode_text(raw, os.fspath(path)), message, source=os.fspath(path))
+
+
+def decode_text(raw: bytes, source: str = "<bytes>") -> str:
+    """``raw`` as UTF-8 text; an undecodable byte raises ProtoParseError naming ``source:line:column``
+    (column in bytes, both 1-based) and the byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        bad = raw[e.start:e.end]
+        raise ProtoParseError(f"{source}:{line}:{col}: invalid UTF-8 byte{'s' if len(bad) > 1 else ''} "
+                              f"{' '.join(f'0x{b:02x}' for b in bad)} ({e.reason}); expected UTF-8 text") from None
 
 
 def read_net_prototxt(path: str | os.PathLike) -> caffe_pb2.NetParameter:

@@ -524,7 +524,8 @@ class ImageData(PrefetchingDataLayer):
 def read_hdf5_list(source: str) -> list[str]:
     """The .h5 file names listed (whitespace separated) in ``source``."""
     try:
-        with open(source, encoding="utf-8") as f:
+        # Bytes as Caffe reads them: a non-UTF-8 path still names its file (surrogateescape, like os.fsdecode).
+        with open(source, encoding="utf-8", errors="surrogateescape") as f:
             names = f.read().split()
     except OSError as e:
         raise CctError(f"failed to open HDF5 list file '{source}': {e.strerror}") from None

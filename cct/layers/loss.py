@@ -88,10 +88,19 @@ class LossLayer(Layer):
 
     def _check_labels(self, xp, labels, valid, num_labels: int) -> None:
         """Labels (ints) must lie in [0, num_labels) where valid (Caffe only DCHECKs this)."""
-        bad = valid & ((labels < 0) | (labels >= num_labels))
-        if bool(xp.any(bad)):
-            first = int(labels[bad].reshape(-1)[0])
-            raise self.error(f"label value {first} out of range [0, {num_labels})")
+        check_label_range(self, xp, labels, valid, num_labels)
+
+
+def check_label_range(layer: Layer, xp, labels, valid, num_labels: int) -> None:
+    """Raise naming the first label outside [0, num_labels) where ``valid``, with its item in the batch
+    (``labels`` is (items,) or (items, positions); the solver adds the iteration)."""
+    bad = valid & ((labels < 0) | (labels >= num_labels))
+    if bool(xp.any(bad)):
+        flat = int(xp.argmax(bad.reshape(-1)))
+        value = int(labels.reshape(-1)[flat])
+        inner = labels.shape[1] if labels.ndim > 1 else 1
+        where = f"item {flat // inner} of the batch" + (f", position {flat % inner}" if inner > 1 else "")
+        raise layer.error(f"label value {value} out of range [0, {num_labels}) at {where} (bottom[1])")
 
 
 def _normalization_mode(layer: Layer, default: int, allow_legacy: bool = True) -> int:
@@ -598,9 +607,7 @@ class AccuracyLayer(Layer):
         x = bottom[0].data.reshape(self.outer, self.num_labels, self.inner)
         lab = bottom[1].data.reshape(self.outer, self.inner).astype(xp.int64)
         valid = lab != self.ignore_label if self.has_ignore else xp.ones(lab.shape, dtype=bool)
-        bad = valid & ((lab < 0) | (lab >= self.num_labels))
-        if bool(xp.any(bad)):
-            raise self.error(f"label value {int(lab[bad].reshape(-1)[0])} out of range [0, {self.num_labels})")
+        check_label_range(self, xp, lab, valid, self.num_labels)
         safe = xp.where(valid, lab, 0)
         p_true = xp.take_along_axis(x, safe[:, None, :], axis=1)  # (outer, 1, inner)
         better = (x >= p_true).sum(axis=1) - 1  # the true class counts itself

@@ -1,8 +1,12 @@
 """Caffe's Python layer: ``type: "Python"`` with ``python_param { module layer param_str }``.
 
-The module is imported from ``sys.path`` (so ``PYTHONPATH`` works, and the directory of the
-prototxt where the net loader puts it there), the class ``layer`` is looked up in it and
-instantiated with the ``LayerParameter``. The user class subclasses :class:`PythonLayer`
+The module is imported from ``sys.path`` only, as Caffe does (``PYTHONPATH`` works; the directory
+of the prototxt is not searched), the class ``layer`` is looked up in it and instantiated with the
+``LayerParameter``.
+
+Security: a prototxt with a Python layer imports and runs code. ``Config(python_layers=False)``,
+``CCT_PYTHON_LAYERS=0`` or ``cct ... --no_python_layers`` refuse such layers before any import
+(use it for nets from untrusted sources). The user class subclasses :class:`PythonLayer`
 (pycaffe's ``caffe.Layer``) and implements pycaffe's contract::
 
     setup(bottom, top)          # once; read self.param_str, self.phase; self.blobs.add_blob(*shape)
@@ -16,15 +20,14 @@ out host (numpy) copies that are written back after each call.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..blob import Blob
+from ..config import current
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -211,19 +214,6 @@ class PythonLayer:
         raise NotImplementedError(f"Python layer class {type(self).__name__} does not define backward()")
 
 
-@contextlib.contextmanager
-def extra_sys_path(dirs: Iterable[str]):
-    """Temporarily put ``dirs`` at the end of ``sys.path`` (e.g. the prototxt's directory)."""
-    added = [d for d in dirs if d not in sys.path]
-    sys.path.extend(added)
-    try:
-        yield
-    finally:
-        for d in added:
-            if d in sys.path:
-                sys.path.remove(d)
-
-
 @register("Python")
 class PythonLayerWrapper(Layer):
     """The cct layer behind ``type: "Python"``: imports the user class and forwards the contract to it."""
@@ -233,13 +223,17 @@ class PythonLayerWrapper(Layer):
     def __init__(self, param: caffe_pb2.LayerParameter):
         super().__init__(param)
         pp = param.python_param
+        if not current().python_layers:
+            raise self.error(f"Python layers are disabled (--no_python_layers / CCT_PYTHON_LAYERS=0 / "
+                             f"Config(python_layers=False)); this layer would import and run "
+                             f"'{pp.module}.{pp.layer}'")
         if not pp.module or not pp.layer:
             raise self.error("python_param needs both 'module' and 'layer'")
         try:
             module = importlib.import_module(pp.module)
         except ImportError as e:
-            raise self.error(f"cannot import python_param.module '{pp.module}': {e} "
-                             f"(searched sys.path; add its directory to PYTHONPATH)") from e
+            raise self.error(f"cannot import python_param.module '{pp.module}': {e} (modules are imported "
+                             f"from sys.path only, as in Caffe: add the module's directory to PYTHONPATH)") from e
         except Exception as e:
             raise self.error(f"importing python_param.module '{pp.module}' failed: "
                              f"{type(e).__name__}: {e}") from e
@@ -306,4 +300,4 @@ class PythonLayerWrapper(Layer):
         self._call("backward", self._wrap(top), [bool(p) for p in propagate_down], self._wrap(bottom))
 
 
-__all__ = ["BlobVec", "PyBlob", "PythonLayer", "PythonLayerWrapper", "extra_sys_path"]
+__all__ = ["BlobVec", "PyBlob", "PythonLayer", "PythonLayerWrapper"]

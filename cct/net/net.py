@@ -10,11 +10,10 @@ import numpy as np
 
 from ..blob import Blob
 from ..config import Config, current, runs_in_own_config
-from ..errors import CctError, LayerError, NetError
+from ..errors import CctError, LayerError, MemoryBudgetError, NetError
 from ..io.prototxt import read_net_prototxt
 from ..layers import create_layer
 from ..layers.base import Layer
-from ..layers.python_layer import extra_sys_path
 from ..malloc import tune_malloc
 from ..proto import caffe_pb2
 from .graph import filter_net, insert_splits
@@ -32,6 +31,19 @@ def _phase(phase) -> int:
     if phase not in (caffe_pb2.TRAIN, caffe_pb2.TEST):
         raise CctError(f"unknown phase {phase!r} (use cct.TRAIN or cct.TEST)")
     return int(phase)
+
+
+def _layer_failure(name: str, type_: str, stage: str, e: Exception) -> LayerError | None:
+    """The LayerError naming the layer and stage for an exception raised inside it, or None to let
+    ``e`` pass unchanged: errors that already name their layer, cct's typed errors (data sources,
+    solver), and a Python layer's own exceptions (they pass through as in pycaffe)."""
+    if isinstance(e, LayerError):
+        return None
+    if isinstance(e, MemoryBudgetError) or type(e) is CctError:
+        return LayerError(name, type_, f"{stage}: {e}")
+    if isinstance(e, CctError) or type_ == "Python":
+        return None
+    return LayerError(name, type_, f"{stage}: {type(e).__name__}: {e}")
 
 
 class Net:
@@ -143,9 +155,13 @@ class Net:
             if lp.propagate_down and len(lp.propagate_down) != len(lp.bottom):
                 raise LayerError(lp.name, lp.type, "propagate_down must be specified either 0 or bottom_size times")
             log.info("Creating Layer %s", lp.name)
-            # Python layers may live beside the prototxt.
-            with extra_sys_path([os.path.dirname(os.path.abspath(self.source))] if self.source else []):
-                layer = create_layer(lp)
+            try:
+                layer = create_layer(lp)  # Python layers: modules from sys.path only, as in Caffe
+            except Exception as e:
+                failure = _layer_failure(lp.name, lp.type, "create", e)
+                if failure is None:
+                    raise
+                raise failure from e
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             bottoms, bottom_need = [], []
@@ -201,6 +217,11 @@ class Net:
                 if lp.type == "Python":
                     raise  # user layers' own errors pass through unchanged, as in pycaffe
                 raise LayerError(lp.name, lp.type, str(e)) from e
+            except Exception as e:
+                failure = _layer_failure(lp.name, lp.type, "setup", e)
+                if failure is None:
+                    raise
+                raise failure from e
             for j, (tname, top) in enumerate(zip(top_names, tops)):
                 w = layer.loss_weight(j)
                 if w:
@@ -388,20 +409,35 @@ class Net:
         if not (0 <= start <= end < len(self.layers)):
             raise CctError(f"forward range {start}..{end} is outside the net's {len(self.layers)} layers")
         loss = 0.0
-        for i in range(start, end + 1):
-            layer, bottom, top = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
-            layer.reshape(bottom, top)
-            if self.executor is None:
-                layer.forward(bottom, top)
-            else:
-                self.executor.forward(i, layer, bottom, top)
-            for j, (tname, t) in enumerate(zip(self.top_names[i], top)):
-                w = self.blob_loss_weights.get(tname)
-                if w and self.top_names[i].index(tname) == j:
-                    t.diff[...] = w
-                    loss += w * float(t.data.sum())
-            if self.debug_info:
-                self._forward_debug_info(i)
+        i, stage = start, "reshape"
+        try:
+            for i in range(start, end + 1):
+                stage = "reshape"
+                layer, bottom, top = self.layers[i], self.bottom_vecs[i], self.top_vecs[i]
+                layer.reshape(bottom, top)
+                stage = "forward"
+                if self.executor is None:
+                    layer.forward(bottom, top)
+                else:
+                    self.executor.forward(i, layer, bottom, top)
+                loss += self._loss_of(i, top)
+                if self.debug_info:
+                    self._forward_debug_info(i)
+        except Exception as e:
+            failure = _layer_failure(self.layer_names[i], self.layers[i].type, stage, e)
+            if failure is None:
+                raise
+            raise failure from e
+        return loss
+
+    def _loss_of(self, i: int, top: list[Blob]) -> float:
+        """Seed the loss tops' diffs with their weights; the weighted loss of layer ``i``'s tops."""
+        loss = 0.0
+        for j, (tname, t) in enumerate(zip(self.top_names[i], top)):
+            w = self.blob_loss_weights.get(tname)
+            if w and self.top_names[i].index(tname) == j:
+                t.diff[...] = w
+                loss += w * float(t.data.sum())
         return loss
 
     def forward(self, start: str | int | None = None, end: str | int | None = None) -> float:
@@ -413,17 +449,26 @@ class Net:
         """Backward from layer ``start`` down to ``end`` (inclusive), skipping layers that need none."""
         if not (0 <= end <= start < len(self.layers)):
             raise CctError(f"backward range {start}..{end} is outside the net's {len(self.layers)} layers")
-        for i in range(start, end - 1, -1):
-            if self.layer_need_backward[i]:
-                if self.executor is None:
-                    self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i], self.bottom_vecs[i])
-                else:
-                    self.executor.backward(i, self.layers[i], self.top_vecs[i], self.bottom_need_backward[i],
-                                           self.bottom_vecs[i])
-                if self.debug_info:
-                    self._backward_debug_info(i)
-                for hook in self.backward_hooks:
-                    hook(i)
+        i, in_layer = start, False
+        try:
+            for i in range(start, end - 1, -1):
+                if self.layer_need_backward[i]:
+                    in_layer = True
+                    if self.executor is None:
+                        self.layers[i].backward(self.top_vecs[i], self.bottom_need_backward[i], self.bottom_vecs[i])
+                    else:
+                        self.executor.backward(i, self.layers[i], self.top_vecs[i], self.bottom_need_backward[i],
+                                               self.bottom_vecs[i])
+                    if self.debug_info:
+                        self._backward_debug_info(i)
+                    in_layer = False
+                    for hook in self.backward_hooks:
+                        hook(i)
+        except Exception as e:
+            failure = _layer_failure(self.layer_names[i], self.layers[i].type, "backward", e) if in_layer else None
+            if failure is None:
+                raise
+            raise failure from e
 
     def backward(self, start: str | int | None = None, end: str | int | None = None) -> None:
         """Backward over all layers (or from/to a named layer)."""
@@ -442,7 +487,13 @@ class Net:
     def reshape(self) -> None:
         """Propagate changed input shapes through every layer."""
         for layer, bottom, top, names in zip(self.layers, self.bottom_vecs, self.top_vecs, self.top_names):
-            layer.reshape(bottom, top)
+            try:
+                layer.reshape(bottom, top)
+            except Exception as e:
+                failure = _layer_failure(layer.name, layer.type, "reshape", e)
+                if failure is None:
+                    raise
+                raise failure from e
             for tname, t in zip(names, top):
                 w = self.blob_loss_weights.get(tname)
                 if w:

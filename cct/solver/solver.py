@@ -34,7 +34,7 @@ import numpy as np
 from .. import kernels, rng
 from ..backend import get_array_module
 from ..config import Config, current
-from ..errors import CctError, SolverError
+from ..errors import CctError, LayerError, SolverError
 from ..io.atomic import remove_stale_temps
 from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
 from ..net import Net
@@ -410,10 +410,13 @@ class Solver:
             display = bool(p.display) and self.iter % p.display == 0
             self.net.debug_info = display and p.debug_info
             loss = np.float32(0)
-            for k in range(p.iter_size):
-                if self.parallel is not None and k == p.iter_size - 1:
-                    self.parallel.arm()  # reduce this pass's (accumulated) gradients while backward runs
-                loss += np.float32(self._forward_backward())
+            try:
+                for k in range(p.iter_size):
+                    if self.parallel is not None and k == p.iter_size - 1:
+                        self.parallel.arm()  # reduce this pass's (accumulated) gradients while backward runs
+                    loss += np.float32(self._forward_backward())
+            except LayerError as e:
+                raise e.in_context(f"train net, iteration {self.iter}") from e
             loss /= np.float32(p.iter_size)
             if self.parallel is not None:
                 loss = self.parallel.finish(loss)  # gradients summed over ranks / N; the global mean loss
@@ -527,7 +530,10 @@ class Solver:
                 request = self.get_requested_action()
             if self.requested_early_exit:
                 break
-            iter_loss = net.forward()
+            try:
+                iter_loss = net.forward()
+            except LayerError as e:
+                raise e.in_context(f"test net #{test_net_id}, test batch {i} at iteration {self.iter}") from e
             if p.test_compute_loss:
                 loss += np.float32(iter_loss)
             for idx, (name, v) in enumerate(net.output_values()):
