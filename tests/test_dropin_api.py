@@ -211,3 +211,16 @@ def test_caffe_io_is_a_float64_wrapper_of_cct_conversions():
     np.testing.assert_array_equal(floats, (pixels / 3.0).astype(np.float32))
     with pytest.raises(ValueError, match="Incorrect array shape"):
         caffe.io.array_to_datum(np.zeros((2, 2)))
+
+
+@pytest.mark.parametrize("ltype,mention", [("ReLU6", "Clip with min: 0 max: 6"), ("PriorBox", "SSD"),
+                                           ("ConvolutionDepthwise", "group = num_output")])
+def test_fork_only_layer_types_say_where_they_come_from(tmp_path, ltype, mention):
+    path = tmp_path / "fork_type.prototxt"
+    path.write_text('layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 2 } } }\n'
+                    f'layer {{ name: "odd" type: "{ltype}" bottom: "data" top: "out" }}\n')
+    with pytest.raises(cct.LayerError) as info:
+        cct.Net(str(path), cct.TEST)
+    msg = str(info.value)
+    assert f"layer 'odd' (type {ltype}): unknown layer type '{ltype}'" in msg
+    assert "not of BVLC Caffe" in msg and mention in msg

@@ -1,4 +1,4 @@
-"""Clear errors for prototxt fields that exist only in forks of Caffe, not in BVLC Caffe.
+"""Clear errors for prototxt fields and layer types that exist only in forks of Caffe, not in BVLC Caffe.
 
 Public models often come from a Caffe fork (SSD, PSPNet, SegNet, ShuffleNet ports, ...) whose
 ``caffe.proto`` adds fields BVLC Caffe lacks. Protobuf's text parser only says "no field named X";
@@ -31,6 +31,36 @@ FORK_FIELDS: dict[tuple[str, str], tuple[str, str]] = {
     ("BatchNormParameter", "bias_filler"): ("NVIDIA's Caffe fork (NVIDIA/caffe)",
                                             "BVLC Caffe's BatchNorm has no bias: add a Scale layer with bias_term"),
 }
+
+_SSD = "SSD's Caffe fork (weiliu89/caffe, branch ssd)"
+# layer type -> (where the type comes from, what BVLC Caffe offers instead or "")
+FORK_LAYER_TYPES: dict[str, tuple[str, str]] = {
+    **{t: (_SSD, "") for t in ("Permute", "PriorBox", "DetectionOutput", "DetectionEvaluate", "MultiBoxLoss",
+                               "Normalize", "AnnotatedData", "VideoData")},
+    "ShuffleChannel": ("the ShuffleNet Caffe forks", ""),
+    "ConvolutionDepthwise": ("MobileNet Caffe forks",
+                             "BVLC Caffe's equivalent is Convolution with group = num_output = input channels"),
+    "DepthwiseConvolution": ("MobileNet Caffe forks",
+                             "BVLC Caffe's equivalent is Convolution with group = num_output = input channels"),
+    "ReLU6": ("MobileNet Caffe forks", "BVLC Caffe's equivalent is Clip with min: 0 max: 6"),
+    "BN": ("Caffe forks such as PSPNet's and SegNet's", "BVLC Caffe uses BatchNorm followed by Scale"),
+    "Interp": ("DeepLab's and PSPNet's Caffe forks", ""),
+    "Upsample": ("SegNet's Caffe fork", ""),
+    "ROIPooling": ("Fast/Faster R-CNN's Caffe fork", ""),
+    "SmoothL1Loss": ("Fast/Faster R-CNN's Caffe fork", ""),
+    "PSROIPooling": ("R-FCN's Caffe fork", ""),
+    "Axpy": ("SENet Caffe ports", "BVLC Caffe can compose it from Scale (two bottoms) and Eltwise SUM"),
+}
+
+
+def explain_fork_layer_type(type_name: str) -> str | None:
+    """Where a layer type that BVLC Caffe lacks comes from (and BVLC's equivalent), or None."""
+    fork = FORK_LAYER_TYPES.get(type_name)
+    if fork is None:
+        return None
+    origin, instead = fork
+    return f"'{type_name}' is a layer type of {origin}, not of BVLC Caffe" + (f"; {instead}" if instead else "")
+
 
 _NO_FIELD = re.compile(r'Message type "caffe\.([\w.]+)" has no field named "(\w+)"')
 _LAYER_KEYS = ("layer", "layers")

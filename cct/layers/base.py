@@ -65,9 +65,13 @@ def create_layer(param: caffe_pb2.LayerParameter) -> Layer:
     """Instantiate the layer for ``param.type``; unknown types name the layer and list the known ones."""
     cls = _REGISTRY.get(param.type)
     if cls is None:
+        from ..io.fork_fields import explain_fork_layer_type
+
+        fork = explain_fork_layer_type(param.type)
         raise LayerError(
             param.name, param.type or "<empty>",
-            f"unknown layer type '{param.type}'. Registered types: {', '.join(layer_type_list())}",
+            f"unknown layer type '{param.type}'" + (f" ({fork})" if fork else "")
+            + f". Registered types: {', '.join(layer_type_list())}",
         )
     return cls(param)
 
