@@ -3,8 +3,9 @@ weights, giving the output shapes their authors document.
 
 Every net is built at its documented input size and its outputs' shapes are checked. The forward pass
 runs at that size too, except for the two nets too costly for the default suite on a small CPU:
-FCN-8s runs forward at 64x64 (shape checks at 500x500 still apply) and S2VT (a 46168-way
-prediction over 80 x 32 steps, ~300 GFLOP) is only built; ``CCT_ZOO_FULL=1`` runs both in full.
+FCN-8s (conv1_1's pad of 100 makes any input cost >10 GFLOP; its shapes are also checked at 64x64)
+and S2VT (a 46168-way prediction over 80 x 32 steps, ~300 GFLOP) are only built;
+``CCT_ZOO_FULL=1`` runs both forward in full.
 BatchNorm statistics are set to mean 0 / variance 1 so that deep random nets stay finite.
 """
 from __future__ import annotations
@@ -76,9 +77,11 @@ def test_zoo_net_builds_and_runs_forward(fname):
     for blob, shape in inner.items():
         assert net.blobs[blob].shape == shape, blob
     if fname.startswith("fcn8s") and not FULL:
+        # conv1_1's pad of 100 makes any input cost >10 GFLOP: shapes only (net.reshape() above)
         net.blobs["data"].reshape((1, 3, 64, 64))
         net.reshape()  # the Crop layers follow the input size
-        outputs = {"score": (1, 21, 64, 64)}
+        assert net.blobs["score"].shape == (1, 21, 64, 64)
+        return
     _forward(net)
     for name, shape in outputs.items():
         out = net.blobs[name].data
