@@ -145,7 +145,8 @@ class Layer:
         dtype = like.dtype if like is not None else np.float32
         xp = like.xp if like is not None else np
         blob = Blob(shape, dtype=dtype, xp=xp, name=self.name)
-        fill(blob, filler)
+        if filler is not None and not (filler.type == "constant" and filler.value == 0):
+            fill(blob, filler)  # a new blob is zeros already: Caffe's default constant-0 filler is a no-op
         return blob
 
     def params_given(self, expected: int) -> bool:
