@@ -339,7 +339,7 @@ def mutate_hdf5(data: bytes, rng: random.Random) -> tuple[bytes, str]:
                 g.create_dataset(str(len(g) + rng.choice((0, 3))), data=np.zeros(2, np.float32))
             else:
                 del g[key]
-                g.create_dataset(key, data=arr.reshape((1,) * rng.choice((1, 3, 30)) + arr.shape))
+                g.create_dataset(key, data=arr.reshape((1,) * rng.choice((1, 3, 28)) + arr.shape))
         return Path(path).read_bytes(), f"{name}/{key}:{op}"
 
 

@@ -5,7 +5,8 @@
 
 Each case runs in a worker process (address space capped by ``--memory``, CCT_CALIBRATE=0); a case
 over ``--timeout`` seconds is interrupted in the worker (SIGALRM), one that does not return within
-twice that is killed with its worker (counted as ``hang``) and the worker restarted. Prints the
+twice that is killed with its worker (counted as ``hang``) and the worker restarted. Each worker
+first runs the unmutated small nets untimed (numba compiles its kernels on first use). Prints the
 outcome classes per kind and every case outside cct's error types (with its replay command); exits
 1 if there is any. Replay one case: ``python tools/fuzz_inputs.py --replay prototxt:123``.
 """
@@ -37,6 +38,7 @@ def _worker(jobs: mp.Queue, results: mp.Queue, timeout: float, memory: int) -> N
     os.environ.setdefault("CCT_CALIBRATE", "0")
     _limit_memory(memory)
     corpus = fuzz.prototxt_corpus()
+    _warm_up(corpus)
     while True:
         job = jobs.get()
         kind, seed = job
@@ -49,6 +51,14 @@ def _worker(jobs: mp.Queue, results: mp.Queue, timeout: float, memory: int) -> N
         except Exception:  # noqa: BLE001 - a failure to build the case itself is reported too
             outcome, detail = "other:fuzzer", traceback.format_exc(limit=3)
         results.put(("done", kind, seed, outcome, detail))
+
+
+def _warm_up(corpus: list[tuple[str, bytes]]) -> None:
+    """Run the unmutated small nets once, untimed: numba compiles its kernels on first use (seconds to
+    minutes on a loaded machine), which must not count against the first cases' timeout."""
+    for name, text in corpus:
+        if name.startswith("builtin:") or "cifar10_quick" in name or "lenet" in name:
+            fuzz.run_case(fuzz.Case("prototxt", -1, text, name, "none"), timeout=0)
 
 
 def _error_text(case: fuzz.Case, timeout: float) -> str:
