@@ -14,25 +14,21 @@ from .base import register
 from .structure_base import StructureLayer, top_diff_safe
 
 
-@register("Flatten")
-class FlattenLayer(StructureLayer):
-    """Flatten axes ``axis`` .. ``end_axis`` (inclusive) into one; top shares bottom data and diff."""
+class _ViewLayer(StructureLayer):
+    """A layer whose top is a reshaped view of its one bottom: data and diff are shared, so forward
+    and backward move nothing. Subclasses give the top's shape in :meth:`view_shape`."""
 
-    param_fields = ("flatten_param",)
     exact_num_bottom = 1
     exact_num_top = 1
 
+    def view_shape(self, b: Blob) -> list[int]:
+        raise NotImplementedError
+
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         self.no_in_place(bottom, top)
-        p = self.param.flatten_param
-        b = bottom[0]
-        start = self.canonical_axis(b, p.axis, "axis")
-        end = self.canonical_axis(b, p.end_axis, "end_axis")
-        if end + 1 < start:
-            raise self.error(f"end_axis {p.end_axis} comes before axis {p.axis} for bottom shape {list(b.shape)}")
-        shape = list(b.shape[:start]) + [b.count_range(start, end + 1)] + list(b.shape[end + 1:])
-        top[0].share_data(b, shape)
-        top[0].share_diff(b, shape)
+        shape = self.view_shape(bottom[0])
+        top[0].share_data(bottom[0], shape)
+        top[0].share_diff(bottom[0], shape)
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         pass
@@ -41,14 +37,27 @@ class FlattenLayer(StructureLayer):
         pass
 
 
+@register("Flatten")
+class FlattenLayer(_ViewLayer):
+    """Flatten axes ``axis`` .. ``end_axis`` (inclusive) into one; top shares bottom data and diff."""
+
+    param_fields = ("flatten_param",)
+
+    def view_shape(self, b: Blob) -> list[int]:
+        p = self.param.flatten_param
+        start = self.canonical_axis(b, p.axis, "axis")
+        end = self.canonical_axis(b, p.end_axis, "end_axis")
+        if end + 1 < start:
+            raise self.error(f"end_axis {p.end_axis} comes before axis {p.axis} for bottom shape {list(b.shape)}")
+        return list(b.shape[:start]) + [b.count_range(start, end + 1)] + list(b.shape[end + 1:])
+
+
 @register("Reshape")
-class ReshapeLayer(StructureLayer):
+class ReshapeLayer(_ViewLayer):
     """Caffe's Reshape: ``shape`` with 0 = copy the bottom dim, -1 = infer; ``axis``/``num_axes`` select
     the range of bottom axes replaced. Top shares bottom data and diff."""
 
     param_fields = ("reshape_param",)
-    exact_num_bottom = 1
-    exact_num_top = 1
 
     def layer_setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         self.no_in_place(bottom, top)
@@ -71,10 +80,8 @@ class ReshapeLayer(StructureLayer):
                 self.constant_count *= d
         self.dims = dims
 
-    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        self.no_in_place(bottom, top)
+    def view_shape(self, b: Blob) -> list[int]:
         p = self.param.reshape_param
-        b = bottom[0]
         n = b.num_axes
         start = p.axis if p.axis >= 0 else n + p.axis + 1
         if start < 0 or start > n:
@@ -106,14 +113,7 @@ class ReshapeLayer(StructureLayer):
             raise self.error(
                 f"output count must match input count: new shape {shape} ({count}) vs bottom shape "
                 f"{list(b.shape)} ({b.count})")
-        top[0].share_data(b, shape)
-        top[0].share_diff(b, shape)
-
-    def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        pass
-
-    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool], bottom: Sequence[Blob]) -> None:
-        pass
+        return shape
 
 
 @register("Crop")
