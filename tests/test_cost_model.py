@@ -318,3 +318,51 @@ def test_memory_budget_picks_the_fastest_strategy_that_fits():
     none = opt.choose_plan(g, 8, mach, per_pass=False, budget=1)
     assert not none.fits and none.single == min(ws1, key=ws1.get)
     assert "[over budget" in opt.describe_plan("c", none)
+
+
+def test_operand_pool_views():
+    from cct import blas
+
+    pool = blas.OperandPool(seed=1)
+    a, b = pool.pair(3, 5, 4)
+    assert a.shape == (3, 4) and b.shape == (4, 5) and a.flags.c_contiguous and b.flags.c_contiguous
+    assert not np.shares_memory(a, b)
+    first = a.copy()
+    a2, b2 = pool.pair(10, 20, 30)  # the pool grows; what was drawn stays
+    assert a2.shape == (10, 30) and b2.shape == (30, 20) and not np.shares_memory(a2, b2)
+    assert np.array_equal(a2.reshape(-1)[:12], first.reshape(-1))
+    assert np.all(np.abs(a2) <= 0.5) and a2.std() > 0.1
+
+
+def test_first_run_level_is_cached_and_full_grid(monkeypatch, caplog):
+    from cct import blas
+
+    lv = cal.LEVELS
+    assert lv["first"].dims == lv["full"].dims and lv["first"].cached and lv["full"].cached
+    assert not lv["quick"].cached and lv["first"].passes < lv["full"].passes
+    # the first run measures at the "first" level (here shrunk to the quick grid to stay fast) and caches it
+    monkeypatch.setitem(cal.LEVELS, "first", cal.CalibrationLevel(
+        "first", lv["quick"].dims, 1, 1, 2e7, 256, 8192, (32,), (1 << 14,), ((16, 2),), True))
+    cal._memo.clear()
+    with caplog.at_level("INFO", logger="cct"):
+        m = cal.load_machine(measure_if_missing=True, threads=1)
+    assert m.info["level"] == "first" and not m.nominal and m.direct_gflops > 0
+    assert "first-run level" in caplog.text
+    cached = blas.read_cache(cal._cache_name(1, blas.get_backend()))
+    assert cached is not None and cached["info"]["level"] == "first"
+    cal._memo.clear()
+    assert cal.load_machine(measure_if_missing=True, threads=1).gemm_bign == m.gemm_bign  # read, not re-measured
+    cal._memo.clear()
+
+
+def test_corrupt_calibration_cache_is_reported(caplog):
+    from cct import blas
+
+    path = blas.cache_dir() / cal._cache_name(1, blas.get_backend())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    cal._memo.clear()
+    with caplog.at_level("WARNING", logger="cct"):
+        m = cal.load_machine(measure_if_missing=False, threads=1)
+    assert m.nominal and "unreadable" in caplog.text and str(path) in caplog.text
+    cal._memo.clear()

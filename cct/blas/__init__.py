@@ -26,7 +26,7 @@ from .mkl import BlasUnavailable, load_mkl, mkl_available
 from .multiply import gemm, matmul, sgemm
 from .spin import DEFAULT_THREAD_TIMEOUT, limit_openblas_spin
 from .threads import blas_threads, get_num_threads, set_num_threads, supports_thread_local_limits
-from .timing import best_time, gemm_gflops
+from .timing import OperandPool, best_time, gemm_gflops
 
 _cpu_model = cpu_model  # the name earlier code (cct.cli, benchmarks/common.py) calls
 
@@ -35,5 +35,5 @@ __all__ = [
     "choose_backend", "get_backend", "set_backend", "set_thread_backend", "blas_info", "describe",
     "BlasUnavailable", "load_mkl", "mkl_available", "gemm", "matmul", "sgemm", "DEFAULT_THREAD_TIMEOUT",
     "limit_openblas_spin", "blas_threads", "get_num_threads", "set_num_threads", "supports_thread_local_limits",
-    "best_time", "gemm_gflops",
+    "OperandPool", "best_time", "gemm_gflops",
 ]

@@ -20,6 +20,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,6 +34,37 @@ QUICK_DIMS = [8, 64, 512]
 # sweep sizes (elements) of the element-wise curves and (d, batch) points of the lowering curves
 FULL_ELEM_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25)
 FULL_LOWERING_SIZES = ((32, 4), (256, 16), (512, 32))
+
+
+@dataclass(frozen=True)
+class CalibrationLevel:
+    """How much :func:`calibrate` measures: the GEMM grid, its sweeps and sizes, the element-wise
+    and lowering curves, and whether the result is cached."""
+
+    name: str
+    dims: tuple[int, ...]
+    passes: int  # sweeps over both GEMM grids, each point keeping its best
+    repeats: int  # timed calls per GEMM point (best of)
+    budget: float  # multiply-adds per timed GEMM of the grids, within [lo, hi] for the big dimension
+    lo: int
+    hi: int
+    bigs: tuple[int, ...]  # the small-"big"-dimension correction curve
+    elem_sizes: tuple[int, ...]
+    lowering_sizes: tuple[tuple[int, int], ...]
+    cached: bool
+
+
+LEVELS = {
+    # coarse and sub-second, never cached: tests and `cct calibrate --quick`
+    "quick": CalibrationLevel("quick", tuple(QUICK_DIMS), 1, 1, 2e7, 256, 8192, (32, 256),
+                              (1 << 14, 1 << 18), ((16, 2), (64, 8)), False),
+    # the first run on a new machine: the full grid once, with smaller products (a few seconds)
+    "first": CalibrationLevel("first", tuple(FULL_DIMS), 1, 2, 1e8, 256, 32768, (16, 64, 256, 1024),
+                              FULL_ELEM_SIZES, FULL_LOWERING_SIZES, True),
+    # `cct calibrate`: three sweeps over the full grid at full size
+    "full": CalibrationLevel("full", tuple(FULL_DIMS), 3, 2, 2e8, 512, 65536, (16, 64, 256, 1024, 4096),
+                             FULL_ELEM_SIZES, FULL_LOWERING_SIZES, True),
+}
 _memo: dict[str, Machine] = {}
 
 log = logging.getLogger("cct")
@@ -45,8 +77,8 @@ def _cache_name(threads: int, backend: str) -> str:
 _best_time = blas.best_time  # the timer of the element-wise and lowering curves
 
 
-def _gemm_gflops(m: int, n: int, k: int, repeats: int) -> float:
-    return blas.gemm_gflops([(m, n, k)], repeats=repeats)
+def _gemm_gflops(m: int, n: int, k: int, repeats: int, pool: blas.OperandPool | None = None) -> float:
+    return blas.gemm_gflops([(m, n, k)], repeats=repeats, operands=pool)
 
 
 def _big(m: int, k: int, budget: float, lo: int, hi: int) -> int:
@@ -129,19 +161,22 @@ def measure_lowerings(sizes: tuple[tuple[int, int], ...] = ((32, 4), (256, 16), 
 
 
 def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True,
-              threads: int | None = None, verbose: bool = False, passes: int = 3,
-              progress: Progress | None = None) -> Machine:
-    """Measure this machine's cost-model constants (a few seconds; ``quick``: well under one).
+              threads: int | None = None, verbose: bool = False, passes: int | None = None,
+              progress: Progress | None = None, level: str | None = None) -> Machine:
+    """Measure this machine's cost-model constants and cache them (unless ``save`` is False).
 
-    ``threads``: BLAS threads to measure with (default: the current setting); ``passes``: sweeps
-    over the GEMM grids (each point keeps its best). The result is cached unless ``save`` is False.
-    ``progress``: advanced per measured GEMM point and kernel sweep.
+    ``level``: one of :data:`LEVELS` -- ``"full"`` (the default, ``cct calibrate``), ``"first"``
+    (what a first run on a new machine measures: a few seconds) or ``"quick"`` (coarse,
+    sub-second, never cached; also ``quick=True``). ``repeats``/``passes`` override the level's;
+    ``threads``: BLAS threads to measure with (default: the current setting); ``progress``:
+    advanced per measured GEMM point and kernel sweep.
     """
+    lv = LEVELS["quick" if quick else (level or "full")]
     backend = blas.get_backend()
-    dims = QUICK_DIMS if quick else FULL_DIMS
-    repeats = repeats if repeats is not None else (1 if quick else 2)
-    budget = 2e7 if quick else 2e8
-    lo, hi = (256, 8192) if quick else (512, 65536)
+    dims = list(lv.dims)
+    repeats = repeats if repeats is not None else lv.repeats
+    n_passes = passes if passes is not None else lv.passes
+    pool = blas.OperandPool()
     t0 = time.perf_counter()
     with blas.blas_threads(threads):
         nthreads = blas.get_num_threads()
@@ -149,28 +184,31 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
         # process then spoils one pass of a point, not the point.
         bign = [[0.0] * len(dims) for _ in dims]
         bigk = [[0.0] * len(dims) for _ in dims]
-        n_passes = 1 if quick else passes
-        bigs = (32, 256) if quick else (16, 64, 256, 1024, 4096)
         tick = progress.update if progress is not None else (lambda n=1: None)
         if progress is not None:
-            progress.set_total(n_passes * len(dims) ** 2 + len(bigs) + 3)
+            progress.set_total(n_passes * len(dims) ** 2 + len(lv.bigs) + 3)
+
+        def big(m: int, d: int) -> int:
+            return _big(m, d, lv.budget, lv.lo, lv.hi)
+
         for _ in range(n_passes):
             for i, m in enumerate(dims):
                 for j, d in enumerate(dims):
-                    bign[i][j] = max(bign[i][j], _gemm_gflops(m, _big(m, d, budget, lo, hi), d, repeats))
-                    bigk[i][j] = max(bigk[i][j], _gemm_gflops(m, d, _big(m, d, budget, lo, hi), repeats))
+                    bign[i][j] = max(bign[i][j], _gemm_gflops(m, big(m, d), d, repeats, pool))
+                    bigk[i][j] = max(bigk[i][j], _gemm_gflops(m, d, big(m, d), repeats, pool))
                     tick()
-        ref_big = _big(256, 256, budget, lo, hi)
-        ref = _gemm_gflops(256, ref_big, 256, repeats)
+        ref_big = big(256, 256)
+        ref = _gemm_gflops(256, ref_big, 256, repeats, pool)
         curve = []
-        for big in (*bigs, ref_big):
-            curve.append((int(big), min(1.0, _gemm_gflops(256, big, 256, repeats) / ref)))
+        for b in (*lv.bigs, ref_big):
+            curve.append((int(b), min(1.0, _gemm_gflops(256, b, 256, repeats, pool) / ref)))
             tick()
+        del pool
         small = np.ones((2, 2), np.float32)
         overhead = _best_time(lambda: blas.gemm(small, small), 20)
-    ew = measure_elementwise((1 << 14, 1 << 18) if quick else FULL_ELEM_SIZES, repeats)
+    ew = measure_elementwise(lv.elem_sizes, repeats)
     tick()
-    lw = measure_lowerings(((16, 2), (64, 8)) if quick else FULL_LOWERING_SIZES, repeats)
+    lw = measure_lowerings(lv.lowering_sizes, repeats)
     tick()
     info = blas.blas_info()
     machine = Machine(grid_dims=list(dims), gemm_bign=bign, gemm_bigk=bigk, big_curve=curve,
@@ -179,13 +217,14 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
                       gemm_overhead_s=overhead, cache_bytes=detect_cache_bytes(), threads=int(nthreads),
                       backend=backend,
                       kernel=str(info.get("architecture") or ""), key=blas.machine_key(),
-                      info={"quick": quick, "seconds": time.perf_counter() - t0, "measured_at": time.time(),
-                            "blas": info})
+                      info={"quick": lv.name == "quick", "level": lv.name, "seconds": time.perf_counter() - t0,
+                            "measured_at": time.time(), "blas": info})
     with blas.blas_threads(threads):
         _add_rates(machine)
+    machine.info["seconds"] = time.perf_counter() - t0
     if verbose:
         print(summary(machine))
-    return _store(machine, backend, save and not quick)
+    return _store(machine, backend, save and lv.cached)
 
 
 def _add_rates(machine: Machine) -> Machine:
@@ -240,10 +279,11 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
     if name in _memo:
         return _memo[name]
     cached = blas.read_cache(name)
+    m = None
     if cached is not None:
         try:
             m = Machine.from_json(cached)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, KeyError, AttributeError):
             m = None
         if m is not None:
             if measure_if_missing and not m.direct_gflops:  # cached before the direct/FFT strategies
@@ -252,18 +292,24 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
                 return _store(m, backend, True)
             _memo[name] = m
             return m
+    if (blas.cache_dir() / name).exists():
+        log.warning("The calibration cache %s is unreadable; %s", blas.cache_dir() / name,
+                    "measuring again" if measure_if_missing else "using the nominal cost model")
     if not measure_if_missing:
         return nominal_machine()
-    log.info("Calibrating the lowering cost model for this machine (%s, %d BLAS threads) once; "
-             "cached in %s (cct calibrate re-measures)", backend, n, blas.cache_dir())
-    return calibrate(threads=threads)
+    log.info("Calibrating the lowering cost model for this machine (%s, %d BLAS threads): first-run level, "
+             "cached in %s (cct calibrate measures the full grid)", backend, n, blas.cache_dir())
+    m = calibrate(threads=threads, level="first")
+    log.info("Calibrated in %.1f s", m.info["seconds"])
+    return m
 
 
 def summary(machine: Machine) -> str:
     """A short table of the measured constants."""
     dims = machine.grid_dims
     lines = [f"machine {machine.key} backend {machine.backend} kernel {machine.kernel or '-'} "
-             f"threads {machine.threads}" + (" (nominal)" if machine.nominal else "")]
+             f"threads {machine.threads}" + (" (nominal)" if machine.nominal else
+                                          f" (level {machine.info.get('level', 'full')})")]
     lines.append("GEMM GFLOPS, big N (rows M, cols K): " + " ".join(f"{d:>6}" for d in dims))
     for d, row in zip(dims, machine.gemm_bign):
         lines.append(f"  M={d:<6}" + " ".join(f"{v:6.1f}" for v in row))
