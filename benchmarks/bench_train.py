@@ -23,6 +23,10 @@ Zen 4 machine, Caffe 1.0, OpenBLAS).
   prototxt) in a prefetch thread, the same test passes (``test_iter`` batches) and snapshots
   (``torch.save`` of model and optimizer), timed with the same phases.
 
+* **caffe** (``--caffe BIN`` or ``$CAFFE_BIN``): a BVLC ``caffe train --solver=...`` on the same
+  solver, net and LMDB, in the same run (its glog to stderr; the loop is timed from the same two
+  log lines). No Caffe code ships with cct: build BVLC Caffe yourself (CPU_ONLY) and pass its binary.
+
 The figure per framework is the median over ``--runs`` (spread shown); the table and
 ``results/bench_train.json`` name the CPU, the BLAS kernel and the load average.
 """
@@ -126,7 +130,7 @@ def read_solver(path: Path) -> dict:
 
 
 # -- cct ----------------------------------------------------------------------------------------
-_GLOG = re.compile(r"^[IWEF](\d{4}) (\d\d):(\d\d):(\d\d\.\d+)")
+_GLOG = re.compile(r"^[IWEF](\d{4})?(\d{4}) (\d\d):(\d\d):(\d\d\.\d+)")  # newer glog writes the year too
 _PHASE = re.compile(r"^\s*(\w+):\s+([\d.]+) s\s+([\d.]+) ms/iter")
 
 
@@ -134,26 +138,19 @@ def _glog_time(line: str, year: int) -> float | None:
     m = _GLOG.match(line)
     if not m:
         return None
-    md, hh, mm, ss = m.groups()
+    yyyy, md, hh, mm, ss = m.groups()
     sec = float(ss)
-    t = datetime(year, int(md[:2]), int(md[2:]), int(hh), int(mm), int(sec))
+    t = datetime(int(yyyy) if yyyy else year, int(md[:2]), int(md[2:]), int(hh), int(mm), int(sec))
     return t.timestamp() + (sec - int(sec))
 
 
-def run_cct(solver: Path, work: Path, extra: list[str]) -> dict:
-    """One ``cct train`` in a fresh process: loop and startup seconds, phases, final test accuracy."""
-    for f in (work / "snap").glob("*"):
-        f.unlink()
-    t_launch = time.time()
-    out = subprocess.run([sys.executable, "-m", "cct", "train", str(solver), "--phase_times", *extra], cwd=work,
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"cct train failed:\n{out.stderr[-3000:]}")
-    year = datetime.now().year
+def parse_train_log(text: str, year: int) -> dict:
+    """Loop seconds (``Starting Optimization`` -> ``Optimization Done.``), the last test accuracy and
+    cct's ``--phase_times`` split (seconds) from a glog-style ``train`` log (cct's or Caffe's)."""
     start = done = None
     phases: dict[str, float] = {}
     accuracy = None
-    for line in out.stderr.splitlines():
+    for line in text.splitlines():
         if "Starting Optimization" in line:
             start = _glog_time(line, year)
         elif "Optimization Done." in line:
@@ -166,8 +163,37 @@ def run_cct(solver: Path, work: Path, extra: list[str]) -> dict:
             if m and m.group(1) in PHASES:
                 phases[m.group(1)] = float(m.group(2))
     if start is None or done is None:
-        raise SystemExit("cct train: no 'Starting Optimization' / 'Optimization Done.' in its log")
-    return {"loop_s": done - start, "startup_s": start - t_launch, "phases_s": phases, "accuracy": accuracy}
+        raise ValueError("no 'Starting Optimization' / 'Optimization Done.' in the log")
+    return {"loop_s": done - start, "start": start, "phases_s": phases, "accuracy": accuracy}
+
+
+def run_train(cmd: list[str], work: Path, what: str, env: dict | None = None) -> dict:
+    """One training process (``cmd``) in ``work``: loop and startup seconds, phases, final test accuracy."""
+    for f in (work / "snap").glob("*"):
+        f.unlink()
+    t_launch = time.time()
+    out = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{out.stderr[-3000:]}")
+    try:
+        r = parse_train_log(out.stderr, datetime.now().year)
+    except ValueError as e:
+        raise SystemExit(f"{what}: {e}") from None
+    r["startup_s"] = r.pop("start") - t_launch
+    return r
+
+
+def run_cct(solver: Path, work: Path, extra: list[str]) -> dict:
+    """One ``cct train`` in a fresh process, as a user runs it."""
+    return run_train([sys.executable, "-m", "cct", "train", str(solver), "--phase_times", *extra], work, "cct train")
+
+
+def run_caffe(binary: str, solver: Path, work: Path) -> dict:
+    """One BVLC ``caffe train`` on the same solver (its glog to stderr)."""
+    r = run_train([binary, "train", f"--solver={solver}"], work, "caffe train",
+                  env=dict(os.environ, GLOG_logtostderr="1"))
+    r["phases_s"] = {}
+    return r
 
 
 # -- PyTorch ------------------------------------------------------------------------------------
@@ -322,6 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs per framework (the median is reported)")
     ap.add_argument("--iterations", type=int, default=None, help="iterations per run (default per model)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch loop")
+    ap.add_argument("--caffe", default=os.environ.get("CAFFE_BIN"),
+                    help="a BVLC caffe binary to run on the same solver and LMDB side by side (default $CAFFE_BIN)")
     ap.add_argument("--workdir", default=None, help="where data and snapshots go (default a temp dir; kept)")
     ap.add_argument("--cct-args", default="", help="extra flags for cct train (e.g. '--lowering_mode caffe')")
     ap.add_argument("--keep-env", action="store_true", help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
@@ -347,6 +375,8 @@ def main(argv=None) -> int:
         for _ in range(args.runs):
             cct_runs.append(run_cct(solver, work, args.cct_args.split()))
         per["cct"] = summarize(cct_runs, iters, batch)
+        if args.caffe:
+            per["caffe"] = summarize([run_caffe(args.caffe, solver, work) for _ in range(args.runs)], iters, batch)
         if not args.no_torch:
             try:
                 import torch  # noqa: F401
@@ -364,6 +394,8 @@ def main(argv=None) -> int:
         entry = {"model": model, "iterations": iters, "batch": batch, "results": per}
         if "pytorch" in per:
             entry["cct_vs_pytorch"] = per["pytorch"]["loop_s"] / per["cct"]["loop_s"]
+        if "caffe" in per:
+            entry["cct_vs_caffe_same_run"] = per["caffe"]["loop_s"] / per["cct"]["loop_s"]
         if model == "lenet" and iters == 1000:
             entry["caffe_loop_s"] = CAFFE_LENET_1000_S
             entry["cct_vs_caffe"] = [c / per["cct"]["loop_s"] for c in CAFFE_LENET_1000_S]
@@ -373,6 +405,9 @@ def main(argv=None) -> int:
     for e in results:
         if "cct_vs_pytorch" in e:
             print(f"# {e['model']}: cct loop {e['cct_vs_pytorch']:.2f}x PyTorch's (>1 = cct faster)")
+        if "cct_vs_caffe_same_run" in e:
+            print(f"# {e['model']}: cct loop {e['cct_vs_caffe_same_run']:.2f}x BVLC Caffe's, measured in this run "
+                  "(>1 = cct faster)")
         if "cct_vs_caffe" in e:
             lo, hi = e["cct_vs_caffe"]
             print(f"# {e['model']}: cct loop {min(lo, hi):.2f}-{max(lo, hi):.2f}x BVLC Caffe's "
@@ -380,7 +415,7 @@ def main(argv=None) -> int:
     quick = args.iterations is not None and any(args.iterations < MODELS[e["model"]]["iterations"] for e in results)
     path = write_json("bench_train_quick" if quick else "bench_train",
                       {"environment": rep, "runs": args.runs, "results": results,
-                       "cct_args": args.cct_args}, args.out)
+                       "cct_args": args.cct_args, "caffe": args.caffe}, args.out)
     print(f"# wrote {path}; data and snapshots in {work}")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)

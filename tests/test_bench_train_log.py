@@ -1,0 +1,42 @@
+"""benchmarks/bench_train.py reads cct's and BVLC Caffe's train logs alike (glog with or without the year)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_train  # noqa: E402
+
+CAFFE_LOG = """\
+I20261125 02:45:34.948501  8164 caffe.cpp:239] Starting Optimization
+I20261125 02:45:34.948509  8164 solver.cpp:289] Solving LeNet
+I20261125 02:45:40.664857  8164 solver.cpp:414]     Test net output #0: accuracy = 0.9429
+I20261125 02:45:40.664935  8164 solver.cpp:414]     Test net output #1: loss = 0.180313 (* 1 = 0.180313 loss)
+I20261125 02:45:41.014509  8164 caffe.cpp:250] Optimization Done.
+"""
+
+CCT_LOG = """\
+I1125 02:45:30.500000  8100 cli.py:300] Starting Optimization
+I1125 02:45:31.000000  8100 solver.py:414]     Test net output #0: accuracy = 0.93
+I1125 02:45:33.780000  8100 solver.py:370] Optimization Done.
+I1125 02:45:33.790000  8100 timing.py:50]   forward:   0.644 s   3.22 ms/iter
+I1125 02:45:33.790000  8100 timing.py:50]   test:   1.756 s   8.78 ms/iter
+I1125 02:45:33.790000  8100 timing.py:50]   bogus:   1.0 s   5.0 ms/iter
+"""
+
+
+def test_parse_caffe_log_with_year():
+    r = bench_train.parse_train_log(CAFFE_LOG, 1999)
+    assert r["loop_s"] == pytest.approx(6.066008, abs=1e-6)
+    assert r["accuracy"] == pytest.approx(0.9429) and r["phases_s"] == {}
+
+
+def test_parse_cct_log_phases():
+    r = bench_train.parse_train_log(CCT_LOG, 2026)
+    assert r["loop_s"] == pytest.approx(3.28, abs=1e-6)
+    assert r["phases_s"] == {"forward": 0.644, "test": 1.756} and r["accuracy"] == pytest.approx(0.93)
+
+
+def test_parse_log_without_loop_lines():
+    with pytest.raises(ValueError, match="Starting Optimization"):
+        bench_train.parse_train_log("I1125 02:45:30.5 1 x] nothing\n", 2026)
