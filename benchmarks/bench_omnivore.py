@@ -132,7 +132,7 @@ class _Reached(Exception):
     pass
 
 
-def bench_model(comm, model: str, d: Path, quick: bool) -> dict:
+def bench_model(comm, model: str, d: Path, quick: bool, search_iters: int = 0) -> dict:
     from cct.distributed import LocalComm
     from cct.omnivore.he_model import HEModel
     from cct.omnivore.momentum import compensate_momentum
@@ -191,12 +191,50 @@ def bench_model(comm, model: str, d: Path, quick: bool) -> dict:
             "final_loss": float(np.mean(trained[-20:])) if trained else None,
             "decisions": [d.line() for d in opt.decisions], "search_fraction": opt.search_fraction()}
     print(f"  {model} auto: {auto}", flush=True)
+    search = bench_search_share(server, start, n_conv, he, search_iters) if search_iters else None
     # extrapolation by the model (not measured): 8 and 32 conv ranks, 10 Gbit/s network
     conv_bytes = 4 * sum(solver.net.learnable_params[i].data.size for i in server.conv_pids)
     big = HEModel(t_fc=he.t_fc, t_conv1=he.t_conv1, t_net1=2 * conv_bytes / 1.25e9)
     extrap = {str(n + 1): big.table(n) for n in (8, 32)}
     return {"model": model, "target_loss": target, "n_conv": n_conv, "t_fc_s": he.t_fc, "t_conv1_s": he.t_conv1,
-            "fixed_g": rows, "auto": auto, "model_extrapolation_10gbit": extrap}
+            "fixed_g": rows, "auto": auto, "search_share": search, "model_extrapolation_10gbit": extrap}
+
+
+def bench_search_share(server, start, n_conv: int, he, total: int) -> dict:
+    """The optimizer as ``cct train --groups auto`` runs it (default trial length, epochs of ``total // 2``
+    iterations, no early stop at a target): the share of iterations and of wall time its search costs."""
+    from cct.omnivore.optimizer import OmnivoreOptimizer
+    from cct.omnivore.train import MPITrialRunner
+
+    spent = {"trial": 0.0, "train": 0.0}
+
+    class Timed(MPITrialRunner):
+        def trial(self, *a):
+            t0 = time.perf_counter()
+            try:
+                return super().trial(*a)
+            finally:
+                spent["trial"] += time.perf_counter() - t0
+
+        def train(self, *a):
+            t0 = time.perf_counter()
+            try:
+                return super().train(*a)
+            finally:
+                spent["train"] += time.perf_counter() - t0
+
+    server.restore(start)
+    epoch = max(1, total // 2)
+    opt = OmnivoreOptimizer(Timed(server), n_conv, epoch_iters=epoch, he=he)
+    opt.run(total)
+    search_it = sum(d.search_iters for d in opt.decisions)
+    out = {"total_train_iters": total, "epoch_iters": epoch, "trial_iters": opt.trial_iters,
+           "search_iters": search_it, "search_fraction_iters": opt.search_fraction(),
+           "trial_s": spent["trial"], "train_s": spent["train"],
+           "search_fraction_time": spent["trial"] / max(1e-9, spent["trial"] + spent["train"]),
+           "decisions": [d.line() for d in opt.decisions]}
+    print(f"  search share: {out}", flush=True)
+    return out
 
 
 def bench_momentum(comm, d: Path, quick: bool) -> dict:
@@ -265,8 +303,8 @@ def ranks_main(args) -> None:
         from cct.omnivore.mpi_exec import OmnivoreServer
 
         try:
-            out[job] = bench_momentum(comm, d, args.quick) if job == "momentum" else bench_model(comm, job, d,
-                                                                                                args.quick)
+            out[job] = (bench_momentum(comm, d, args.quick) if job == "momentum"
+                        else bench_model(comm, job, d, args.quick, args.search_iters))
         finally:
             OmnivoreServer.stop_all(comm)
     if comm.rank == 0:
@@ -291,6 +329,14 @@ def report(out: dict, ranks: int, cpu: str, load: str) -> None:
         for line in a["decisions"]:
             print("   ", line)
         print(f"    search: {100 * a['search_fraction']:.1f}% of iterations")
+        sh = r.get("search_share")
+        if sh:
+            print(f"  optimizer over {sh['total_train_iters']} training iterations (epochs of {sh['epoch_iters']}, "
+                  f"trials of {sh['trial_iters']}): search {sh['search_iters']} iterations = "
+                  f"{100 * sh['search_fraction_iters']:.1f}% of iterations, {100 * sh['search_fraction_time']:.1f}% "
+                  f"of the time ({sh['trial_s']:.1f} s of {sh['trial_s'] + sh['train_s']:.1f} s)")
+            for line in sh["decisions"]:
+                print("   ", line)
         for n, rows in r["model_extrapolation_10gbit"].items():
             print(f"  MODEL ONLY (not measured), {n} ranks, 10 Gbit/s: " + ", ".join(
                 f"g={x['g']}: {1e3 * x['time_per_iter']:.2f} ms{' (FC sat.)' if x['saturated'] else ''}" for x in rows))
@@ -308,6 +354,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--models", default="lenet", help="lenet and/or cifar10_quick (comma-separated)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--search-iters", type=int, default=0,
+                    help="also run the optimizer for this many training iterations (epochs of half that, default "
+                         "trial length) and report the share of iterations and time its search takes")
     ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -323,7 +372,8 @@ def main() -> None:
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__, "--data", str(tmp), "--out",
-                        str(out_file), "--models", args.models] + (["--quick"] if args.quick else []),
+                        str(out_file), "--models", args.models, "--search-iters", str(args.search_iters)]
+                       + (["--quick"] if args.quick else []),
                        check=True, env=env)
         out = json.loads(out_file.read_text())
     finally:

@@ -154,6 +154,9 @@ def test_optimizer_cold_start_then_saturating_g(caplog):
     assert "Omnivore: epoch 1: g=4 mu=0.6 lr=0.01 (trials: " in caplog.text
     assert oracle.trained[0] == (1, 0.9, 0.01, 1200) and oracle.trained[1] == (4, 0.6, 0.01, 1200)
     assert opt.search_fraction() < 0.10
+    n = d.search_iters
+    assert n > 0 and n == 10 * len(d.trials) + 10 * sum(t.iters == 20 for t in d.trials)  # reruns: twice as long
+    assert f"; search {n} of {n + 1200} iterations, {100 * n / (n + 1200):.1f}%)" in caplog.text
 
 
 def test_optimizer_halves_g_when_momentum_zero():

@@ -79,8 +79,10 @@ class Decision:
 
     def line(self) -> str:
         what = "cold start" if self.epoch == 0 else f"epoch {self.epoch}"
+        share = self.search_iters / max(1, self.search_iters + self.train_iters)
         return (f"Omnivore: {what}: g={self.g} mu={self.mu:g} lr={self.lr:g} "
-                f"(trials: {'; '.join(str(t) for t in self.trials)})")
+                f"(trials: {'; '.join(str(t) for t in self.trials)}; search {self.search_iters} of "
+                f"{self.search_iters + self.train_iters} iterations, {100 * share:.1f}%)")
 
 
 class OmnivoreOptimizer:
