@@ -223,6 +223,7 @@ def build_train_parser() -> FlagParser:
     p.add_argument("--omnivore_epoch", type=int, default=None,
                    help="with --groups auto: iterations per optimizer epoch (default a quarter of the run)")
     p.add_argument("--omnivore_fail_rank", type=int, default=-1, help=argparse.SUPPRESS)  # tests: this rank fails
+    p.add_argument("--omnivore_fail_kill", action="store_true", help=argparse.SUPPRESS)  # tests: ... by SIGKILL
     p.add_argument("--phase_times", action="store_true",
                    help="time each iteration's data wait, forward, backward, update, test and snapshot; "
                         "log the summary at the end")
@@ -288,7 +289,7 @@ def run_train(args: argparse.Namespace) -> int:
         if args.omnivore_epoch is not None and args.omnivore_epoch < 1:
             raise CctError(f"--omnivore_epoch must be >= 1 iteration, not {args.omnivore_epoch}")
         return omnivore_train(param, solver_path, config, args.groups, args.omnivore_epoch, resume=args.snapshot,
-                              fail_rank=args.omnivore_fail_rank)
+                              fail_rank=args.omnivore_fail_rank, fail_kill=args.omnivore_fail_kill)
     handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
     solver = get_solver(param, _source=solver_path, config=config, comm=comm, phase_times=args.phase_times,
                         shares=_batch_shares(args.batch_shares))

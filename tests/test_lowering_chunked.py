@@ -69,6 +69,14 @@ def test_type1_into_matches_direct(gi):
     _check_all(s, g, 2, dtype=np.float64)  # the reused float32 buffers must not leak into float64
 
 
+@pytest.mark.parametrize("gi", range(len(SOME)))
+def test_fft_into_matches_direct(gi):
+    """FFT's backward_into: one transform of dy feeds both gradients (alone, batched and partitioned)."""
+    g = SOME[gi]
+    _check_all(BatchedLowering(get_strategy("fft"), batch_partition=3, partitions=1), g, 3, seed=gi)
+    _check_all(BatchedLowering(get_strategy("fft"), batch_partition=2, partitions=2, threads=2), g, 5, seed=gi)
+
+
 @pytest.mark.parametrize("bp,p", [(1, 1), (2, 1), (3, 2), (1, 2), ("auto", 1), ("auto", "model"), ("budget", 2)])
 @pytest.mark.parametrize("gi", [0, 4, len(GEOMS) - 5, len(GEOMS) - 1])
 def test_batched_chunks_and_partitions_match_direct(gi, bp, p):

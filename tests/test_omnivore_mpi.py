@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -127,6 +128,20 @@ def test_a_failing_conv_rank_stops_the_job_naming_it(tmp_path):
     assert r.returncode != 0
     assert "Omnivore: rank 2 (conv compute) failed: injected failure at iteration" in r.stderr
     assert not glob.glob(str(tmp_path / "out_*")) and not glob.glob(str(tmp_path / ".tmp-*"))
+
+
+def test_a_killed_conv_rank_ends_the_job_quickly_naming_it(tmp_path):
+    """SIGKILL leaves no Python to report: mpiexec ends the job and names the process by PID, and rank 0's
+    log maps every PID to its rank; nothing is half-written."""
+    t = time.perf_counter()
+    r = mpirun(3, "--solver", make_problem(tmp_path, CONVEX, 20, extra="snapshot: 10\n"), "--groups", "2",
+               "--omnivore_fail_rank", "2", "--omnivore_fail_kill", timeout=60)
+    assert r.returncode != 0 and time.perf_counter() - t < 45
+    pids = dict(re.findall(r"(\d+)=pid (\d+)@", r.stderr))
+    assert set(pids) == {"0", "1", "2"}, r.stderr[-2000:]
+    named = set(re.findall(r"PID (\d+) ", r.stdout + r.stderr))
+    assert named and named <= set(pids.values()), (named, pids)
+    assert not glob.glob(str(tmp_path / ".tmp-*")) and not glob.glob(str(tmp_path / "*.tmp"))
 
 
 def test_bad_group_count_is_a_clean_error(tmp_path):

@@ -23,6 +23,7 @@ workspace follows Table II (input, kernel and output transforms of one chunk).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from typing import Any
@@ -163,14 +164,15 @@ class FFTConvolution(LoweringStrategy):
             dy = up
         return f.rfftn(dy, s=shape, axes=tuple(range(2, 2 + nd)), **kw)
 
-    def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
+    def backward_data(self, dy: Any, w: Any, geom: ConvGeometry, dyt: Any = None) -> Any:
         xp = get_array_module(dy)
         n, g = dy.shape[0], geom.group
         dx = xp.zeros((n, geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
         if n == 0 or dy.size == 0:
             return dx
         shape = fft_shape(geom)
-        dyt = self._dy_transform(dy, geom, shape)
+        if dyt is None:
+            dyt = self._dy_transform(dy, geom, shape)
         fp = math.prod(dyt.shape[2:])
         dyg = dyt.reshape(n, g, geom.channels_out // g, fp).transpose(1, 0, 2, 3)  # (G, N, Mg, F)
         wt = self.kernel_transform(w, geom).reshape(g, geom.channels_out // g, -1, fp)  # (G, Mg, Cg, F)
@@ -181,7 +183,7 @@ class FFTConvolution(LoweringStrategy):
         dx[(slice(None), slice(None)) + src] = dxp[(slice(None), slice(None)) + dst]
         return dx
 
-    def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
+    def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry, dyt: Any = None) -> tuple[Any, Any]:
         xp = get_array_module(dy)
         n, nd, g = dy.shape[0], geom.num_spatial, geom.group
         db = dy.sum(axis=(0,) + tuple(range(2, 2 + nd))) if geom.bias_term else None
@@ -190,7 +192,8 @@ class FFTConvolution(LoweringStrategy):
         shape = fft_shape(geom)
         f, kw = _fft_module(xp)
         xt = f.rfftn(pad_input(x, geom), s=shape, axes=tuple(range(2, 2 + nd)), **kw)
-        dyt = self._dy_transform(dy, geom, shape)
+        if dyt is None:
+            dyt = self._dy_transform(dy, geom, shape)
         fp = math.prod(xt.shape[2:])
         cg, mg = geom.channels_in // g, geom.channels_out // g
         dyg = dyt.reshape(n, g, mg, fp).transpose(1, 2, 0, 3)  # (G, Mg, N, F)
@@ -202,6 +205,24 @@ class FFTConvolution(LoweringStrategy):
         dw = xp.ascontiguousarray(dwd[(slice(None), slice(None)) + tuple(slice(None, None, d) for d in geom.dilation)],
                                   dtype=dy.dtype)
         return dw, db
+
+    def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
+                      dx: Any = None) -> None:
+        """Both gradients of a chunk from one transform of ``dy``: ``dw += ...``, ``db += ...``,
+        ``dx[...] = ...`` (each None to skip)."""
+        n, nd = dy.shape[0], geom.num_spatial
+        if db is not None:
+            db += dy.sum(axis=(0,) + tuple(range(2, 2 + nd)))
+        if dw is None and dx is None:
+            return
+        dyt = None
+        if n and dy.size:
+            dyt = self._dy_transform(dy, geom, fft_shape(geom))
+        if dw is not None:
+            gw, _ = self.backward_weights(dy, x, dataclasses.replace(geom, bias_term=False), dyt=dyt)
+            dw += gw.reshape(dw.shape)
+        if dx is not None:
+            dx[...] = self.backward_data(dy, w, geom, dyt=dyt)
 
     # -- what the cost model prices (ZNNi Tables I and II) -----------------------------------------
     def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -67,6 +69,7 @@ class Phase:
     first_iter: int = 0
     stop: bool = False
     fail_rank: int = -1  # tests: this rank raises during the phase
+    fail_kill: bool = False  # tests: ... or kills itself (SIGKILL)
 
 
 @dataclass
@@ -193,13 +196,13 @@ class OmnivoreServer:
 
     # -- the phase -------------------------------------------------------------------------------------
     def run_phase(self, g: int, mu: float, lr: float | None, iters: int, *, record: bool = False,
-                  fail_rank: int = -1) -> PhaseResult:
+                  fail_rank: int = -1, fail_kill: bool = False) -> PhaseResult:
         """Run ``iters`` iterations with g groups; returns the losses and timings rank 0 saw."""
         if not 1 <= g <= self.n_conv:
             raise OmnivoreError(f"Omnivore: g = {g} groups is not possible with {self.n_conv} conv ranks "
                                 f"(use 1..{self.n_conv})")
         s, net, sp = self.solver, self.net, self.split
-        phase = Phase(g, mu, lr, iters, s.iter, fail_rank=fail_rank)
+        phase = Phase(g, mu, lr, iters, s.iter, fail_rank=fail_rank, fail_kill=fail_kill)
         for r in conv_ranks(self.comm.size):
             self.comm.send(phase, r, TAG_PHASE)
         self.comm.split(None)  # the group communicators (rank 0 is in none)
@@ -331,6 +334,8 @@ class ConvWorker:
             if it < 0:
                 break
             if phase.fail_rank == comm.rank:
+                if phase.fail_kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise OmnivoreError(f"injected failure at iteration {it}")
             t0 = time.perf_counter()
             if leader:

@@ -51,15 +51,16 @@ class MPITrialRunner:
     every phase's :class:`PhaseResult` (with ``kind`` trial/train) for the HE measurements and the log.
     """
 
-    def __init__(self, server: OmnivoreServer, fail_rank: int = -1):
+    def __init__(self, server: OmnivoreServer, fail_rank: int = -1, fail_kill: bool = False):
         self.server = server
         self.fail_rank = fail_rank
+        self.fail_kill = fail_kill
         self.results: list[tuple[str, float, PhaseResult]] = []
 
     def trial(self, g: int, mu: float, lr: float, iters: int) -> float:
         state = self.server.checkpoint()
         try:
-            res = self.server.run_phase(g, mu, lr, iters, fail_rank=self.fail_rank)
+            res = self.server.run_phase(g, mu, lr, iters, fail_rank=self.fail_rank, fail_kill=self.fail_kill)
         finally:
             self.server.restore(state)
         self.results.append(("trial", mu, res))
@@ -79,7 +80,7 @@ class MPITrialRunner:
             for every in (p.test_interval, p.snapshot):
                 if every:
                     nxt = min(nxt, (s.iter // every + 1) * every)
-            res = self.server.run_phase(g, mu, lr, nxt - s.iter, fail_rank=self.fail_rank)
+            res = self.server.run_phase(g, mu, lr, nxt - s.iter, fail_rank=self.fail_rank, fail_kill=self.fail_kill)
             self.results.append(("train", mu, res))
             if lr is not None and not all(math.isfinite(x) for x in res.losses):
                 self.server.restore(state)  # the optimizer retries at a lower rate
@@ -109,7 +110,8 @@ def measure_he(runner: MPITrialRunner, iters: int = 6) -> HEModel:
 
 
 def omnivore_train(param, source: str, config, groups: str, epoch_iters: int | None = None,
-                   resume: str | None = None, fail_rank: int = -1, comm: Comm | None = None) -> int:
+                   resume: str | None = None, fail_rank: int = -1, comm: Comm | None = None,
+                   fail_kill: bool = False) -> int:
     """Run Omnivore training on every rank (rank 0 returns after the run, the others when told to stop)."""
     comm = comm if comm is not None else Comm()
     role = "FC server + conv model server" if comm.rank == 0 else "conv compute"
@@ -118,7 +120,7 @@ def omnivore_train(param, source: str, config, groups: str, epoch_iters: int | N
         log.info("Omnivore: ranks: %s", ", ".join(f"{r}=pid {p}@{h}" for r, (p, h) in enumerate(pids)))
     try:
         if comm.rank == 0:
-            _rank0(param, source, config, groups, epoch_iters, resume, fail_rank, comm)
+            _rank0(param, source, config, groups, epoch_iters, resume, fail_rank, comm, fail_kill)
         else:
             logging.getLogger("cct").setLevel(logging.WARNING)
             _worker(param, source, config, comm)
@@ -150,7 +152,7 @@ def _worker(param, source: str, config, comm: Comm) -> None:
 
 
 def _rank0(param, source: str, config, groups: str, epoch_iters: int | None, resume: str | None, fail_rank: int,
-           comm: Comm) -> None:
+           comm: Comm, fail_kill: bool = False) -> None:
     from ..distributed import LocalComm
     from ..solver import get_solver
 
@@ -161,7 +163,7 @@ def _rank0(param, source: str, config, groups: str, epoch_iters: int | None, res
             log.info("Resuming from %s", resume)
             solver.restore(resume)
         choice = parse_groups(groups, server.n_conv)
-        runner = MPITrialRunner(server, fail_rank)
+        runner = MPITrialRunner(server, fail_rank, fail_kill)
         p = solver.param
         left = p.max_iter - solver.iter
         solver.validate_update_params()
