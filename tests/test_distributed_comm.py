@@ -39,7 +39,9 @@ def test_local_comm_collectives_and_messages():
     assert np.array_equal(req.wait(), a)
     c.send_obj({"k": 1}, dest=0)
     assert c.recv_obj() == {"k": 1}
-    assert c.split(3).size == 1
+    assert c.split(3).size == 1 and c.split(None) is None
+    c.send_obj("a", dest=0, tag=7)
+    assert c.recv_any() == ("a", 0, 7)
     with pytest.raises(DistributedError, match="rank 1 does not exist"):
         c.send(a, dest=1)
     with pytest.raises(DistributedError, match="wait forever"):

@@ -33,6 +33,7 @@ Example (run with ``mpiexec -n 2 python example.py``)::
 from __future__ import annotations
 
 import pickle
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -184,10 +185,18 @@ class Comm:
         """Receive an object sent with :meth:`send_obj`."""
         raise NotImplementedError
 
-    def split(self, color: int, key: int | None = None) -> Comm:
-        """A sub-communicator of the ranks that pass the same ``color`` (ordered by ``key``, default
-        this rank). Collective: every rank of this group must call it."""
+    def recv_any(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple[Any, int, int]:
+        """Receive an object sent with :meth:`send_obj` from any matching sender: ``(object, source, tag)``."""
         raise NotImplementedError
+
+    def split(self, color: int | None, key: int | None = None) -> Comm | None:
+        """A sub-communicator of the ranks that pass the same ``color`` (ordered by ``key``, default
+        this rank); None for the ranks that pass ``color=None`` (in no sub-group). Collective: every
+        rank of this group must call it."""
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Release a communicator made by :meth:`split` (collective over its ranks)."""
 
     def abort(self, message: str = "", code: int = 1) -> NoReturn:
         """End the whole job now (every rank, every group) with exit status ``code``."""
@@ -255,11 +264,15 @@ class LocalComm(Comm):
         self._mailbox[tag].append(np.array(_contiguous(array, "send"), copy=True))
 
     def _take(self, tag: int, what: str):
-        queues = [q for t, q in self._mailbox.items() if q and (tag == ANY_TAG or t == tag)]
+        return self._take_tagged(tag, what)[0]
+
+    def _take_tagged(self, tag: int, what: str) -> tuple[Any, int]:
+        queues = [(t, q) for t, q in self._mailbox.items() if q and (tag == ANY_TAG or t == tag)]
         if not queues:
             raise DistributedError(f"{what}: no message (tag {tag}) was sent to this single process; "
                                    "it would wait forever")
-        return queues[0].popleft()
+        t, q = queues[0]
+        return q.popleft(), t
 
     def recv(self, out, source=ANY_SOURCE, tag=ANY_TAG):
         self._self_only(source, "recv")
@@ -285,8 +298,13 @@ class LocalComm(Comm):
         self._self_only(source, "recv_obj")
         return self._take(tag, "recv_obj")
 
+    def recv_any(self, source=ANY_SOURCE, tag=ANY_TAG):
+        self._self_only(source, "recv_any")
+        obj, t = self._take_tagged(tag, "recv_any")
+        return obj, 0, t
+
     def split(self, color, key=None):
-        return LocalComm()
+        return None if color is None else LocalComm()
 
     def abort(self, message="", code=1):
         import os
@@ -299,16 +317,29 @@ class LocalComm(Comm):
 
 
 class MPIComm(Comm):
-    """A :class:`Comm` over an :mod:`mpi4py` communicator (``comm.handle`` is the mpi4py object)."""
+    """A :class:`Comm` over an :mod:`mpi4py` communicator (``comm.handle`` is the mpi4py object).
 
-    def __init__(self, handle: Any):
+    ``poll_s``: when set, the object messages (:meth:`send_obj`, :meth:`recv_obj`, :meth:`recv_any`)
+    wait by polling (``Iprobe``/``Test`` with sleeps from ``poll_s`` growing to 0.2 ms) instead of
+    MPICH's blocking calls, which spin: with more ranks than cores (Omnivore's groups on a small
+    machine) spinning ranks take the cores from the ranks doing the work. Sub-communicators keep it.
+    """
+
+    def __init__(self, handle: Any, poll_s: float | None = None):
         from mpi4py import MPI
 
         self._MPI = MPI
         self.handle = handle
         self.rank = handle.Get_rank()
         self.size = handle.Get_size()
+        self.poll_s = poll_s
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD}
+
+    def _sleep_until(self, ready: Callable[[], bool]) -> None:
+        delay = self.poll_s
+        while not ready():
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-4)
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -367,14 +398,34 @@ class MPIComm(Comm):
         return Request(handle, result=out, what="irecv", rank=self.rank)
 
     def send_obj(self, obj, dest, tag=0):
-        self._call("send_obj", self.handle.send, obj, dest, tag)
+        if self.poll_s is None:
+            self._call("send_obj", self.handle.send, obj, dest, tag)
+            return
+        req = self._call("send_obj", self.handle.isend, obj, dest, tag)
+        self._sleep_until(lambda: self._call("send_obj", req.Test))
 
     def recv_obj(self, source=ANY_SOURCE, tag=ANY_TAG):
-        return self._call("recv_obj", self.handle.recv, None, self._src(source), self._tag(tag))
+        if self.poll_s is None:
+            return self._call("recv_obj", self.handle.recv, None, self._src(source), self._tag(tag))
+        return self.recv_any(source, tag)[0]
+
+    def recv_any(self, source=ANY_SOURCE, tag=ANY_TAG):
+        status = self._MPI.Status()
+        src, tg = self._src(source), self._tag(tag)
+        if self.poll_s is None:
+            self._call("recv_any", self.handle.Probe, src, tg, status)
+        else:
+            self._sleep_until(lambda: self._call("recv_any", self.handle.Iprobe, src, tg, status))
+        src, tg = status.Get_source(), status.Get_tag()
+        return self._call("recv_any", self.handle.recv, None, src, tg), src, tg
 
     def split(self, color, key=None):
-        sub = self._call("split", self.handle.Split, int(color), self.rank if key is None else int(key))
-        return MPIComm(sub)
+        mcolor = self._MPI.UNDEFINED if color is None else int(color)
+        sub = self._call("split", self.handle.Split, mcolor, self.rank if key is None else int(key))
+        return None if sub == self._MPI.COMM_NULL else MPIComm(sub, self.poll_s)
+
+    def free(self):
+        self._call("free", self.handle.Free)
 
     def abort(self, message="", code=1):
         import sys

@@ -9,8 +9,8 @@ Modules, one job each:
   momentum fit of Figure 6 and the explicit-momentum compensation;
 - :mod:`.optimizer`: Algorithm 1 with the cold start (E.4) and the pruned grid (E.3) over a
   :class:`~cct.omnivore.optimizer.TrialRunner`;
-- :mod:`.comm`: the few MPI calls the executor needs (mpi4py behind a small interface);
-- :mod:`.mpi_exec`: execution on MPI ranks (FC server + conv model server, conv compute groups).
+- :mod:`.mpi_exec`: execution on MPI ranks (FC server + conv model server, conv compute groups), over
+  :mod:`cct.distributed`'s communicator with polled waits.
 """
 from .he_model import HEModel
 from .mapping import NetSplit, split_net

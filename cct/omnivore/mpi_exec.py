@@ -43,14 +43,25 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..distributed import Comm, LocalComm, MPIComm, world
 from ..errors import CctError, SolverError
-from .comm import Comm
 from .he_model import group_sizes
 from .mapping import NetSplit, split_of
 
 log = logging.getLogger("cct")
 
 TAG_PHASE, TAG_START, TAG_GRANT, TAG_PULL, TAG_MODEL, TAG_FC, TAG_FC_REPLY, TAG_PUSH, TAG_DONE, TAG_GROUP = range(1, 11)
+POLL_S = 2e-5  # first sleep of a polled wait (see MPIComm)
+
+
+def omnivore_comm(poll_s: float = POLL_S) -> Comm:
+    """Omnivore's communicator: a duplicate of the job's world (its messages never meet other traffic)
+    whose object messages wait by polling; the one-process group when not under mpiexec."""
+    w = world()
+    if isinstance(w, LocalComm) or not isinstance(w, MPIComm):
+        return w
+    return MPIComm(w.handle.Dup(), poll_s=poll_s)
+
 
 
 class OmnivoreError(CctError):
@@ -204,7 +215,7 @@ class OmnivoreServer:
         s, net, sp = self.solver, self.net, self.split
         phase = Phase(g, mu, lr, iters, s.iter, fail_rank=fail_rank, fail_kill=fail_kill)
         for r in conv_ranks(self.comm.size):
-            self.comm.send(phase, r, TAG_PHASE)
+            self.comm.send_obj(phase, r, TAG_PHASE)
         self.comm.split(None)  # the group communicators (rank 0 is in none)
         leaders = {grp[0]: i for i, grp in enumerate(groups_of(self.comm.size, g))}
         res = PhaseResult(g)
@@ -215,13 +226,13 @@ class OmnivoreServer:
         p = s.param
         average = max(1, p.average_loss)
         while done < len(leaders):
-            msg, src, tag = self.comm.recv()
+            msg, src, tag = self.comm.recv_any()
             if tag == TAG_START:
                 it = s.iter + granted if granted < iters else -1
                 granted += it >= 0
-                self.comm.send(it, src, TAG_GRANT)
+                self.comm.send_obj(it, src, TAG_GRANT)
             elif tag == TAG_PULL:
-                self.comm.send([b.data for b in net.layers[msg].blobs], src, TAG_MODEL)
+                self.comm.send_obj([b.data for b in net.layers[msg].blobs], src, TAG_MODEL)
             elif tag == TAG_FC:
                 t0 = time.perf_counter()
                 for name, arr in msg.items():
@@ -230,7 +241,7 @@ class OmnivoreServer:
                     net.learnable_params[pid].diff[...] = 0
                 loss = net.forward_from_to(sp.fc_start, sp.n_layers - 1)
                 net.backward_from_to(sp.n_layers - 1, sp.fc_start)
-                self.comm.send((loss, {b: net.blobs[b].diff for b in sp.fc_grads}), src, TAG_FC_REPLY)
+                self.comm.send_obj((loss, {b: net.blobs[b].diff for b in sp.fc_grads}), src, TAG_FC_REPLY)
                 self._update(self.fc_pids, self._rate(fc_iter, lr), mu)
                 res.t_fc.append(time.perf_counter() - t0)
                 self._record_loss(res, fc_iter, loss, average)
@@ -290,7 +301,7 @@ class OmnivoreServer:
     def stop_all(comm: Comm) -> None:
         """Tell every conv rank to leave :meth:`ConvWorker.serve`."""
         for r in conv_ranks(comm.size):
-            comm.send(Phase(stop=True), r, TAG_PHASE)
+            comm.send_obj(Phase(stop=True), r, TAG_PHASE)
 
 
 # -- conv ranks ---------------------------------------------------------------------------------------------
@@ -305,7 +316,7 @@ class ConvWorker:
 
     def serve(self) -> None:
         while True:
-            phase, _, _ = self.comm.recv(0, TAG_PHASE)
+            phase = self.comm.recv_obj(0, TAG_PHASE)
             if phase.stop:
                 return
             self.run_phase(phase)
@@ -345,11 +356,11 @@ class ConvWorker:
                 net.forward_from_to(0, sp.data_end - 1)
                 parts = {n: np.array_split(net.blobs[n].data, k) for n in sp.data_tops}
                 for m in members:
-                    gc.send({n: v[m] for n, v in parts.items()}, m, TAG_GROUP)
+                    gc.send_obj({n: v[m] for n, v in parts.items()}, m, TAG_GROUP)
                 mine = {n: v[0] for n, v in parts.items()}
                 batch = net.blobs[sp.data_tops[0]].data.shape[0]
             else:
-                mine = gc.recv(0, TAG_GROUP)[0]
+                mine = gc.recv_obj(0, TAG_GROUP)
                 batch = 0
             first = False
             for n, arr in mine.items():
@@ -366,21 +377,21 @@ class ConvWorker:
             if sp.has_fc_tail:
                 outs = {b: net.blobs[b].data for b in sp.fc_inputs}
                 if leader:
-                    pieces = [outs] + [gc.recv(m, TAG_GROUP)[0] for m in members]
+                    pieces = [outs] + [gc.recv_obj(m, TAG_GROUP) for m in members]
                     sizes = [pc[sp.fc_inputs[0]].shape[0] for pc in pieces]
                     full = {b: np.concatenate([pc[b] for pc in pieces]) for b in sp.fc_inputs}
                     tw = time.perf_counter()
-                    comm.send(full, 0, TAG_FC)
-                    loss, grads = comm.recv(0, TAG_FC_REPLY)[0]
+                    comm.send_obj(full, 0, TAG_FC)
+                    loss, grads = comm.recv_obj(0, TAG_FC_REPLY)
                     wait = time.perf_counter() - tw
                     cuts = np.cumsum(sizes)[:-1]
                     split_grads = {b: np.split(gr, cuts) for b, gr in grads.items()}
                     for m in members:
-                        gc.send({b: v[m] for b, v in split_grads.items()}, m, TAG_GROUP)
+                        gc.send_obj({b: v[m] for b, v in split_grads.items()}, m, TAG_GROUP)
                     mine_g = {b: v[0] for b, v in split_grads.items()}
                 else:
-                    gc.send(outs, 0, TAG_GROUP)
-                    mine_g = gc.recv(0, TAG_GROUP)[0]
+                    gc.send_obj(outs, 0, TAG_GROUP)
+                    mine_g = gc.recv_obj(0, TAG_GROUP)
                 for b, gr in mine_g.items():
                     net.blobs[b].diff[...] = gr
             for pid in self.conv_pids:
@@ -394,7 +405,7 @@ class ConvWorker:
             if leader:
                 total = [gr.copy() for gr in grads]
                 for m in members:
-                    theirs, their_loss = gc.recv(m, TAG_GROUP)[0]
+                    theirs, their_loss = gc.recv_obj(m, TAG_GROUP)
                     for t, x in zip(total, theirs):
                         t += x
                     loss += their_loss if not sp.has_fc_tail else 0.0
@@ -402,27 +413,27 @@ class ConvWorker:
                     inv = np.float32(1.0 / batch)
                     total = [t * inv for t in total]
                     loss /= batch
-                comm.send((total, loss, time.perf_counter() - t0 - wait), 0, TAG_PUSH)
+                comm.send_obj((total, loss, time.perf_counter() - t0 - wait), 0, TAG_PUSH)
             else:
-                gc.send((grads, loss), 0, TAG_GROUP)
+                gc.send_obj((grads, loss), 0, TAG_GROUP)
         if leader:
-            comm.send(None, 0, TAG_DONE)
+            comm.send_obj(None, 0, TAG_DONE)
 
 
 def _ask(comm: Comm, request, tag: int, reply_tag: int):
     """Send ``request`` to rank 0 and wait for its reply."""
-    comm.send(request, 0, tag)
-    return comm.recv(0, reply_tag)[0]
+    comm.send_obj(request, 0, tag)
+    return comm.recv_obj(0, reply_tag)
 
 
 def _from_leader(gc: Comm, fetch):
     """On the group's leader (group rank 0): ``fetch()`` and send the value to the group's other ranks;
     on those: receive it."""
     if gc.rank != 0:
-        return gc.recv(0, TAG_GROUP)[0]
+        return gc.recv_obj(0, TAG_GROUP)
     value = fetch()
     for m in range(1, gc.size):
-        gc.send(value, m, TAG_GROUP)
+        gc.send_obj(value, m, TAG_GROUP)
     return value
 
 

@@ -16,11 +16,11 @@ import math
 import os
 import socket
 
+from ..distributed import Comm
 from ..errors import CctError
-from .comm import Comm
 from .he_model import HEModel
 from .momentum import compensate_momentum
-from .mpi_exec import ConvWorker, OmnivoreServer, PhaseResult, check_finite, groups_of
+from .mpi_exec import ConvWorker, OmnivoreServer, PhaseResult, check_finite, groups_of, omnivore_comm
 from .optimizer import OmnivoreOptimizer
 
 log = logging.getLogger("cct")
@@ -113,9 +113,9 @@ def omnivore_train(param, source: str, config, groups: str, epoch_iters: int | N
                    resume: str | None = None, fail_rank: int = -1, comm: Comm | None = None,
                    fail_kill: bool = False) -> int:
     """Run Omnivore training on every rank (rank 0 returns after the run, the others when told to stop)."""
-    comm = comm if comm is not None else Comm()
+    comm = comm if comm is not None else omnivore_comm()
     role = "FC server + conv model server" if comm.rank == 0 else "conv compute"
-    pids = comm.comm.gather((os.getpid(), socket.gethostname()), root=0)
+    pids = comm.gather_obj((os.getpid(), socket.gethostname()), root=0)
     if comm.rank == 0:  # mpiexec names a killed process by its PID: this line maps PIDs to ranks
         log.info("Omnivore: ranks: %s", ", ".join(f"{r}=pid {p}@{h}" for r, (p, h) in enumerate(pids)))
     try:
@@ -130,7 +130,7 @@ def omnivore_train(param, source: str, config, groups: str, epoch_iters: int | N
                   comm.size - 1)
         if comm.size > 1:
             logging.shutdown()
-            comm.abort(1)
+            comm.abort("", 1)
         raise
     return 0
 

@@ -51,6 +51,23 @@ sub = comm.split(color=r % 2)
 assert sub.size == len(range(r % 2, n, 2)) and sub.rank == r // 2
 assert sub.allreduce(np.array([1.0]))[0] == sub.size
 
+# polled object messages (Omnivore's): from any sender, with its rank and tag; ranks not in a sub-group
+polled = MPIComm(comm.handle.Dup(), poll_s=1e-5)
+if r == 0:
+    got = sorted(polled.recv_any() for _ in range(n - 1))
+    assert got == [(("from", k), k, 20 + k) for k in range(1, n)], got
+    polled.send_obj("bye", dest=n - 1, tag=5)
+else:
+    polled.send_obj(("from", r), dest=0, tag=20 + r)
+if r == n - 1:
+    assert polled.recv_obj(source=0, tag=5) == "bye"
+odd = polled.split(None if r == 0 else 1)
+assert (odd is None) == (r == 0)
+if odd is not None:
+    assert odd.size == n - 1 and odd.poll_s == 1e-5
+    odd.free()
+polled.free()
+
 # agreement check and clean errors
 comm.agree("same", "the nets")
 try:
