@@ -366,3 +366,24 @@ def test_corrupt_calibration_cache_is_reported(caplog):
         m = cal.load_machine(measure_if_missing=False, threads=1)
     assert m.nominal and "unreadable" in caplog.text and str(path) in caplog.text
     cal._memo.clear()
+
+
+def test_call_overheads_are_measured_and_priced():
+    from cct.lowering.rates import measure_call_overheads
+
+    fixed = measure_call_overheads(repeats=2)
+    assert {"type1", "type2", "type3", "direct", "fft"} <= set(fixed)
+    assert all(0 < v < 0.5 for passes in fixed.values() for v in passes.values())
+    g = square(4, 3, 3, 3)
+    mach = flat_machine()
+    base = cm.predict_breakdown("type1", g, 2, mach, "fwd")
+    assert base["overhead"] == 0.0
+    mach.call_overhead_s = {"type1": {"fwd": 1e-3, "bwd_data": 2e-3, "bwd_weights": 3e-3}}
+    parts = cm.predict_breakdown("type1", g, 2, mach, "fwd")
+    assert parts["overhead"] == 1e-3 and parts["total"] == pytest.approx(base["total"] + 1e-3)
+    assert cm.predict_seconds("type1", g, 2, mach, "total") == pytest.approx(
+        cm.predict_seconds("type1", g, 2, flat_machine(), "total") + 6e-3)
+    # a chunked run pays it once per chunk
+    assert cm.chunked_seconds("type1", g, 4, 1, mach, "fwd") == pytest.approx(
+        cm.chunked_seconds("type1", g, 4, 1, flat_machine(), "fwd") + 4e-3)
+    assert cm.Machine.from_json(mach.to_json()).call_overhead_s == mach.call_overhead_s

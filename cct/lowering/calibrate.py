@@ -234,7 +234,7 @@ def _add_rates(machine: Machine) -> Machine:
 
     with kernels.num_threads(machine.threads):
         for key, value in measure_rates().items():
-            setattr(machine, key, float(value))
+            setattr(machine, key, value if isinstance(value, dict) else float(value))
     return machine
 
 
@@ -286,7 +286,7 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
         except (TypeError, ValueError, KeyError, AttributeError):
             m = None
         if m is not None:
-            if measure_if_missing and not m.direct_gflops:  # cached before the direct/FFT strategies
+            if measure_if_missing and not (m.direct_gflops and m.call_overhead_s):  # cached by an older cct
                 with blas.blas_threads(n):
                     _add_rates(m)
                 return _store(m, backend, True)
@@ -324,6 +324,8 @@ def summary(machine: Machine) -> str:
         for kind, curve in sorted(curves.items()):
             lines.append(f"{name} {kind} ns/lowered elem: " + ", ".join(f"{n:.3g}:{v:.3f}" for n, v in curve))
     lines.append(f"GEMM call overhead {machine.gemm_overhead_s * 1e6:.1f} us")
+    for name, passes in sorted((machine.call_overhead_s or {}).items()):
+        lines.append(f"{name} call overhead (us): " + ", ".join(f"{p} {v * 1e6:.0f}" for p, v in passes.items()))
     return "\n".join(lines)
 
 

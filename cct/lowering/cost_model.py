@@ -63,6 +63,9 @@ class Machine:
     lowering_curves: dict = field(default_factory=dict)  # lowering -> {"lower"|"unlower": [(elements, ns)]}
     gemm_overhead_s: float = 5e-6
     chunk_overhead_s: float = 25e-6  # Python/numpy dispatch of one batch chunk (im2col, GEMMs, lifting calls)
+    # strategy -> {pass: seconds}: one call of the strategy on a trivial layer (its fixed Python, allocation
+    # and kernel-launch cost, which a thin or tiny layer cannot hide); missing: 0
+    call_overhead_s: dict = field(default_factory=dict)
     cache_bytes: int = 0  # last-level cache; 0: detect (sysfs) when pricing
     stream_ns_per_byte: float = 0.0  # extra cost of a byte streamed from DRAM; 0: derive from the copy curve
     direct_gflops: float = 0.0  # direct-convolution kernel (2 flops per multiply-add); 0: DIRECT_SHARE of peak
@@ -338,7 +341,11 @@ def predict_breakdown(name: str, geom: ConvGeometry, batch: int, machine: Machin
         machine = load_machine(measure_if_missing=False)
     passes = PASSES if pass_ == "total" else (pass_,)
     parts = [price(pass_ops(name, geom, batch, p), machine, name) for p in passes]
-    return {k: sum(p[k] for p in parts) for k in parts[0]}
+    out = {k: sum(p[k] for p in parts) for k in parts[0]}
+    fixed = getattr(machine, "call_overhead_s", None) or {}
+    out["overhead"] = sum(fixed.get(name, {}).get(p, 0.0) for p in passes)
+    out["total"] += out["overhead"]
+    return out
 
 
 def predict_seconds(name: str | Mapping[str, str], geom: ConvGeometry, batch: int, machine: Machine | None = None,

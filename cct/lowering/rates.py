@@ -8,6 +8,9 @@ second once numba's cached machine code is loaded):
 * ``fft_gflops`` -- ``scipy.fft`` real transforms of conv-sized planes, in nominal FFT flops
   (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
 
+* ``call_overhead_s`` -- per strategy and pass, one call on a trivial layer (one channel, 4x4 output,
+  one image): the fixed cost a thin or tiny layer pays whatever its size.
+
 Each point keeps the best of a few runs. :func:`cct.lowering.calibrate.calibrate` stores them in
 the :class:`~cct.lowering.cost_model.Machine`.
 """
@@ -47,4 +50,25 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     t = blas.best_time(lambda: sfft.rfftn(planes, s=(18, 18), axes=(2, 3), workers=workers), repeats)
     fft_gflops = 64 * 16 * _fft_flops((18, 18), (18, 18)) / t / 1e9
 
-    return {"direct_gflops": direct_gflops, "fft_gflops": fft_gflops}
+    return {"direct_gflops": direct_gflops, "fft_gflops": fft_gflops, "call_overhead_s": measure_call_overheads()}
+
+
+def measure_call_overheads(repeats: int = 10) -> dict[str, dict[str, float]]:
+    """``{strategy: {pass: seconds}}`` of one call of every registered strategy on a trivial layer."""
+    from .base import get_strategy, strategy_names
+
+    rng = np.random.default_rng(1)
+    g = _geom(1, 1, 4, 3)
+    x = rng.standard_normal((1, 1, 4, 4), dtype=np.float32)
+    w = rng.standard_normal(g.weight_shape, dtype=np.float32)
+    b = np.zeros(1, np.float32)
+    dy = rng.standard_normal((1, 1) + g.out_shape, dtype=np.float32)
+    out: dict[str, dict[str, float]] = {}
+    for name in strategy_names():
+        s = get_strategy(name)
+        if not s.supports(g):
+            continue
+        calls = {"fwd": lambda s=s: s.forward(x, w, b, g), "bwd_data": lambda s=s: s.backward_data(dy, w, g),
+                 "bwd_weights": lambda s=s: s.backward_weights(dy, x, g)}
+        out[name] = {p: blas.best_time(fn, repeats) for p, fn in calls.items()}
+    return out
