@@ -47,6 +47,7 @@ from .launch import under_mpi
 OPS = ("sum", "max", "min", "prod")
 ANY_SOURCE = -1
 ANY_TAG = -1
+ABORT_GRACE_S = 0.3  # see MPIComm.abort
 
 
 def _contiguous(array: np.ndarray, what: str) -> np.ndarray:
@@ -432,7 +433,11 @@ class MPIComm(Comm):
 
         if message:
             sys.stderr.write(f"{message}\n")
-            sys.stderr.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # mpiexec kills every process at once on MPI_Abort, this one's output pipes included: give it a
+        # moment to forward the lines just written (the error that names the failed rank), or they are lost
+        time.sleep(ABORT_GRACE_S)
         self._MPI.COMM_WORLD.Abort(code)
         raise SystemExit(code)  # pragma: no cover - Abort does not return
 
