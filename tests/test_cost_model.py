@@ -355,6 +355,13 @@ def test_first_run_level_is_cached_and_full_grid(monkeypatch, caplog):
     cal._memo.clear()
 
 
+def test_unknown_calibration_level_is_a_clean_error():
+    from cct.errors import CctError
+
+    with pytest.raises(CctError, match="unknown calibration level 'fast'"):
+        cal.calibrate(level="fast", save=False)
+
+
 def test_corrupt_calibration_cache_is_reported(caplog):
     from cct import blas
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import blas
+from ..errors import CctError
 from ..flags import FlagParser, add_progress_flag, command_parser
 from ..progress import Progress
 from .cost_model import Machine, detect_cache_bytes, nominal_machine
@@ -171,7 +172,10 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
     ``threads``: BLAS threads to measure with (default: the current setting); ``progress``:
     advanced per measured GEMM point and kernel sweep.
     """
-    lv = LEVELS["quick" if quick else (level or "full")]
+    name = "quick" if quick else (level or "full")
+    if name not in LEVELS:
+        raise CctError(f"unknown calibration level {name!r} (one of {', '.join(LEVELS)})")
+    lv = LEVELS[name]
     backend = blas.get_backend()
     dims = list(lv.dims)
     repeats = repeats if repeats is not None else lv.repeats
