@@ -6,6 +6,7 @@ and ``share_*`` rebind the arrays.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -82,12 +83,12 @@ class Blob:
 
     @property
     def count(self) -> int:
-        return int(np.prod(self._shape, dtype=np.int64))
+        return math.prod(self._shape)
 
     def count_range(self, start: int, end: int | None = None) -> int:
         """Product of dimensions in [start, end)."""
         end = self.num_axes if end is None else end
-        return int(np.prod(self._shape[start:end], dtype=np.int64))
+        return math.prod(self._shape[start:end])  # Python ints: exact, and ~10x cheaper than np.prod
 
     def canonical_axis(self, axis: int) -> int:
         return canonical_axis(axis, self.num_axes, f"axis of blob '{self.name}'")
