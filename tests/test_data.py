@@ -193,6 +193,30 @@ def test_transform_float64_output_uses_double_arithmetic():
     np.testing.assert_array_equal(got, (x.astype(np.float64) - float(np.float32(0.1))) * float(np.float32(0.3)))
 
 
+@pytest.mark.parametrize("text", ["", "scale: 0.00390625", "mean_value: 100 scale: 0.5",
+                                  "mean_value: 1 mean_value: 2 mean_value: 3 crop_size: 5", "MEANFILE crop_size: 6"])
+def test_batch_transform_equals_image_by_image(tmp_path, text):
+    r = np.random.default_rng(7)
+    xs = [r.integers(0, 256, (3, 9, 8), dtype=np.uint8) for _ in range(5)]
+    mf = str(tmp_path / "mean.binaryproto")
+    write_binaryproto(mf, array_to_blobproto(r.uniform(0, 255, (1, 3, 9, 8)).astype(np.float32), legacy_4d=True))
+    t = DataTransformer(_tp(text.replace("MEANFILE", f'mean_file: "{mf}"')), TEST)
+    out = np.full((5,) + t.infer_shape(xs[0]), np.nan, np.float32)
+    assert t.transform_batch(xs, out)
+    np.testing.assert_array_equal(out, np.stack([t(x) for x in xs]))  # the same bits
+
+
+def test_batch_transform_declines_random_or_mixed_batches():
+    xs = [np.zeros((1, 6, 6), np.uint8)] * 3
+    out = np.zeros((3, 1, 4, 4), np.float32)
+    assert not DataTransformer(_tp("crop_size: 4"), TRAIN, rng=np.random.default_rng(0)).transform_batch(xs, out)
+    assert not DataTransformer(_tp("mirror: true"), TEST, rng=np.random.default_rng(0)).transform_batch(
+        xs, np.zeros((3, 1, 6, 6), np.float32))
+    mixed = xs[:2] + [np.zeros((1, 6, 5), np.uint8)]
+    assert not DataTransformer(_tp(""), TEST).transform_batch(mixed, np.zeros((3, 1, 6, 6), np.float32))
+    assert DataTransformer(_tp("crop_size: 4"), TEST).transform_batch(xs, out)
+
+
 def test_train_crop_is_random_within_bounds_and_mirror_flips(tmp_path):
     r = np.random.default_rng(4)
     x = r.integers(0, 256, (2, 8, 9), dtype=np.uint8)

@@ -329,6 +329,18 @@ class _DBLoader:
             self.next()
         # decoding (JPEG/PNG) is deterministic and releases the GIL: spread it over threads
         arrays = map_ordered(lambda kd: self._array(*kd), records, parallel=records[0][1].encoded)
+        try:
+            shape = (bs,) + self.transformer.infer_shape(arrays[0])
+            data = buf[0] if buf is not None and buf[0].shape == shape else np.empty(shape, self.dtypes[0])
+            batched = self.transformer.transform_batch(arrays, data)  # deterministic: one sweep per batch
+        except CctError as e:
+            raise CctError(f"record '{records[0][0].decode('utf-8', 'replace')}' in '{self.path}': {e}") from None
+        if batched:
+            if len(self.dtypes) == 1:
+                return [data]
+            labels = buf[1] if buf is not None else np.empty((bs,), self.dtypes[1])
+            labels[...] = [datum.label for _, datum in records]
+            return [data, labels]
         data = labels = None
         for i, ((key, datum), arr) in enumerate(zip(records, arrays)):
             try:
