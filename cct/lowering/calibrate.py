@@ -29,6 +29,7 @@ from ..errors import CctError
 from ..flags import FlagParser, add_progress_flag, command_parser
 from ..progress import Progress
 from .cost_model import Machine, detect_cache_bytes, nominal_machine
+from .rates import RATES_VERSION
 
 FULL_DIMS = [4, 16, 64, 256, 1024, 4096]
 QUICK_DIMS = [8, 64, 512]
@@ -239,6 +240,7 @@ def _add_rates(machine: Machine) -> Machine:
     with kernels.num_threads(machine.threads):
         for key, value in measure_rates().items():
             setattr(machine, key, value if isinstance(value, dict) else float(value))
+    machine.info = dict(machine.info, rates_version=RATES_VERSION)
     return machine
 
 
@@ -290,7 +292,8 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
         except (TypeError, ValueError, KeyError, AttributeError):
             m = None
         if m is not None:
-            if measure_if_missing and not (m.direct_gflops and m.call_overhead_s):  # cached by an older cct
+            stale = m.info.get("rates_version", 1) != RATES_VERSION  # cached by an older cct's kernels
+            if measure_if_missing and (stale or not (m.direct_gflops and m.call_overhead_s)):
                 with blas.blas_threads(n):
                     _add_rates(m)
                 return _store(m, backend, True)

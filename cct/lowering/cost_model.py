@@ -31,9 +31,10 @@ from typing import Any
 from .gemm_ops import PASSES
 from .geometry import ConvGeometry
 
-# Rates assumed for the direct and FFT kernels until measured (fractions of the GEMM peak; ZNNi
-# reports direct convolution far below GEMM efficiency, FFT libraries at a few GFLOPS per core).
-DIRECT_SHARE = 0.03
+# Rates assumed for the direct and FFT kernels until measured (fractions of the GEMM peak: cct's
+# register-blocked direct kernels run near the GEMM peak on wide layers, FFT libraries at a few
+# GFLOPS per core).
+DIRECT_SHARE = 0.5
 FFT_SHARE = 0.03
 CGEMM_SHARE = 0.3  # complex GEMMs at most this share of the real peak
 

@@ -3,8 +3,9 @@
 :func:`measure_rates` times, on the calling thread's BLAS/kernel thread counts (well under a
 second once numba's cached machine code is loaded):
 
-* ``direct_gflops`` -- the direct-convolution kernel (:mod:`cct.kernels.direct`) on a thin layer
-  (2 flops per multiply-add), the numpy path when the kernels are off;
+* ``direct_gflops`` -- the register-blocked direct-convolution kernel (:mod:`cct.kernels.conv_simd`)
+  forward on a 32-channel 3x3 layer (2 flops per multiply-add), the numpy path when the kernels
+  are off;
 * ``fft_gflops`` -- ``scipy.fft`` real transforms of conv-sized planes, in nominal FFT flops
   (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
 
@@ -21,6 +22,9 @@ import numpy as np
 from .. import blas
 from .geometry import ConvGeometry
 
+#: bumped when a measured kernel changes enough that cached rates mislead (2: register-blocked direct)
+RATES_VERSION = 2
+
 
 def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
     o = n - k + 1 + 2 * (k // 2)
@@ -36,13 +40,13 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     from .fft import _fft_flops
 
     rng = np.random.default_rng(0)
-    g = _geom(16, 16, 16, 3)
-    x = rng.standard_normal((8, 16, 16, 16), dtype=np.float32)
+    g = _geom(32, 32, 16, 3)
+    x = rng.standard_normal((16, 32, 16, 16), dtype=np.float32)
     w = rng.standard_normal(g.weight_shape, dtype=np.float32)
     direct = DirectConvolution()
     direct.forward(x, w, None, g)  # compile / load the kernel
     t = blas.best_time(lambda: direct.forward(x, w, None, g), repeats)
-    macs = 8 * 16 * 16 * 9 * g.out_size
+    macs = 16 * 32 * 32 * 9 * g.out_size
     direct_gflops = 2.0 * macs / t / 1e9
 
     planes = rng.standard_normal((64, 16, 18, 18), dtype=np.float32)

@@ -1,0 +1,342 @@
+"""Register-blocked direct convolution: LLVM vector micro-kernels (ZNNi IV-A.1) behind numba drivers.
+
+numba's own loops keep accumulators in memory (a load and a store per multiply-add), which caps
+a direct convolution far below the machine's peak. The micro-kernels here are written as LLVM IR
+(numba ``@intrinsic``) on native vectors of ``lanes`` = 64 bytes (16 float32 or 8 float64; LLVM
+splits them on narrower machines), so the accumulators live in registers for a whole reduction:
+
+* :func:`forward` -- a tile of ``J`` output channels x ``rows`` vectors of output
+  positions; per kernel tap it loads one input vector per row and one weight per channel
+  (broadcast) and issues ``J x rows`` fused multiply-adds. Weights come as
+  ``(G, NB, Cg, KD, KH, KW, J)`` (:func:`blocked_weights`), so a tile walks them in order.
+* :func:`weight_grad` -- a tile of ``J`` output channels x ``T`` kernel columns accumulates
+  ``dy[m] * x[c]`` products over one image's positions, vector by vector, into per-chunk vector
+  partials (``(chunks, G, NB, Cg, KD, KH, KW, J, lanes)``) that the caller sums.
+
+Both walk "rows" of output positions: an output row of a padded width (a multiple of ``lanes``;
+"rows" layout) or consecutive vectors of a zero-padded plane flattened with the input's width
+("flat" layout, for narrow outputs; the positions past each row's end are computed and dropped).
+The input must be unit-strided along the width, so every tap reads a contiguous vector; the
+layout arithmetic lives in :mod:`cct.lowering.direct`. Sums run in a different order from the
+GEMM lowerings (results agree to rounding).
+"""
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_OPTS = dict(nogil=True, cache=True, error_model="numpy")
+#: position vectors per forward tile, by its output channels (24 accumulators)
+FORWARD_ROWS = {8: 3, 4: 6, 2: 12}
+VECTOR_BYTES = 64
+_I64 = ir.IntType(64)
+_I32 = ir.IntType(32)
+
+
+def lanes(dtype: np.dtype) -> int:
+    """Elements per micro-kernel vector for ``dtype``."""
+    return VECTOR_BYTES // np.dtype(dtype).itemsize
+
+
+class _IR:
+    """Small IR helpers over one builder: constants, vector loads/stores, broadcasts, FMA."""
+
+    def __init__(self, builder, dtype):
+        self.b = builder
+        self.el = ir.FloatType() if dtype == types.float32 else ir.DoubleType()
+        self.n = VECTOR_BYTES // (4 if dtype == types.float32 else 8)
+        self.vec = ir.VectorType(self.el, self.n)
+        name = f"llvm.fma.v{self.n}{'f32' if dtype == types.float32 else 'f64'}"
+        self.fma_fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(self.vec, [self.vec] * 3), name)
+
+    def c(self, v: int):
+        return ir.Constant(_I64, v)
+
+    def add(self, *vals):
+        out = vals[0]
+        for v in vals[1:]:
+            out = self.b.add(out, v)
+        return out
+
+    def mul(self, a, b):
+        return self.b.mul(a, b)
+
+    def vload(self, ptr, idx):
+        return self.b.load(self.b.bitcast(self.b.gep(ptr, [idx]), self.vec.as_pointer()), align=4)
+
+    def vstore(self, val, ptr, idx):
+        self.b.store(val, self.b.bitcast(self.b.gep(ptr, [idx]), self.vec.as_pointer()), align=4)
+
+    def splat(self, s):
+        undef = ir.Constant(self.vec, ir.Undefined)
+        one = self.b.insert_element(undef, s, ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, self.n), [0] * self.n))
+
+    def fma(self, a, b, acc):
+        return self.b.call(self.fma_fn, [a, b, acc])
+
+    def zeros(self, count: int):
+        zero = ir.Constant(self.vec, [0.0] * self.n)
+        return [cgutils.alloca_once_value(self.b, zero) for _ in range(count)]
+
+
+def _ints(context, builder, sig, args, first: int):
+    """Integer arguments from position ``first`` on, as i64."""
+    return [context.cast(builder, v, t, types.int64) for v, t in zip(args[first:], sig.args[first:])]
+
+
+def _data(context, builder, ty, val):
+    return context.make_array(ty)(context, builder, val).data
+
+
+def _conv_tile(J: int, rows: int):
+    """Forward tile intrinsic: ``J`` output channels x ``rows`` position vectors (see module docstring)."""
+
+    @intrinsic
+    def tile(typingctx, x, w, y, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw):
+        sig = types.void(x, w, y, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+
+        def codegen(context, builder, signature, args):
+            g = _IR(builder, signature.args[0].dtype)
+            xptr, wptr, yptr = (_data(context, builder, signature.args[i], args[i]) for i in range(3))
+            xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw = _ints(
+                context, builder, signature, args, 3)
+            accs = g.zeros(J * rows)
+            taps = g.mul(kd, g.mul(kh, kw))
+            with cgutils.for_range(builder, cg) as lc:
+                xc = g.add(xo, g.mul(lc.index, xcs))
+                tc = g.mul(lc.index, taps)
+                with cgutils.for_range(builder, kd) as la:
+                    xa = g.add(xc, g.mul(la.index, xkd))
+                    ta = g.add(tc, g.mul(la.index, g.mul(kh, kw)))
+                    with cgutils.for_range(builder, kh) as lh:
+                        xh = g.add(xa, g.mul(lh.index, xkh))
+                        th = g.add(ta, g.mul(lh.index, kw))
+                        with cgutils.for_range(builder, kw) as lw:
+                            xw = g.add(xh, g.mul(lw.index, xkw))
+                            wt = g.add(wo, g.mul(g.add(th, lw.index), g.c(J)))
+                            xv = [g.vload(xptr, g.add(xw, g.mul(g.c(r), xrs))) for r in range(rows)]
+                            for j in range(J):
+                                s = g.splat(builder.load(builder.gep(wptr, [g.add(wt, g.c(j))])))
+                                for r in range(rows):
+                                    a = accs[j * rows + r]
+                                    builder.store(g.fma(xv[r], s, builder.load(a)), a)
+            for j in range(J):
+                with builder.if_then(builder.icmp_signed("<", g.c(j), jv), likely=True):
+                    for r in range(rows):
+                        idx = g.add(yo, g.mul(g.c(j), yms), g.mul(g.c(r), yrs))
+                        g.vstore(builder.load(accs[j * rows + r]), yptr, idx)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_t8r, _t8o = _conv_tile(8, FORWARD_ROWS[8]), _conv_tile(8, 1)
+_t4r, _t4o = _conv_tile(4, FORWARD_ROWS[4]), _conv_tile(4, 1)
+_t2r, _t2o = _conv_tile(2, FORWARD_ROWS[2]), _conv_tile(2, 1)
+
+
+@nb.njit(inline="always", **_OPTS)
+def _tile_call(jb, full, xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh,
+               kw):  # pragma: no cover (compiled)
+    if jb == 8:
+        if full:
+            _t8r(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+        else:
+            _t8o(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+    elif jb == 4:
+        if full:
+            _t4r(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+        else:
+            _t4o(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+    elif full:
+        _t2r(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+    else:
+        _t2o(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+
+
+@nb.njit(parallel=True, **_OPTS)
+def forward(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
+            od, nrow, ncol, vl, yms, yozs, yrs):  # pragma: no cover (compiled)
+    """``y = conv(x, w)`` over flat arrays: ``nrow`` rows x ``ncol`` vectors of ``vl`` positions per
+    output depth slice; strides in elements (``x*``: input channel/tap/depth/row, ``y*``: output);
+    ``jb`` output channels per tile (``wf`` from :func:`blocked_weights` with the same ``jb``)."""
+    rows = 24 // jb
+    nblk = (mg + jb - 1) // jb
+    nrt = (nrow + rows - 1) // rows
+    tasks = n_img * group * nblk * od * nrt * ncol
+    taps = cg * kd * kh * kw
+    for t in nb.prange(tasks):
+        col = t % ncol
+        r1 = t // ncol
+        rt = r1 % nrt
+        r2 = r1 // nrt
+        oz = r2 % od
+        r3 = r2 // od
+        b = r3 % nblk
+        r4 = r3 // nblk
+        g = r4 % group
+        n = r4 // group
+        r0 = rt * rows
+        jv = min(jb, mg - b * jb)
+        wo = (g * nblk + b) * taps * jb
+        xo = (n * group + g) * cg * xcs + oz * xozs + r0 * xrs + col * vl
+        yo = ((n * group + g) * mg + b * jb) * yms + oz * yozs + r0 * yrs + col * vl
+        if r0 + rows <= nrow:
+            _tile_call(jb, True, xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+        else:
+            for r in range(nrow - r0):
+                _tile_call(jb, False, xf, wf, yf, xo + r * xrs, xrs, xcs, xkd, xkh, xkw, wo, yo + r * yrs, yms, yrs,
+                           jv, cg, kd, kh, kw)
+
+
+def blocked_weights(w: np.ndarray, group: int, jb: int) -> np.ndarray:
+    """``(M, Cg, KD, KH, KW)`` -> ``(G, NB, Cg, KD, KH, KW, jb)``, zero channels up to whole blocks."""
+    m = w.shape[0]
+    mg = m // group
+    nblk = -(-mg // jb)
+    out = np.zeros((group, nblk * jb) + w.shape[1:], dtype=w.dtype)
+    out[:, :mg] = w.reshape((group, mg) + w.shape[1:])
+    out = out.reshape((group, nblk, jb) + w.shape[1:])
+    return np.ascontiguousarray(np.moveaxis(out, 2, -1))
+
+
+def _wgrad_tile(mv: int, ci: int, cols: int):
+    """Weight-gradient tile intrinsic: ``mv`` vectors of output channels x ``ci`` input channels x
+    ``cols`` kernel columns, summed over ``nimg`` images' output positions (see module docstring)."""
+
+    @intrinsic
+    def tile(typingctx, dyt, x, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv,
+             po, pcs):
+        sig = types.void(dyt, x, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv,
+                         po, pcs)
+
+        def codegen(context, builder, signature, args):
+            g = _IR(builder, signature.args[0].dtype)
+            dptr, xptr, pptr = (_data(context, builder, signature.args[i], args[i]) for i in range(3))
+            (dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po,
+             pcs) = _ints(context, builder, signature, args, 3)
+            accs = g.zeros(mv * ci * cols)
+            last = builder.sub(cv, g.c(1))
+            # channels past the block's end read the last valid one (their sums are not stored)
+            xch = [g.mul(builder.select(builder.icmp_signed("<", g.c(c), cv), g.c(c), last), xcs) for c in range(ci)]
+            with cgutils.for_range(builder, nimg) as li:
+                d_i = g.add(dyo, g.mul(li.index, dyns))
+                x_i = g.add(xo, g.mul(li.index, xns))
+                with cgutils.for_range(builder, nrow) as lr:
+                    d_r = g.add(d_i, g.mul(lr.index, dyrs))
+                    x_r = g.add(x_i, g.mul(lr.index, xrs))
+                    with cgutils.for_range(builder, ncol) as lc:
+                        d_p = g.add(d_r, g.mul(lc.index, dyps))
+                        x_p = g.add(x_r, g.mul(lc.index, xcol))
+                        dv = [g.vload(dptr, g.add(d_p, g.c(v * g.n))) for v in range(mv)]
+                        for c in range(ci):
+                            for t in range(cols):
+                                s = g.splat(builder.load(builder.gep(xptr, [g.add(x_p, xch[c], g.mul(g.c(t), xkw))])))
+                                for v in range(mv):
+                                    a = accs[(c * cols + t) * mv + v]
+                                    builder.store(g.fma(dv[v], s, builder.load(a)), a)
+            for c in range(ci):
+                with builder.if_then(builder.icmp_signed("<", g.c(c), cv), likely=True):
+                    for t in range(cols):
+                        for v in range(mv):
+                            idx = g.add(po, g.mul(g.c(c), pcs), g.c((t * mv + v) * g.n))
+                            g.vstore(builder.fadd(g.vload(pptr, idx), builder.load(accs[(c * cols + t) * mv + v])),
+                                     pptr, idx)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+#: input channels per weight-gradient tile, by its kernel columns (2 x ci x cols <= 24 accumulators)
+WGRAD_CHANNELS = {1: 12, 2: 6, 3: 4, 4: 3, 5: 2, 6: 2}
+WGRAD_COLUMNS = max(WGRAD_CHANNELS)
+WGRAD_VECTORS = 2  # output-channel vectors per weight-gradient tile
+_wg = tuple(_wgrad_tile(WGRAD_VECTORS, WGRAD_CHANNELS[t], t) for t in range(1, WGRAD_COLUMNS + 1))
+_wg1, _wg2, _wg3, _wg4, _wg5, _wg6 = _wg
+
+
+@nb.njit(inline="always", **_OPTS)
+def _wgrad_call(cols, dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po,
+                pcs):  # pragma: no cover (compiled)
+    if cols == 1:
+        _wg1(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
+    elif cols == 2:
+        _wg2(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
+    elif cols == 3:
+        _wg3(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
+    elif cols == 4:
+        _wg4(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
+    elif cols == 5:
+        _wg5(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
+    else:
+        _wg6(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
+
+
+#: images one weight-gradient tile sums before it adds into its chunk's partial gradient
+IMAGE_BLOCK = 8
+
+
+@nb.njit(parallel=True, **_OPTS)
+def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xcs, xdep, xrow, sz, sy, sx,
+                dd, dh, dw):  # pragma: no cover (compiled)
+    """Partial ``dL/dw`` per chunk of images into ``part`` ``(chunks, G, NB, Cg, KD, KH, KW, MB)``
+    (zeroed by the caller; ``MB = WGRAD_VECTORS * lanes`` output channels per block).
+
+    ``dyt`` is the output gradient position-major, ``(N, OD, OH, OW, G, mgp)`` with ``mgp`` a whole
+    number of blocks (zero past the group's channels); ``xf`` the padded input ``(N, C, xcs)`` with
+    depth-slice and row strides ``xdep`` and ``xrow``."""
+    chunks = part.shape[0]
+    mb = part.shape[-1]
+    nbm = mgp // mb
+    dyps = group * mgp
+    dyrs = ow * dyps
+    dyns = od * oh * dyrs
+    xns = group * cg * xcs
+    pcs = kd * kh * kw * mb
+    tcols = (kw + WGRAD_COLUMNS - 1) // WGRAD_COLUMNS
+    for ch in nb.prange(chunks):
+        c0 = ch * n_img // chunks
+        c1 = (ch + 1) * n_img // chunks
+        for n0 in range(c0, c1, IMAGE_BLOCK):
+            ni = min(IMAGE_BLOCK, c1 - n0)
+            for g in range(group):
+                for b in range(nbm):
+                    for q in range(tcols):
+                        k0 = q * kw // tcols
+                        cols = (q + 1) * kw // tcols - k0
+                        ci = 12 // cols if cols < 5 else 2
+                        for cb in range(0, cg, ci):
+                            cv = min(ci, cg - cb)
+                            for a in range(kd):
+                                for e in range(kh):
+                                    po = ((((((ch * group + g) * nbm + b) * cg + cb) * kd + a) * kh + e) * kw + k0) * mb
+                                    xb = ((n0 * group + g) * cg + cb) * xcs + a * dd * xdep + e * dh * xrow + k0 * dw
+                                    for oz in range(od):
+                                        dyo = n0 * dyns + oz * oh * dyrs + g * mgp + b * mb
+                                        xo = xb + oz * sz * xdep
+                                        _wgrad_call(cols, dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs,
+                                                    sy * xrow, sx, dw, xns, ni, oh, ow, cv, po, pcs)
+
+
+@nb.njit(parallel=True, **_OPTS)
+def position_major(dy, out, group):  # pragma: no cover (compiled)
+    """``out[n, p, g, j] = dy[n, g * mg + j, p]`` for ``dy`` ``(N, M, P)``, ``out`` ``(N, P, G, mgp)``
+    (zeroed past ``mg`` by the caller)."""
+    n_img, m_all, npos = dy.shape
+    mg = m_all // group
+    for t in nb.prange(n_img * m_all):
+        n = t // m_all
+        m = t % m_all
+        g = m // mg
+        j = m - g * mg
+        for p in range(npos):
+            out[n, p, g, j] = dy[n, m, p]

@@ -1,0 +1,180 @@
+"""Buffer layouts of the register-blocked direct kernels (:mod:`cct.kernels.conv_simd`).
+
+The micro-kernels read whole vectors of ``lanes`` consecutive input elements per kernel tap, so
+the input is copied once into a zero-padded buffer in one of two layouts:
+
+* **rows** -- each output row is padded to a multiple of ``lanes`` (the input row to that plus the
+  kernel's width); any vertical stride. Efficiency ``OW / OW_padded``.
+* **flat** -- an output depth slice is the input's padded plane read as one long row (position
+  ``oy * W + ox``), in whole vectors; the ``W - OW`` positions past each row's end are computed
+  and dropped. Needs unit vertical stride. Efficiency ``OH * OW / (vectors * lanes)``.
+
+:func:`plan_layout` picks the more efficient one (1-, 2- and 3-D, unit stride along the width);
+the helpers build the padded input, the output buffer and the gradient buffer in that layout, and
+call the kernels with the layout's strides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..backend import get_array_module
+from .geometry import ConvGeometry
+
+#: output channels per forward tile the kernels offer (:data:`cct.kernels.conv_simd.FORWARD_ROWS`)
+OUT_BLOCKS = (8, 4, 2)
+
+
+def out_block(mg: int) -> int:
+    """Output channels per forward tile for ``mg`` channels per group (fewest wasted, then widest)."""
+    return min(OUT_BLOCKS, key=lambda j: (-(-mg // j) * j - mg, -j))
+
+
+def as3(values: tuple[int, ...], fill: int) -> tuple[int, ...]:
+    """``values`` with leading ``fill`` entries up to three spatial axes."""
+    return (fill,) * (3 - len(values)) + tuple(values)
+
+
+@dataclass(frozen=True)
+class SimdLayout:
+    """Strides and extents (elements) of one convolution's buffers for :mod:`cct.kernels.conv_simd`."""
+
+    flat: bool
+    lanes: int
+    wp: int  # padded input row width
+    du: int  # padded input depth and height (the windows' used extent)
+    hu: int
+    x_cs: int  # input buffer elements per channel
+    nrow: int  # position rows (rows layout: output rows; flat: vectors) per output depth slice
+    ncol: int  # vectors per row
+    y_plane: int  # output buffer elements per depth slice
+    efficiency: float  # useful share of the computed positions
+
+    @property
+    def y_rs(self) -> int:
+        return self.lanes if self.flat else self.ncol * self.lanes
+
+
+def plan_layout(geom: ConvGeometry, lanes: int) -> SimdLayout | None:
+    """The better of the two layouts for ``geom``, or None when the kernels cannot run it."""
+    if not 1 <= geom.num_spatial <= 3 or geom.out_size == 0 or geom.stride[-1] != 1:
+        return None
+    od, oh, ow = as3(geom.out_shape, 1)
+    kd, kh, kw = as3(geom.kernel, 1)
+    _, sh, _ = as3(geom.stride, 1)
+    _, _, dw = as3(geom.dilation, 1)
+    du, hu, wu = as3(geom.used_extent, 1)
+    owp = -(-ow // lanes) * lanes
+    wp = owp + (kw - 1) * dw
+    rows = SimdLayout(False, lanes, wp, du, hu, du * hu * wp, oh, owp // lanes, oh * owp, ow / owp)
+    if sh != 1:
+        return rows
+    plane = oh * wu
+    nvec = -(-plane // lanes)
+    flat = SimdLayout(True, lanes, wu, du, hu, du * hu * wu + nvec * lanes - plane + wu, nvec, 1, nvec * lanes,
+                      plane * ow / wu / (nvec * lanes))
+    return flat if flat.efficiency > rows.efficiency else rows
+
+
+def _spatial_view(buf: Any, lay: SimdLayout, nd: int) -> Any:
+    """The ``(N, C, *padded extent)`` view of a layout buffer (its slack cut off)."""
+    body = buf[:, :, :lay.du * lay.hu * lay.wp].reshape(buf.shape[:2] + (lay.du, lay.hu, lay.wp))
+    return body.reshape(buf.shape[:2] + (lay.du, lay.hu, lay.wp)[3 - nd:])
+
+
+def padded_input(x: Any, geom: ConvGeometry, lay: SimdLayout) -> Any:
+    """``x`` copied into a zeroed ``(N, C, x_cs)`` buffer of the layout."""
+    buf = np.zeros(x.shape[:2] + (lay.x_cs,), dtype=x.dtype)
+    view = _spatial_view(buf, lay, geom.num_spatial)
+    dst, src = geom.interior(view.shape[2:])
+    view[(slice(None), slice(None)) + dst] = x[(slice(None), slice(None)) + src]
+    return buf
+
+
+def output_positions(buf: Any, geom: ConvGeometry, lay: SimdLayout) -> Any:
+    """The ``(N, M, *out_shape)`` view of the valid positions in a ``(N, M, OD, y_plane)`` buffer."""
+    od, oh, ow = as3(geom.out_shape, 1)
+    width = lay.wp if lay.flat else lay.ncol * lay.lanes
+    body = buf[..., :oh * width].reshape(buf.shape[:2] + (od, oh, width))[..., :ow]
+    return body.reshape(buf.shape[:2] + tuple(geom.out_shape))
+
+
+def _tap_strides(geom: ConvGeometry, lay: SimdLayout) -> tuple[int, int, int, int, int]:
+    """Input strides: per depth tap, row tap, column tap, output depth slice, position row."""
+    sd, sh, _ = as3(geom.stride, 1)
+    dd, dh, dw = as3(geom.dilation, 1)
+    plane = lay.hu * lay.wp
+    return dd * plane, dh * lay.wp, dw, sd * plane, (lay.lanes if lay.flat else sh * lay.wp)
+
+
+def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayout) -> Any:
+    """``(N, M, OD, y_plane)`` output buffer of the forward kernel on a padded input."""
+    n = xbuf.shape[0]
+    g = geom.group
+    od = as3(geom.out_shape, 1)[0]
+    kd, kh, kw = as3(geom.kernel, 1)
+    yb = np.empty((n, geom.channels_out, od, lay.y_plane), dtype=xbuf.dtype)
+    xkd, xkh, xkw, xozs, xrs = _tap_strides(geom, lay)
+    km.forward(xbuf.reshape(-1), wblk.reshape(-1), yb.reshape(-1), n, g, geom.channels_in // g,
+               geom.channels_out // g, wblk.shape[-1], kd, kh, kw, lay.x_cs, xkd, xkh, xkw, xozs, xrs,
+               od, lay.nrow, lay.ncol, lay.lanes, od * lay.y_plane, lay.y_plane, lay.y_rs)
+    return yb
+
+
+def pad_input(x: Any, geom: ConvGeometry) -> Any:
+    """``(N, C, *used_extent)``: ``x`` zero-padded and cropped to the region the windows touch."""
+    xp = get_array_module(x)
+    ext = geom.used_extent
+    dst, src = geom.interior(ext)
+    full = all(d.start == 0 and d.stop == e for d, e in zip(dst, ext))
+    buf = (xp.empty if full else xp.zeros)(x.shape[:2] + tuple(ext), dtype=x.dtype)
+    buf[(slice(None), slice(None)) + dst] = x[(slice(None), slice(None)) + src]
+    return buf
+
+
+def run_weight_grad(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: int) -> Any:
+    """``dL/dw`` (``geom.weight_shape``) by the weight-gradient kernel: ``chunks`` partial sums over
+    the images, on the gradient made position-major and the padded input."""
+    n = x.shape[0]
+    g = geom.group
+    cg, mg = geom.channels_in // g, geom.channels_out // g
+    od, oh, ow = as3(geom.out_shape, 1)
+    kd, kh, kw = as3(geom.kernel, 1)
+    sz, sy, sx = as3(geom.stride, 1)
+    dd, dh, dw = as3(geom.dilation, 1)
+    _, hu, wu = as3(geom.used_extent, 1)
+    mb = km.WGRAD_VECTORS * km.lanes(x.dtype)
+    mgp = -(-mg // mb) * mb
+    dyt = np.zeros((n, od * oh * ow, g, mgp), dtype=dy.dtype)
+    km.position_major(np.ascontiguousarray(dy).reshape(n, geom.channels_out, -1), dyt, g)
+    xpad = np.ascontiguousarray(pad_input(x, geom))
+    chunks = max(1, min(chunks, n))
+    part = np.zeros((chunks, g, mgp // mb, cg, kd, kh, kw, mb), dtype=x.dtype)
+    km.weight_grad(dyt, xpad.reshape(-1), part, n, g, cg, mgp, kd, kh, kw, od, oh, ow,
+                   xpad[0, 0].size, hu * wu, wu, sz, sy, sx, dd, dh, dw)
+    dwb = np.moveaxis(part.sum(axis=0), -1, 2).reshape((g, mgp, cg, kd, kh, kw))[:, :mg]
+    return np.ascontiguousarray(dwb).reshape(geom.weight_shape)
+
+
+def transposed_geometry(geom: ConvGeometry) -> ConvGeometry | None:
+    """The unit-stride convolution whose forward pass is ``geom``'s data gradient (None when ``geom``
+    has a stride above 1 or a padding wider than its kernel's reach)."""
+    if any(s != 1 for s in geom.stride):
+        return None
+    pads = tuple((k - 1) * d - p for k, d, p in zip(geom.kernel, geom.dilation, geom.pad))
+    if any(p < 0 for p in pads):
+        return None
+    return ConvGeometry(geom.channels_out, geom.channels_in, geom.group, tuple(geom.out_shape), tuple(geom.kernel),
+                        pads, tuple(geom.stride), tuple(geom.dilation), tuple(geom.in_shape), False)
+
+
+def transposed_weights(w: Any, geom: ConvGeometry) -> Any:
+    """``(M, Cg, *K)`` -> ``(C, Mg, *K)``: per group, channels swapped and the kernel flipped."""
+    g = geom.group
+    mg, cg = geom.channels_out // g, geom.channels_in // g
+    nd = geom.num_spatial
+    wg = w.reshape((g, mg, cg) + tuple(geom.kernel)).swapaxes(1, 2)
+    wg = wg[(slice(None),) * 3 + (slice(None, None, -1),) * nd]
+    return np.ascontiguousarray(wg).reshape((geom.channels_in, mg) + tuple(geom.kernel))

@@ -1,0 +1,98 @@
+"""The register-blocked direct kernels (cct/kernels/conv_simd.py, cct/lowering/direct_layout.py):
+every pass against type 1 on geometries that exercise both buffer layouts, every output-channel
+block, the weight gradient's column chunks and channel tails, image blocks across chunks, and the
+fallback to the plain kernels where the register-blocked ones cannot run."""
+import numpy as np
+import pytest
+
+from cct import kernels
+from cct.lowering import ConvGeometry, get_strategy
+from cct.lowering import direct_layout as dl
+
+pytestmark = pytest.mark.skipif(kernels.get("conv_simd") is None, reason="numba kernels unavailable")
+
+
+def geom(c, m, g, ins, k, p, s, d, bias=True):
+    out = tuple((i + 2 * pp - ((kk - 1) * dd + 1)) // ss + 1 for i, kk, pp, ss, dd in zip(ins, k, p, s, d))
+    return ConvGeometry(c, m, g, tuple(ins), tuple(k), tuple(p), tuple(s), tuple(d), out, bias)
+
+
+CASES = {
+    "rows, wide output": geom(3, 32, 1, (32, 32), (5, 5), (2, 2), (1, 1), (1, 1)),
+    "flat, narrow output": geom(8, 12, 1, (8, 8), (5, 5), (2, 2), (1, 1), (1, 1)),
+    "rows, vertical stride": geom(6, 10, 2, (9, 11), (3, 2), (1, 0), (2, 1), (1, 2)),
+    "1-D dilated": geom(4, 7, 1, (13,), (3,), (1,), (1,), (2,)),
+    "3-D": geom(4, 9, 1, (5, 6, 7), (3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1)),
+    "3-D strided depth": geom(4, 9, 1, (5, 6, 7), (2, 3, 3), (0, 1, 1), (2, 2, 1), (1, 1, 2)),
+    "1x1 grouped": geom(16, 20, 4, (7, 7), (1, 1), (0, 0), (1, 1), (1, 1)),
+    "two output channels": geom(5, 2, 1, (6, 6), (3, 3), (1, 1), (1, 1), (1, 1)),
+    "k=7 (two column chunks)": geom(5, 6, 1, (10, 10), (7, 7), (3, 3), (1, 1), (1, 1)),
+    "k=11 stride 4 (fallback forward and data)": geom(3, 5, 1, (23, 23), (11, 11), (2, 2), (4, 4), (1, 1)),
+    "pad past the kernel's reach (fallback data)": geom(5, 6, 1, (10, 10), (3, 3), (4, 4), (1, 1), (1, 1)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_pass_matches_type1(name, dtype):
+    g = CASES[name]
+    rng = np.random.default_rng(len(name))
+    n = 11  # more than one image block (8) and an uneven split over two chunks
+    x = rng.standard_normal((n, g.channels_in) + g.in_shape).astype(dtype)
+    w = rng.standard_normal(g.weight_shape).astype(dtype)
+    b = rng.standard_normal(g.channels_out).astype(dtype)
+    dy = rng.standard_normal((n, g.channels_out) + g.out_shape).astype(dtype)
+    d, t = get_strategy("direct"), get_strategy("type1")
+    tol = 1e-4 if dtype == np.float32 else 1e-11
+    got = [d.forward(x, w, b, g), d.backward_data(dy, w, g), *d.backward_weights(dy, x, g)]
+    want = [t.forward(x, w, b, g), t.backward_data(dy, w, g), *t.backward_weights(dy, x, g)]
+    for a, r in zip(got, want):
+        assert a.shape == r.shape and a.dtype == r.dtype
+        np.testing.assert_allclose(a, r, rtol=tol, atol=tol * np.abs(r).max())
+
+
+def test_layouts_and_blocks():
+    """Wide rows keep the rows layout (no dropped positions); narrow ones read the plane flat; the
+    channel block wastes the fewest lanes."""
+    wide = dl.plan_layout(CASES["rows, wide output"], 16)
+    assert not wide.flat and wide.efficiency == 1.0 and wide.ncol == 2
+    narrow = dl.plan_layout(CASES["flat, narrow output"], 16)
+    assert narrow.flat and narrow.efficiency == pytest.approx(64 / 96)  # 8 rows of 12 in 6 vectors
+    assert not dl.plan_layout(CASES["rows, vertical stride"], 16).flat
+    assert dl.plan_layout(CASES["k=11 stride 4 (fallback forward and data)"], 16) is None
+    assert [dl.out_block(m) for m in (32, 12, 3, 2, 1)] == [8, 4, 4, 2, 2]
+
+
+def test_fast_kernels_run_where_they_apply(monkeypatch):
+    """The register-blocked kernels take the unit-stride passes; the plain kernels the others."""
+    km, plain = kernels.get("conv_simd"), kernels.get("direct")
+    calls = []
+    for mod, name in ((km, "forward"), (km, "weight_grad"), (plain, "forward"), (plain, "backward_data")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=f"{mod.__name__[12:]}.{name}": calls.append(_n) or _r(*a))
+    rng = np.random.default_rng(0)
+    d = get_strategy("direct")
+    for key in ("rows, wide output", "k=11 stride 4 (fallback forward and data)"):
+        g = CASES[key]
+        x = rng.standard_normal((2, g.channels_in) + g.in_shape).astype(np.float32)
+        w = rng.standard_normal(g.weight_shape).astype(np.float32)
+        dy = rng.standard_normal((2, g.channels_out) + g.out_shape).astype(np.float32)
+        d.forward(x, w, None, g)
+        d.backward_data(dy, w, g)
+        d.backward_weights(dy, x, g)
+    assert calls == ["conv_simd.forward", "conv_simd.forward", "conv_simd.weight_grad",
+                     "direct.forward", "direct.backward_data", "conv_simd.weight_grad"]
+
+
+def test_fallback_passes_are_priced_as_slow():
+    """A pass only the plain kernels run is priced FALLBACK_SLOWDOWN times its multiply-adds."""
+    from cct.lowering.direct import FALLBACK_SLOWDOWN
+
+    d = get_strategy("direct")
+    g = CASES["k=11 stride 4 (fallback forward and data)"]
+    macs = 4 * g.channels_out * g.channels_in * g.kernel_size * g.out_size
+    for p in ("fwd", "bwd_data"):
+        assert ("direct", macs * FALLBACK_SLOWDOWN) in d.pass_ops(g, 4, p)
+    # the weight gradient runs on the fast kernel: 5 output channels in a block of 32 lanes, 3 input
+    # channels in tiles of 2 (11 columns as tiles of 5 and 6)
+    assert ("direct", pytest.approx(macs * 32 / 5 * 4 / 3)) in d.pass_ops(g, 4, "bwd_weights")
