@@ -60,7 +60,12 @@ def test_layouts_and_blocks():
     assert narrow.flat and narrow.efficiency == pytest.approx(64 / 96)  # 8 rows of 12 in 6 vectors
     assert not dl.plan_layout(CASES["rows, vertical stride"], 16).flat
     assert dl.plan_layout(CASES["k=11 stride 4 (fallback forward and data)"], 16) is None
-    assert [dl.out_block(m) for m in (32, 12, 3, 2, 1)] == [8, 4, 4, 2, 2]
+    # 32 channels over 16 rows: 8 x 3 tiles; 3 channels: one 4 x 6 tile; LeNet's conv2 (50 channels,
+    # 6 vectors): 4 x 6 tiles (52 channels) beat 8 x 3 ones (56)
+    assert dl.forward_blocking(32, 16) == (8, pytest.approx(4 * (5 * 24 + 9) / (32 * 16)))
+    assert dl.forward_blocking(3, 32)[0] == 4 and dl.forward_blocking(50, 6)[0] == 4
+    assert dl.forward_blocking(1, 40)[0] == 2
+    assert kernels.get("conv_simd").FORWARD_ROWS == dl.FORWARD_TILES
 
 
 def test_fast_kernels_run_where_they_apply(monkeypatch):

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from .. import kernels
 from ..backend import get_array_module
@@ -55,34 +58,54 @@ class DirectConvolution(LoweringStrategy):
     # -- the three passes -------------------------------------------------------------------
     def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
         xp = get_array_module(x)
+        y = xp.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
+        return self.forward_into(x, w, b, geom, y)
+
+    def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
+        """``out[...] = conv(x, w) + b`` (the register-blocked kernel writes straight into a
+        C-contiguous ``out`` whose layout has no dropped positions)."""
+        xp = get_array_module(x)
         n, nd = x.shape[0], geom.num_spatial
-        y = None
-        if n and x.size:
-            simd = self._simd(geom, x, w)
-            if simd is not None:
-                km, lay = simd
-                w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
-                jb = dl.out_block(geom.channels_out // geom.group)
-                wb = km.blocked_weights(w3, geom.group, jb)
-                yb = dl.run_forward(km, dl.padded_input(x, geom, lay), wb, geom, lay)
-                y = dl.output_positions(yb, geom, lay)
-                if not y.flags.c_contiguous:
-                    y = xp.ascontiguousarray(y)
-            else:
-                y = xp.zeros((n, geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
-                xpad = pad_input(x, geom)
-                km = self._kernels(xpad, w, y)
-                if km is not None:
-                    s, d = _as3(geom.stride, 1), _as3(geom.dilation, 1)
-                    w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
-                    km.forward(_to3(xpad, nd), km.blocked_weights(w3, geom.group), _to3(y, nd), geom.group, *s, *d)
-                else:
-                    self._forward_xp(xpad, w, y, geom)
-        if y is None:
+        simd = self._simd(geom, x, w) if n and x.size else None
+        if simd is not None:
+            km, lay = simd
+            w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
+            wb = km.blocked_weights(w3, geom.group, dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[0])
+            yb = dl.run_forward(km, dl.padded_input(x, geom, lay), wb, geom, lay, out)
+            if yb is not None:
+                out[...] = dl.output_positions(yb, geom, lay)
+        elif n and x.size:
             y = xp.zeros((n, geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
+            xpad = pad_input(x, geom)
+            km = self._kernels(xpad, w, y)
+            if km is not None:
+                s, d = _as3(geom.stride, 1), _as3(geom.dilation, 1)
+                w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
+                km.forward(_to3(xpad, nd), km.blocked_weights(w3, geom.group), _to3(y, nd), geom.group, *s, *d)
+            else:
+                self._forward_xp(xpad, w, y, geom)
+            out[...] = y
+        else:
+            out[...] = 0
         if b is not None:
-            y += b.reshape((1, -1) + (1,) * nd)
-        return y
+            out += b.reshape((1, -1) + (1,) * nd)
+        return out
+
+    def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
+                      dx: Any = None) -> None:
+        """``dw += dL/dw``, ``db += dL/db``, ``dx[...] = dL/dx`` (each None to skip)."""
+        if dw is not None or db is not None:
+            gw, gb = self.backward_weights(dy, x, geom) if dw is not None else (None, None)
+            if dw is not None:
+                dw += gw.reshape(dw.shape)
+            if db is not None:
+                db += gb if gb is not None else dy.reshape(dy.shape[:2] + (-1,)).sum(axis=(0, 2))
+        if dx is not None:
+            tgeom = dl.transposed_geometry(geom)
+            if dy.shape[0] and dy.size and tgeom is not None and self._simd(tgeom, dy, w) is not None:
+                self.forward_into(dy, dl.transposed_weights(w, geom), None, tgeom, dx)
+            else:
+                dx[...] = self.backward_data(dy, w, geom)
 
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
         xp = get_array_module(dy)
@@ -123,6 +146,20 @@ class DirectConvolution(LoweringStrategy):
         else:
             self._backward_weights_xp(dy, xpad, dw, geom)
         return dw, db
+
+    def kernel_call(self, x: Any, w: Any, geom: ConvGeometry) -> Callable[[], Any]:
+        """A call of the forward pass's multiply-add kernel alone, on buffers prepared once (what
+        ``("direct", multiply-adds)`` prices; the whole forward where the compiled kernel cannot run)."""
+        simd = self._simd(geom, x, w)
+        if simd is None:
+            return lambda: self.forward(x, w, None, geom)
+        km, lay = simd
+        nd = geom.num_spatial
+        w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
+        wb = km.blocked_weights(w3, geom.group, dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[0])
+        xb = dl.padded_input(x, geom, lay)
+        yb = np.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
+        return lambda: dl.run_forward(km, xb, wb, geom, lay, yb)
 
     @staticmethod
     def _simd(geom: ConvGeometry, *arrays: Any):
@@ -209,9 +246,7 @@ class DirectConvolution(LoweringStrategy):
         if lay is None:
             return [("zero", batch * geom.channels_in * math.prod(geom.used_extent)), ("copy", inp),
                     ("direct", macs * FALLBACK_SLOWDOWN)]
-        mg = geom.channels_out // geom.group
-        jb = dl.out_block(mg)
-        computed = macs / lay.efficiency * (-(-mg // jb) * jb / mg)
+        computed = macs / lay.efficiency * dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[1]
         ops = [("zero", batch * geom.channels_in * lay.x_cs), ("copy", inp), ("direct", computed)]
         if lay.efficiency < 1:  # the valid positions copied out of the output buffer
             ops.append(("copy", batch * geom.channels_out * geom.out_size))

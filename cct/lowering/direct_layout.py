@@ -15,6 +15,7 @@ call the kernels with the layout's strides.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +24,26 @@ import numpy as np
 from ..backend import get_array_module
 from .geometry import ConvGeometry
 
-#: output channels per forward tile the kernels offer (:data:`cct.kernels.conv_simd.FORWARD_ROWS`)
-OUT_BLOCKS = (8, 4, 2)
+#: forward tiles the kernels offer: output channels -> position rows
+#: (:data:`cct.kernels.conv_simd.FORWARD_ROWS`)
+FORWARD_TILES = {8: 3, 4: 6, 2: 12}
 
 
-def out_block(mg: int) -> int:
-    """Output channels per forward tile for ``mg`` channels per group (fewest wasted, then widest)."""
-    return min(OUT_BLOCKS, key=lambda j: (-(-mg // j) * j - mg, -j))
+def _tile_cycles(j: int, r: int) -> int:
+    """Relative cost of one tap of a ``j x r`` tile: its multiply-adds, or its loads when those are more."""
+    return max(j * r, j + r)
+
+
+def forward_blocking(mg: int, nrow: int) -> tuple[int, float]:
+    """``(output channels per tile, cost factor)`` for ``mg`` channels per group over ``nrow``
+    position rows: the tile with the fewest relative cycles (whole tiles, then single-row tails), and
+    those cycles over ``mg * nrow`` (1.0: no channel or row waste)."""
+    best = None
+    for j, r in FORWARD_TILES.items():
+        cycles = -(-mg // j) * ((nrow // r) * _tile_cycles(j, r) + (nrow % r) * _tile_cycles(j, 1))
+        if best is None or cycles < best[1]:
+            best = (j, cycles)
+    return best[0], best[1] / max(1, mg * nrow)
 
 
 def as3(values: tuple[int, ...], fill: int) -> tuple[int, ...]:
@@ -109,18 +123,22 @@ def _tap_strides(geom: ConvGeometry, lay: SimdLayout) -> tuple[int, int, int, in
     return dd * plane, dh * lay.wp, dw, sd * plane, (lay.lanes if lay.flat else sh * lay.wp)
 
 
-def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayout) -> Any:
-    """``(N, M, OD, y_plane)`` output buffer of the forward kernel on a padded input."""
+def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayout, out: Any = None) -> Any:
+    """The forward kernel on a padded input: written straight into ``out`` (``(N, M, *out_shape)``,
+    returns None) when that is C-contiguous and the layout drops no positions, else into a new
+    ``(N, M, OD, y_plane)`` buffer that is returned (:func:`output_positions` reads it)."""
     n = xbuf.shape[0]
     g = geom.group
     od = as3(geom.out_shape, 1)[0]
     kd, kh, kw = as3(geom.kernel, 1)
-    yb = np.empty((n, geom.channels_out, od, lay.y_plane), dtype=xbuf.dtype)
+    direct = (out is not None and out.flags.c_contiguous and not lay.flat
+              and lay.y_plane * od == math.prod(geom.out_shape))
+    yb = out if direct else np.empty((n, geom.channels_out, od, lay.y_plane), dtype=xbuf.dtype)
     xkd, xkh, xkw, xozs, xrs = _tap_strides(geom, lay)
     km.forward(xbuf.reshape(-1), wblk.reshape(-1), yb.reshape(-1), n, g, geom.channels_in // g,
                geom.channels_out // g, wblk.shape[-1], kd, kh, kw, lay.x_cs, xkd, xkh, xkw, xozs, xrs,
                od, lay.nrow, lay.ncol, lay.lanes, od * lay.y_plane, lay.y_plane, lay.y_rs)
-    return yb
+    return None if direct else yb
 
 
 def pad_input(x: Any, geom: ConvGeometry) -> Any:
