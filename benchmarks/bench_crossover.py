@@ -177,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     removed = common.reexec_clean(keep_env=args.keep_env)
+    from cct import blas as _blas
+
+    _blas.limit_openblas_spin()  # as the engine does in a net: idle GEMM workers must not steal the cores
     from cct import kernels
     from cct.lowering import calibrate as cal
 

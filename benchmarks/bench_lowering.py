@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/lowering[_quick].json)")
     args = ap.parse_args(argv)
     removed = common.reexec_clean(keep_env=args.keep_env)
+    from cct import blas as _blas
+
+    _blas.limit_openblas_spin()  # as the engine does in a net: idle GEMM workers must not steal the cores
 
     import numpy as np
 

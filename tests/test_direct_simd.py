@@ -27,7 +27,9 @@ CASES = {
     "1x1 grouped": geom(16, 20, 4, (7, 7), (1, 1), (0, 0), (1, 1), (1, 1)),
     "two output channels": geom(5, 2, 1, (6, 6), (3, 3), (1, 1), (1, 1), (1, 1)),
     "k=7 (two column chunks)": geom(5, 6, 1, (10, 10), (7, 7), (3, 3), (1, 1), (1, 1)),
-    "k=11 stride 4 (fallback forward and data)": geom(3, 5, 1, (23, 23), (11, 11), (2, 2), (4, 4), (1, 1)),
+    "k=11 stride 4 (stride phases)": geom(3, 5, 1, (23, 23), (11, 11), (2, 2), (4, 4), (1, 1)),
+    "3-D stride 2 grouped (stride phases)": geom(4, 6, 2, (7, 8, 9), (3, 3, 3), (1, 1, 1), (2, 1, 2), (1, 1, 1)),
+    "strided and dilated (fallback forward and data)": geom(4, 6, 1, (11, 12), (3, 3), (1, 1), (2, 2), (2, 1)),
     "pad past the kernel's reach (fallback data)": geom(5, 6, 1, (10, 10), (3, 3), (4, 4), (1, 1), (1, 1)),
 }
 
@@ -59,7 +61,12 @@ def test_layouts_and_blocks():
     narrow = dl.plan_layout(CASES["flat, narrow output"], 16)
     assert narrow.flat and narrow.efficiency == pytest.approx(64 / 96)  # 8 rows of 12 in 6 vectors
     assert not dl.plan_layout(CASES["rows, vertical stride"], 16).flat
-    assert dl.plan_layout(CASES["k=11 stride 4 (fallback forward and data)"], 16) is None
+    assert dl.plan_layout(CASES["k=11 stride 4 (stride phases)"], 16) is None
+    p = dl.phase_geometry(CASES["k=11 stride 4 (stride phases)"])  # 16 phase planes of 7 x 7, 3 x 3 taps
+    got = (p.channels_in, p.in_shape, p.kernel, p.stride, p.pad, p.out_shape)
+    assert got == (48, (7, 7), (3, 3), (1, 1), (0, 0), (5, 5))
+    assert dl.phase_geometry(CASES["rows, wide output"]) is None
+    assert dl.phase_geometry(CASES["strided and dilated (fallback forward and data)"]) is None
     # 32 channels over 16 rows: 8 x 3 tiles; 3 channels: one 4 x 6 tile; LeNet's conv2 (50 channels,
     # 6 vectors): 4 x 6 tiles (52 channels) beat 8 x 3 ones (56)
     assert dl.forward_blocking(32, 16) == (8, pytest.approx(4 * (5 * 24 + 9) / (32 * 16)))
@@ -77,7 +84,8 @@ def test_fast_kernels_run_where_they_apply(monkeypatch):
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=f"{mod.__name__[12:]}.{name}": calls.append(_n) or _r(*a))
     rng = np.random.default_rng(0)
     d = get_strategy("direct")
-    for key in ("rows, wide output", "k=11 stride 4 (fallback forward and data)"):
+    for key in ("rows, wide output", "k=11 stride 4 (stride phases)",
+                "strided and dilated (fallback forward and data)"):
         g = CASES[key]
         x = rng.standard_normal((2, g.channels_in) + g.in_shape).astype(np.float32)
         w = rng.standard_normal(g.weight_shape).astype(np.float32)
@@ -85,8 +93,8 @@ def test_fast_kernels_run_where_they_apply(monkeypatch):
         d.forward(x, w, None, g)
         d.backward_data(dy, w, g)
         d.backward_weights(dy, x, g)
-    assert calls == ["conv_simd.forward", "conv_simd.forward", "conv_simd.weight_grad",
-                     "direct.forward", "direct.backward_data", "conv_simd.weight_grad"]
+    assert calls == ["conv_simd.forward", "conv_simd.forward", "conv_simd.weight_grad"] * 2 + [
+        "direct.forward", "direct.backward_data", "conv_simd.weight_grad"]
 
 
 def test_fallback_passes_are_priced_as_slow():
@@ -94,10 +102,13 @@ def test_fallback_passes_are_priced_as_slow():
     from cct.lowering.direct import FALLBACK_SLOWDOWN
 
     d = get_strategy("direct")
-    g = CASES["k=11 stride 4 (fallback forward and data)"]
+    g = CASES["strided and dilated (fallback forward and data)"]
     macs = 4 * g.channels_out * g.channels_in * g.kernel_size * g.out_size
     for p in ("fwd", "bwd_data"):
         assert ("direct", macs * FALLBACK_SLOWDOWN) in d.pass_ops(g, 4, p)
-    # the weight gradient runs on the fast kernel: 5 output channels in a block of 32 lanes, 3 input
-    # channels in tiles of 2 (11 columns as tiles of 5 and 6)
-    assert ("direct", pytest.approx(macs * 32 / 5 * 4 / 3)) in d.pass_ops(g, 4, "bwd_weights")
+    # the weight gradient runs on the fast kernel: 6 output channels in a block of 32 lanes, 4 input
+    # channels in one tile of 4 (3 columns)
+    assert ("direct", pytest.approx(macs * 32 / 6)) in d.pass_ops(g, 4, "bwd_weights")
+    # a strided layer is priced as its stride-phase convolution
+    s4 = CASES["k=11 stride 4 (stride phases)"]
+    assert d.pass_ops(dl.phase_geometry(s4), 4, "fwd")[0] in d.pass_ops(s4, 4, "fwd")

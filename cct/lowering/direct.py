@@ -15,6 +15,7 @@ kernel rate; workspace: the padded input (and its gradient in the data pass).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from .. import kernels
 from ..backend import get_array_module
 from . import direct_layout as dl
 from .base import LoweringStrategy, register_strategy
+from .gemm_ops import PASSES
 from .geometry import ConvGeometry
 
 _as3 = dl.as3
@@ -66,6 +68,9 @@ class DirectConvolution(LoweringStrategy):
         C-contiguous ``out`` whose layout has no dropped positions)."""
         xp = get_array_module(x)
         n, nd = x.shape[0], geom.num_spatial
+        pgeom = self._phased(geom, x, w)
+        if pgeom is not None:
+            return self.forward_into(dl.phase_input(x, geom, pgeom), dl.phase_weights(w, geom, pgeom), b, pgeom, out)
         simd = self._simd(geom, x, w) if n and x.size else None
         if simd is not None:
             km, lay = simd
@@ -94,6 +99,17 @@ class DirectConvolution(LoweringStrategy):
     def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
                       dx: Any = None) -> None:
         """``dw += dL/dw``, ``db += dL/db``, ``dx[...] = dL/dx`` (each None to skip)."""
+        pgeom = self._phased(geom, dy, w if w is not None else dy)
+        if pgeom is not None:
+            if dw is not None or db is not None:
+                xph = dl.phase_input(x, geom, pgeom) if dw is not None else None
+                dwp = None if dw is None else np.zeros(pgeom.weight_shape, dtype=dw.dtype)
+                self.backward_into(dy, xph, None, pgeom, dw=dwp, db=db)
+                if dw is not None:
+                    dw += dl.unphase_weights(dwp, geom, pgeom).reshape(dw.shape)
+            if dx is not None:
+                dl.unphase_input_grad(self.backward_data(dy, dl.phase_weights(w, geom, pgeom), pgeom), geom, pgeom, dx)
+            return
         if dw is not None or db is not None:
             gw, gb = self.backward_weights(dy, x, geom) if dw is not None else (None, None)
             if dw is not None:
@@ -110,6 +126,10 @@ class DirectConvolution(LoweringStrategy):
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
         xp = get_array_module(dy)
         n, nd = dy.shape[0], geom.num_spatial
+        if self._phased(geom, dy, w) is not None:
+            dx = xp.empty((n, geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
+            self.backward_into(dy, None, w, geom, dx=dx)
+            return dx
         tgeom = dl.transposed_geometry(geom)
         if n and dy.size and tgeom is not None and self._simd(tgeom, dy, w) is not None:
             return self.forward(dy, dl.transposed_weights(w, geom), None, tgeom)
@@ -133,6 +153,11 @@ class DirectConvolution(LoweringStrategy):
         db = dy.sum(axis=(0,) + tuple(range(2, 2 + nd))) if geom.bias_term else None
         if not (dy.shape[0] and dy.size):
             return xp.zeros(geom.weight_shape, dtype=dy.dtype), db
+        pgeom = self._phased(geom, dy, x)
+        if pgeom is not None:
+            nobias = dataclasses.replace(pgeom, bias_term=False)
+            dwp, _ = self.backward_weights(dy, dl.phase_input(x, geom, pgeom), nobias)
+            return dl.unphase_weights(dwp, geom, pgeom), db
         km = self._kernels(dy, x) and kernels.get("conv_simd")
         if km:
             return dl.run_weight_grad(km, dy, x, geom, kernels.get_num_threads()), db
@@ -160,6 +185,14 @@ class DirectConvolution(LoweringStrategy):
         xb = dl.padded_input(x, geom, lay)
         yb = np.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
         return lambda: dl.run_forward(km, xb, wb, geom, lay, yb)
+
+    def _phased(self, geom: ConvGeometry, *arrays: Any) -> ConvGeometry | None:
+        """The stride-phase geometry (:func:`direct_layout.phase_geometry`) when ``geom`` is strided
+        and the register-blocked kernels can run it, else None."""
+        pgeom = dl.phase_geometry(geom)
+        if pgeom is None or not arrays[0].shape[0] or self._simd(pgeom, *arrays) is None:
+            return None
+        return pgeom
 
     @staticmethod
     def _simd(geom: ConvGeometry, *arrays: Any):
@@ -214,8 +247,16 @@ class DirectConvolution(LoweringStrategy):
     def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:
         """``copy``/``zero`` sweeps of the buffers and ``("direct", multiply-adds)``: the register-blocked
         kernels' work counts the positions and channels they compute and drop (layout and channel-block
-        waste); a pass only the fallback kernel runs (width stride above 1 forward, any stride above 1
-        for the data gradient) is priced :data:`FALLBACK_SLOWDOWN` times its multiply-adds."""
+        waste); a strided layer is priced as its stride-phase convolution plus the phase split; a pass
+        only the fallback kernel runs (strided and dilated layers forward and data gradient, a padding
+        wider than the kernel's reach for the data gradient) :data:`FALLBACK_SLOWDOWN` times its
+        multiply-adds."""
+        pgeom = dl.phase_geometry(geom)
+        if pgeom is not None and pass_ in PASSES:  # the unit-stride convolution over the stride phases
+            planes = batch * pgeom.channels_in * pgeom.in_size
+            split = [("zero", planes), ("copy", batch * geom.channels_in * geom.in_size), ("copy", planes)]
+            ops = self.pass_ops(pgeom, batch, pass_)
+            return ops + split[1:] if pass_ == "bwd_data" else split + ops
         macs = batch * geom.channels_out * (geom.channels_in // geom.group) * geom.kernel_size * geom.out_size
         inp = batch * geom.channels_in * geom.in_size
         out = batch * geom.channels_out * geom.out_size
@@ -257,6 +298,10 @@ class DirectConvolution(LoweringStrategy):
         buffer of the forward kernel, for the layer and for its data gradient's transposed
         convolution; the position-major gradient, padded input and two partial sums of the weight
         gradient."""
+        pgeom = dl.phase_geometry(geom)
+        if pgeom is not None:
+            planes = batch * pgeom.channels_in * pgeom.in_size
+            return int(itemsize * 2 * planes) + self.workspace_bytes(pgeom, batch, itemsize)
         lanes = 64 // itemsize
         weights = math.prod(geom.weight_shape)
         passes = []

@@ -196,3 +196,76 @@ def transposed_weights(w: Any, geom: ConvGeometry) -> Any:
     wg = w.reshape((g, mg, cg) + tuple(geom.kernel)).swapaxes(1, 2)
     wg = wg[(slice(None),) * 3 + (slice(None, None, -1),) * nd]
     return np.ascontiguousarray(wg).reshape((geom.channels_in, mg) + tuple(geom.kernel))
+
+
+def phase_geometry(geom: ConvGeometry) -> ConvGeometry | None:
+    """The unit-stride convolution over the stride phases of ``geom``'s padded input (None when
+    ``geom`` is unit-stride or dilated).
+
+    Input element ``i * s + r`` of an axis with stride ``s`` becomes element ``i`` of phase plane
+    ``r``; a tap ``q * s + r`` of the kernel becomes tap ``q`` on plane ``r``. The planes are
+    channels (``C * prod(s)``, channel-major, so groups stay contiguous), the kernel shrinks to
+    ``ceil(k / s)`` taps per axis (zero past ``k``), and the output is the same.
+    """
+    if all(s == 1 for s in geom.stride) or any(d != 1 for d in geom.dilation) or geom.out_size == 0:
+        return None
+    kq = tuple(-(-k // s) for k, s in zip(geom.kernel, geom.stride))
+    ext = tuple(o + q - 1 for o, q in zip(geom.out_shape, kq))
+    ones = (1,) * geom.num_spatial
+    return ConvGeometry(geom.channels_in * math.prod(geom.stride), geom.channels_out, geom.group, ext, kq,
+                        (0,) * geom.num_spatial, ones, ones, tuple(geom.out_shape), geom.bias_term)
+
+
+def _phase_axes(nd: int, lead: int) -> tuple[int, ...]:
+    """Permutation of ``(lead..., E0, s0, E1, s1, ...)`` to ``(lead..., s0, s1, ..., E0, E1, ...)``."""
+    return tuple(range(lead)) + tuple(lead + 2 * i + 1 for i in range(nd)) + tuple(lead + 2 * i for i in range(nd))
+
+
+def _unphase_axes(nd: int, lead: int) -> tuple[int, ...]:
+    """Inverse of :func:`_phase_axes`."""
+    return tuple(range(lead)) + tuple(v for i in range(nd) for v in (lead + nd + i, lead + i))
+
+
+def phase_input(x: Any, geom: ConvGeometry, pgeom: ConvGeometry) -> Any:
+    """``x`` zero-padded and split into the stride phases of :func:`phase_geometry`."""
+    nd = geom.num_spatial
+    ext = tuple(e * s for e, s in zip(pgeom.in_shape, geom.stride))
+    buf = np.zeros(x.shape[:2] + ext, dtype=x.dtype)
+    dst, src = geom.interior(ext)
+    buf[(slice(None), slice(None)) + dst] = x[(slice(None), slice(None)) + src]
+    split = x.shape[:2] + tuple(v for e, s in zip(pgeom.in_shape, geom.stride) for v in (e, s))
+    planes = buf.reshape(split).transpose(_phase_axes(nd, 2))
+    return np.ascontiguousarray(planes).reshape((x.shape[0], pgeom.channels_in) + tuple(pgeom.in_shape))
+
+
+def phase_weights(w: Any, geom: ConvGeometry, pgeom: ConvGeometry) -> Any:
+    """``(M, Cg, *k)`` -> ``(M, Cg * prod(s), *ceil(k / s))``, zero taps past the kernel."""
+    nd = geom.num_spatial
+    full = tuple(q * s for q, s in zip(pgeom.kernel, geom.stride))
+    wp = np.zeros(w.shape[:2] + full, dtype=w.dtype)
+    wp[(slice(None), slice(None)) + tuple(slice(0, k) for k in geom.kernel)] = w
+    split = w.shape[:2] + tuple(v for q, s in zip(pgeom.kernel, geom.stride) for v in (q, s))
+    planes = wp.reshape(split).transpose(_phase_axes(nd, 2))
+    return np.ascontiguousarray(planes).reshape(pgeom.weight_shape)
+
+
+def unphase_weights(dwp: Any, geom: ConvGeometry, pgeom: ConvGeometry) -> Any:
+    """Gradient of the phase weights back to ``geom.weight_shape`` (the padded taps dropped)."""
+    nd = geom.num_spatial
+    cg = geom.channels_in // geom.group
+    split = (geom.channels_out, cg) + tuple(geom.stride) + tuple(pgeom.kernel)
+    full = dwp.reshape(split).transpose(_unphase_axes(nd, 2)).reshape(
+        (geom.channels_out, cg) + tuple(q * s for q, s in zip(pgeom.kernel, geom.stride)))
+    return np.ascontiguousarray(full[(slice(None), slice(None)) + tuple(slice(0, k) for k in geom.kernel)])
+
+
+def unphase_input_grad(dxp: Any, geom: ConvGeometry, pgeom: ConvGeometry, out: Any) -> None:
+    """``out[...]`` = the gradient of the phase planes ``dxp`` mapped back onto the unpadded input."""
+    nd = geom.num_spatial
+    n = dxp.shape[0]
+    split = (n, geom.channels_in) + tuple(geom.stride) + tuple(pgeom.in_shape)
+    ext = tuple(e * s for e, s in zip(pgeom.in_shape, geom.stride))
+    full = dxp.reshape(split).transpose(_unphase_axes(nd, 2)).reshape((n, geom.channels_in) + ext)
+    dst, src = geom.interior(ext)
+    out[...] = 0
+    out[(slice(None), slice(None)) + src] = full[(slice(None), slice(None)) + dst]

@@ -4,7 +4,7 @@
 second once numba's cached machine code is loaded):
 
 * ``direct_gflops`` -- the register-blocked direct-convolution kernel (:mod:`cct.kernels.conv_simd`)
-  alone, forward on a 32-channel 5x5 layer of 16x16 outputs (2 flops per multiply-add; the
+  alone, forward on 32 images of a 32-channel 5x5 layer of 16x16 outputs (2 flops per multiply-add; the
   buffer copies are priced as sweeps), the whole numpy-path forward when the kernels are off;
 * ``fft_gflops`` -- ``scipy.fft`` real transforms of conv-sized planes, in nominal FFT flops
   (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
@@ -39,14 +39,15 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     from .direct import DirectConvolution
     from .fft import _fft_flops
 
+    blas.limit_openblas_spin()  # as in a net: GEMM workers spinning after the grids would slow the kernels
     rng = np.random.default_rng(0)
     g = _geom(32, 32, 16, 5)
-    x = rng.standard_normal((8, 32, 16, 16), dtype=np.float32)
+    x = rng.standard_normal((32, 32, 16, 16), dtype=np.float32)
     w = rng.standard_normal(g.weight_shape, dtype=np.float32)
     call = DirectConvolution().kernel_call(x, w, g)
     call()  # compile / load the kernel
-    t = blas.best_time(call, repeats)
-    macs = 8 * 32 * 32 * 25 * g.out_size
+    t = blas.best_time(call, max(repeats, 5))  # ~0.8 ms a call
+    macs = 32 * 32 * 32 * 25 * g.out_size
     direct_gflops = 2.0 * macs / t / 1e9
 
     planes = rng.standard_normal((64, 16, 18, 18), dtype=np.float32)
