@@ -108,7 +108,7 @@ def test_fallback_passes_are_priced_as_slow():
         assert ("direct", macs * FALLBACK_SLOWDOWN) in d.pass_ops(g, 4, p)
     # the weight gradient runs on the fast kernel: 6 output channels in a block of 32 lanes, 4 input
     # channels in one tile of 4 (3 columns)
-    assert ("direct", pytest.approx(macs * 32 / 6)) in d.pass_ops(g, 4, "bwd_weights")
+    assert ("direct_wgrad", pytest.approx(macs * 32 / 6)) in d.pass_ops(g, 4, "bwd_weights")
     # a strided layer is priced as its stride-phase convolution
     s4 = CASES["k=11 stride 4 (stride phases)"]
     assert d.pass_ops(dl.phase_geometry(s4), 4, "fwd")[0] in d.pass_ops(s4, 4, "fwd")

@@ -1,4 +1,5 @@
-"""Compiled CPU kernels (numba) for the non-GEMM hot loops: pooling, im2col/col2im, LRN, ReLU, SGD update.
+"""Compiled CPU kernels (numba) for the non-GEMM hot loops: pooling, im2col/col2im, LRN, ReLU, SGD update,
+and direct convolution (:mod:`.conv_simd`'s register-blocked micro-kernels, :mod:`.direct`'s plain ones).
 
 The layers keep their array-module (numpy/cupy) code as the general path and as the reference;
 for numpy ``float32``/``float64`` arrays they dispatch here when the kernels are enabled

@@ -70,6 +70,7 @@ class Machine:
     cache_bytes: int = 0  # last-level cache; 0: detect (sysfs) when pricing
     stream_ns_per_byte: float = 0.0  # extra cost of a byte streamed from DRAM; 0: derive from the copy curve
     direct_gflops: float = 0.0  # direct-convolution kernel (2 flops per multiply-add); 0: DIRECT_SHARE of peak
+    direct_wgrad_gflops: float = 0.0  # its weight-gradient kernel; 0: as direct_gflops
     fft_gflops: float = 0.0  # FFT flops (2.5 n log2 n per complex line); 0: FFT_SHARE of peak
     threads: int = 1
     backend: str = "openblas"
@@ -325,6 +326,9 @@ def price(ops: list[tuple], machine: Machine, lowering: str | None = None) -> di
                 out["gemm"] += stream(8.0 * count * (m * k + k * n + m * n))
         elif kind == "direct":
             out["direct"] += machine.direct_seconds(op[1])
+        elif kind == "direct_wgrad":
+            rate = machine.direct_wgrad_gflops
+            out["direct"] += 2.0 * op[1] / (rate * 1e9) if rate else machine.direct_seconds(op[1])
         elif kind == "fft":
             out["fft"] += machine.fft_seconds(op[1])
         else:

@@ -1,17 +1,24 @@
 """Direct convolution (ZNNi IV-A.1): no lowered matrix, the kernel taps applied in place.
 
-For thin layers (few channels), 1x1 kernels and small outputs the lowered matrix of a GEMM
-lowering costs more memory traffic than the multiply-adds themselves; the direct kernels of
-:mod:`cct.kernels.direct` read a zero-padded copy of the input and accumulate straight into the
-output, register-blocked over output channels and vectorised over output positions. 1-, 2- and
-3-D convolutions with groups, stride, padding and dilation; every geometry runs as a 3-D one
-(leading unit axes). numpy float arrays with the kernels enabled take the compiled path; other
-arrays (cupy, or ``CCT_KERNELS=numpy``) the array-module path below, one batched contraction per
-kernel tap.
+For thin layers (few channels), 1x1 kernels, small outputs and, with the register-blocked kernels,
+most small-image layers, the lowered matrix of a GEMM lowering costs more memory traffic than the
+multiply-adds themselves. numpy float arrays with the kernels enabled run:
 
-Operations declared to the cost model (:meth:`DirectConvolution.pass_ops`): the padding copy
-(``copy``/``zero`` sweeps) and ``("direct", multiply_adds)``, priced with the calibrated direct
-kernel rate; workspace: the padded input (and its gradient in the data pass).
+* :mod:`cct.kernels.conv_simd` -- LLVM vector micro-kernels whose accumulators stay in registers
+  (near the SGEMM peak on cifar10_quick's layers): the forward pass over a padded copy of the
+  input in one of :mod:`.direct_layout`'s buffer layouts; the data gradient as the forward pass of
+  the transposed convolution (flipped, transposed weights on the padded output gradient); the
+  weight gradient from the output gradient made position-major. A strided layer runs as the
+  unit-stride convolution over its stride phases (:func:`.direct_layout.phase_geometry`).
+* :mod:`cct.kernels.direct` -- the plain kernels, for the passes the register-blocked ones cannot
+  run (strided and dilated layers; a padding wider than the kernel's reach in the data gradient).
+
+1-, 2- and 3-D convolutions with groups, stride, padding and dilation. Other arrays (cupy, or
+``CCT_KERNELS=numpy``) take the array-module path below, one batched contraction per kernel tap.
+
+Operations declared to the cost model (:meth:`DirectConvolution.pass_ops`): the buffer copies
+(``copy``/``zero`` sweeps) and ``("direct", multiply_adds)`` counting the positions and channels
+the tiles compute and drop, priced with the calibrated kernel rate; workspace: the buffers.
 """
 from __future__ import annotations
 
@@ -172,10 +179,18 @@ class DirectConvolution(LoweringStrategy):
             self._backward_weights_xp(dy, xpad, dw, geom)
         return dw, db
 
-    def kernel_call(self, x: Any, w: Any, geom: ConvGeometry) -> Callable[[], Any]:
-        """A call of the forward pass's multiply-add kernel alone, on buffers prepared once (what
-        ``("direct", multiply-adds)`` prices; the whole forward where the compiled kernel cannot run)."""
+    def kernel_call(self, x: Any, w: Any, geom: ConvGeometry, pass_: str = "fwd") -> Callable[[], Any]:
+        """A call of the forward (or ``"bwd_weights"``) multiply-add kernel alone on buffers prepared
+        once (what ``("direct", multiply-adds)`` and ``"direct_wgrad"`` price; the whole numpy-path
+        pass where the compiled kernels cannot run). The weight gradient uses ``x``'s output-shaped
+        ones as its output gradient."""
         simd = self._simd(geom, x, w)
+        if pass_ == "bwd_weights":
+            dy = np.ones((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
+            if simd is None:
+                return lambda: self.backward_weights(dy, x, geom)
+            args = dl.weight_grad_buffers(simd[0], dy, x, geom, kernels.get_num_threads())
+            return lambda: dl.run_weight_grad_kernel(simd[0], geom, *args)
         if simd is None:
             return lambda: self.forward(x, w, None, geom)
         km, lay = simd
@@ -276,8 +291,9 @@ class DirectConvolution(LoweringStrategy):
             ci = 12 // cols if cols < 5 else 2
             waste = (-(-mg // mb) * mb / mg) * (-(-cg // ci) * ci / cg)
             padded = batch * geom.channels_in * math.prod(geom.used_extent)
-            return [("zero", out * waste), ("copy", out), ("zero", padded), ("copy", inp), ("direct", macs * waste),
-                    ("add", out)]
+            partials = 2 * math.prod(geom.weight_shape) * (-(-mg // mb) * mb / mg)  # two chunks' sums
+            return [("zero", out * waste), ("copy", out), ("zero", padded), ("copy", inp),
+                    ("direct_wgrad", macs * waste), ("zero", partials), ("add", partials), ("add", out)]
         raise ValueError(f"unknown pass {pass_!r}")
 
     @staticmethod

@@ -152,27 +152,44 @@ def pad_input(x: Any, geom: ConvGeometry) -> Any:
     return buf
 
 
-def run_weight_grad(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: int) -> Any:
-    """``dL/dw`` (``geom.weight_shape``) by the weight-gradient kernel: ``chunks`` partial sums over
-    the images, on the gradient made position-major and the padded input."""
+def weight_grad_buffers(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: int) -> tuple[Any, Any, Any]:
+    """``(dyt, xpad, part)`` for :func:`run_weight_grad_kernel`: the gradient made position-major
+    (``(N, P, G, mgp)``, zero past each group's channels), the padded input, and ``chunks`` zeroed
+    partial sums."""
     n = x.shape[0]
     g = geom.group
     cg, mg = geom.channels_in // g, geom.channels_out // g
+    kd, kh, kw = as3(geom.kernel, 1)
+    mb = km.WGRAD_VECTORS * km.lanes(x.dtype)
+    mgp = -(-mg // mb) * mb
+    dyt = np.zeros((n, geom.out_size, g, mgp), dtype=dy.dtype)
+    km.position_major(np.ascontiguousarray(dy).reshape(n, geom.channels_out, -1), dyt, g)
+    xpad = np.ascontiguousarray(pad_input(x, geom))
+    part = np.zeros((max(1, min(chunks, n)), g, mgp // mb, cg, kd, kh, kw, mb), dtype=x.dtype)
+    return dyt, xpad, part
+
+
+def run_weight_grad_kernel(km: Any, geom: ConvGeometry, dyt: Any, xpad: Any, part: Any) -> None:
+    """The weight-gradient kernel on :func:`weight_grad_buffers` (adds into ``part``)."""
+    g = geom.group
     od, oh, ow = as3(geom.out_shape, 1)
     kd, kh, kw = as3(geom.kernel, 1)
     sz, sy, sx = as3(geom.stride, 1)
     dd, dh, dw = as3(geom.dilation, 1)
     _, hu, wu = as3(geom.used_extent, 1)
-    mb = km.WGRAD_VECTORS * km.lanes(x.dtype)
-    mgp = -(-mg // mb) * mb
-    dyt = np.zeros((n, od * oh * ow, g, mgp), dtype=dy.dtype)
-    km.position_major(np.ascontiguousarray(dy).reshape(n, geom.channels_out, -1), dyt, g)
-    xpad = np.ascontiguousarray(pad_input(x, geom))
-    chunks = max(1, min(chunks, n))
-    part = np.zeros((chunks, g, mgp // mb, cg, kd, kh, kw, mb), dtype=x.dtype)
-    km.weight_grad(dyt, xpad.reshape(-1), part, n, g, cg, mgp, kd, kh, kw, od, oh, ow,
-                   xpad[0, 0].size, hu * wu, wu, sz, sy, sx, dd, dh, dw)
-    dwb = np.moveaxis(part.sum(axis=0), -1, 2).reshape((g, mgp, cg, kd, kh, kw))[:, :mg]
+    km.weight_grad(dyt, xpad.reshape(-1), part, xpad.shape[0], g, geom.channels_in // g, dyt.shape[-1], kd, kh, kw,
+                   od, oh, ow, xpad[0, 0].size, hu * wu, wu, sz, sy, sx, dd, dh, dw)
+
+
+def run_weight_grad(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: int) -> Any:
+    """``dL/dw`` (``geom.weight_shape``) by the weight-gradient kernel: ``chunks`` partial sums over
+    the images, on the gradient made position-major and the padded input."""
+    g = geom.group
+    cg, mg = geom.channels_in // g, geom.channels_out // g
+    dyt, xpad, part = weight_grad_buffers(km, dy, x, geom, chunks)
+    run_weight_grad_kernel(km, geom, dyt, xpad, part)
+    kd, kh, kw = as3(geom.kernel, 1)
+    dwb = np.moveaxis(part.sum(axis=0), -1, 2).reshape((g, dyt.shape[-1], cg, kd, kh, kw))[:, :mg]
     return np.ascontiguousarray(dwb).reshape(geom.weight_shape)
 
 

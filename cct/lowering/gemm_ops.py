@@ -12,7 +12,8 @@ The operation vocabulary every strategy declares (see :func:`cct.lowering.cost_m
 * ``("copy" | "add" | "zero", elements)`` -- element-wise sweeps;
 * ``("lower" | "unlower", elements)`` -- the strategy's own replication and its adjoint, per
   lowered element (priced from its calibrated curve when the machine has one);
-* ``("direct", multiply_adds)`` -- a direct convolution kernel's work;
+* ``("direct", multiply_adds)`` -- a direct convolution kernel's work (``"direct_wgrad"``: the
+  weight-gradient kernel's, which has a rate of its own);
 * ``("fft", flops)`` -- FFT work (``2.5 n log2 n`` per complex line of ``n`` points).
 
 :class:`GemmLoweringOps` is the mixin the GEMM lowerings use to declare theirs.

@@ -4,8 +4,10 @@
 second once numba's cached machine code is loaded):
 
 * ``direct_gflops`` -- the register-blocked direct-convolution kernel (:mod:`cct.kernels.conv_simd`)
-  alone, forward on 32 images of a 32-channel 5x5 layer of 16x16 outputs (2 flops per multiply-add; the
-  buffer copies are priced as sweeps), the whole numpy-path forward when the kernels are off;
+  alone, forward on 32 images of a 32-channel 5x5 layer of 16x16 outputs and a 64-channel 3x3
+  layer of 13x13 outputs together (2 flops per multiply-add; the buffer copies are priced as
+  sweeps), the whole numpy-path forward when the kernels are off; ``direct_wgrad_gflops`` the same
+  for its weight-gradient kernel;
 * ``fft_gflops`` -- ``scipy.fft`` real transforms of conv-sized planes, in nominal FFT flops
   (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
 
@@ -22,8 +24,9 @@ import numpy as np
 from .. import blas
 from .geometry import ConvGeometry
 
-#: bumped when a measured kernel changes enough that cached rates mislead (2: register-blocked direct)
-RATES_VERSION = 2
+#: bumped when a measured kernel changes enough that cached rates mislead (2: register-blocked direct;
+#: 3: its weight gradient)
+RATES_VERSION = 3
 
 
 def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
@@ -32,7 +35,8 @@ def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
 
 
 def measure_rates(repeats: int = 3) -> dict[str, float]:
-    """``{"direct_gflops", "fft_gflops"}`` of this machine (see module docstring). Complex GEMMs are
+    """``{"direct_gflops", "direct_wgrad_gflops", "fft_gflops", "call_overhead_s"}`` of this machine (see
+    module docstring). Complex GEMMs are
     priced from the real GEMM grids (a complex multiply-add is four real ones)."""
     import scipy.fft as sfft
 
@@ -41,21 +45,26 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
 
     blas.limit_openblas_spin()  # as in a net: GEMM workers spinning after the grids would slow the kernels
     rng = np.random.default_rng(0)
-    g = _geom(32, 32, 16, 5)
-    x = rng.standard_normal((32, 32, 16, 16), dtype=np.float32)
-    w = rng.standard_normal(g.weight_shape, dtype=np.float32)
-    call = DirectConvolution().kernel_call(x, w, g)
-    call()  # compile / load the kernel
-    t = blas.best_time(call, max(repeats, 5))  # ~0.8 ms a call
-    macs = 32 * 32 * 32 * 25 * g.out_size
-    direct_gflops = 2.0 * macs / t / 1e9
+    direct_rates = []
+    for pass_ in ("fwd", "bwd_weights"):
+        seconds = flops = 0.0
+        for c, n, k in ((32, 16, 5), (64, 13, 3)):  # cifar10-like 5x5 and VGG-like 3x3 layers
+            g = _geom(c, c, n, k)
+            x = rng.standard_normal((32, c, n, n), dtype=np.float32)
+            w = rng.standard_normal(g.weight_shape, dtype=np.float32)
+            call = DirectConvolution().kernel_call(x, w, g, pass_)
+            call()  # compile / load the kernel
+            seconds += blas.best_time(call, max(repeats, 5))  # ~1 ms a call
+            flops += 2.0 * 32 * c * c * k * k * g.out_size
+        direct_rates.append(flops / seconds / 1e9)
 
     planes = rng.standard_normal((64, 16, 18, 18), dtype=np.float32)
     workers = max(1, blas.get_num_threads())
     t = blas.best_time(lambda: sfft.rfftn(planes, s=(18, 18), axes=(2, 3), workers=workers), repeats)
     fft_gflops = 64 * 16 * _fft_flops((18, 18), (18, 18)) / t / 1e9
 
-    return {"direct_gflops": direct_gflops, "fft_gflops": fft_gflops, "call_overhead_s": measure_call_overheads()}
+    return {"direct_gflops": direct_rates[0], "direct_wgrad_gflops": direct_rates[1], "fft_gflops": fft_gflops,
+            "call_overhead_s": measure_call_overheads()}
 
 
 def measure_call_overheads(repeats: int = 10) -> dict[str, dict[str, float]]:
