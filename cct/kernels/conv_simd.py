@@ -291,15 +291,17 @@ def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xc
     """Partial ``dL/dw`` per chunk of images into ``part`` ``(chunks, G, NB, Cg, KD, KH, KW, MB)``
     (zeroed by the caller; ``MB = WGRAD_VECTORS * lanes`` output channels per block).
 
-    ``dyt`` is the output gradient position-major, ``(N, OD, OH, OW, G, mgp)`` with ``mgp`` a whole
+    ``dyt`` is the output gradient position-major per block of ``MB`` channels, ``(N, G, NB, OD, OH,
+    OW, MB)`` with ``NB * MB = mgp`` a whole
     number of blocks (zero past the group's channels); ``xf`` the padded input ``(N, C, xcs)`` with
     depth-slice and row strides ``xdep`` and ``xrow``."""
     chunks = part.shape[0]
     mb = part.shape[-1]
     nbm = mgp // mb
-    dyps = group * mgp
+    dyps = mb
     dyrs = ow * dyps
-    dyns = od * oh * dyrs
+    dyblk = od * oh * dyrs
+    dyns = group * nbm * dyblk
     xns = group * cg * xcs
     pcs = kd * kh * kw * mb
     tcols = (kw + WGRAD_COLUMNS - 1) // WGRAD_COLUMNS
@@ -321,7 +323,7 @@ def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xc
                                     po = ((((((ch * group + g) * nbm + b) * cg + cb) * kd + a) * kh + e) * kw + k0) * mb
                                     xb = ((n0 * group + g) * cg + cb) * xcs + a * dd * xdep + e * dh * xrow + k0 * dw
                                     for oz in range(od):
-                                        dyo = n0 * dyns + oz * oh * dyrs + g * mgp + b * mb
+                                        dyo = n0 * dyns + (g * nbm + b) * dyblk + oz * oh * dyrs
                                         xo = xb + oz * sz * xdep
                                         _wgrad_call(cols, dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs,
                                                     sy * xrow, sx, dw, xns, ni, oh, ow, cv, po, pcs)
@@ -329,14 +331,62 @@ def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xc
 
 @nb.njit(parallel=True, **_OPTS)
 def position_major(dy, out, group):  # pragma: no cover (compiled)
-    """``out[n, p, g, j] = dy[n, g * mg + j, p]`` for ``dy`` ``(N, M, P)``, ``out`` ``(N, P, G, mgp)``
-    (zeroed past ``mg`` by the caller)."""
+    """``out[n, g, b, p, j] = dy[n, g * mg + b * MB + j, p]`` for ``dy`` ``(N, M, P)``, ``out``
+    ``(N, G, NB, P, MB)`` (zeroed past ``mg`` by the caller): each block's positions contiguous."""
     n_img, m_all, npos = dy.shape
     mg = m_all // group
+    mb = out.shape[4]
     for t in nb.prange(n_img * m_all):
         n = t // m_all
         m = t % m_all
         g = m // mg
         j = m - g * mg
+        b = j // mb
+        jj = j - b * mb
         for p in range(npos):
-            out[n, p, g, j] = dy[n, m, p]
+            out[n, g, b, p, jj] = dy[n, m, p]
+
+
+@nb.njit(parallel=True, **_OPTS)
+def phase_split(x, out, pd, ph, pw):  # pragma: no cover (compiled)
+    """``out[n, c, rd, rh, rw, i, j, k] = x[n, c, i*sd + rd - pd, j*sh + rh - ph, k*sw + rw - pw]`` for
+    ``x`` ``(N, C, D, H, W)`` and a zeroed ``out`` ``(N, C, sd, sh, sw, ED, EH, EW)`` (the positions
+    outside ``x`` keep their zeros): one pass over the input rows."""
+    n_img, chans, dd, hh, ww = x.shape
+    sd, sh, sw, ed, eh, ew = out.shape[2], out.shape[3], out.shape[4], out.shape[5], out.shape[6], out.shape[7]
+    for t in nb.prange(n_img * chans):
+        n = t // chans
+        c = t % chans
+        for z in range(dd):
+            i, rd = divmod(z + pd, sd)
+            if i >= ed:
+                continue
+            for y in range(hh):
+                j, rh = divmod(y + ph, sh)
+                if j >= eh:
+                    continue
+                src = x[n, c, z, y]
+                for rw in range(sw):
+                    dst = out[n, c, rd, rh, rw, i, j]
+                    k0 = max(0, (pw - rw + sw - 1) // sw)  # first k with k*sw + rw - pw >= 0
+                    k1 = min(ew, (ww - 1 + pw - rw) // sw + 1)
+                    for k in range(k0, k1):
+                        dst[k] = src[k * sw + rw - pw]
+
+
+@nb.njit(parallel=True, **_OPTS)
+def phase_merge(src, x, pd, ph, pw):  # pragma: no cover (compiled)
+    """Inverse of :func:`phase_split` on the input's own elements: ``x[n, c, z, y, v] =
+    src[n, c, rd, rh, rw, i, j, k]`` with ``z + pd = i*sd + rd`` (and likewise per axis)."""
+    n_img, chans, dd, hh, ww = x.shape
+    sd, sh, sw = src.shape[2], src.shape[3], src.shape[4]
+    for t in nb.prange(n_img * chans):
+        n = t // chans
+        c = t % chans
+        for z in range(dd):
+            i, rd = divmod(z + pd, sd)
+            for y in range(hh):
+                j, rh = divmod(y + ph, sh)
+                for v in range(ww):
+                    k, rw = divmod(v + pw, sw)
+                    x[n, c, z, y, v] = src[n, c, rd, rh, rw, i, j, k]

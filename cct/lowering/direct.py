@@ -60,6 +60,9 @@ class DirectConvolution(LoweringStrategy):
 
     name = "direct"
 
+    def __init__(self) -> None:
+        self._scratch = dl.Scratch()
+
     def supports(self, geom: ConvGeometry) -> bool:
         """1-, 2- and 3-D convolutions with a non-empty output."""
         return 1 <= geom.num_spatial <= 3 and geom.out_size > 0
@@ -77,13 +80,14 @@ class DirectConvolution(LoweringStrategy):
         n, nd = x.shape[0], geom.num_spatial
         pgeom = self._phased(geom, x, w)
         if pgeom is not None:
-            return self.forward_into(dl.phase_input(x, geom, pgeom), dl.phase_weights(w, geom, pgeom), b, pgeom, out)
+            xph = dl.phase_input(x, geom, pgeom, self._simd_kernels(), self._scratch)
+            return self.forward_into(xph, dl.phase_weights(w, geom, pgeom), b, pgeom, out)
         simd = self._simd(geom, x, w) if n and x.size else None
         if simd is not None:
             km, lay = simd
             w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
             wb = km.blocked_weights(w3, geom.group, dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[0])
-            yb = dl.run_forward(km, dl.padded_input(x, geom, lay), wb, geom, lay, out)
+            yb = dl.run_forward(km, dl.padded_input(x, geom, lay, self._scratch), wb, geom, lay, out, self._scratch)
             if yb is not None:
                 out[...] = dl.output_positions(yb, geom, lay)
         elif n and x.size:
@@ -109,13 +113,14 @@ class DirectConvolution(LoweringStrategy):
         pgeom = self._phased(geom, dy, w if w is not None else dy)
         if pgeom is not None:
             if dw is not None or db is not None:
-                xph = dl.phase_input(x, geom, pgeom) if dw is not None else None
+                xph = dl.phase_input(x, geom, pgeom, self._simd_kernels(), self._scratch) if dw is not None else None
                 dwp = None if dw is None else np.zeros(pgeom.weight_shape, dtype=dw.dtype)
                 self.backward_into(dy, xph, None, pgeom, dw=dwp, db=db)
                 if dw is not None:
                     dw += dl.unphase_weights(dwp, geom, pgeom).reshape(dw.shape)
             if dx is not None:
-                dl.unphase_input_grad(self.backward_data(dy, dl.phase_weights(w, geom, pgeom), pgeom), geom, pgeom, dx)
+                dxp = self.backward_data(dy, dl.phase_weights(w, geom, pgeom), pgeom)
+                dl.unphase_input_grad(dxp, geom, pgeom, dx, self._simd_kernels())
             return
         if dw is not None or db is not None:
             gw, gb = self.backward_weights(dy, x, geom) if dw is not None else (None, None)
@@ -163,11 +168,12 @@ class DirectConvolution(LoweringStrategy):
         pgeom = self._phased(geom, dy, x)
         if pgeom is not None:
             nobias = dataclasses.replace(pgeom, bias_term=False)
-            dwp, _ = self.backward_weights(dy, dl.phase_input(x, geom, pgeom), nobias)
+            xph = dl.phase_input(x, geom, pgeom, self._simd_kernels(), self._scratch)
+            dwp, _ = self.backward_weights(dy, xph, nobias)
             return dl.unphase_weights(dwp, geom, pgeom), db
         km = self._kernels(dy, x) and kernels.get("conv_simd")
         if km:
-            return dl.run_weight_grad(km, dy, x, geom, kernels.get_num_threads()), db
+            return dl.run_weight_grad(km, dy, x, geom, kernels.get_num_threads(), self._scratch), db
         dw = xp.zeros(geom.weight_shape, dtype=dy.dtype)
         xpad = pad_input(x, geom)
         km = self._kernels(dy, xpad, dw)
@@ -208,6 +214,10 @@ class DirectConvolution(LoweringStrategy):
         if pgeom is None or not arrays[0].shape[0] or self._simd(pgeom, *arrays) is None:
             return None
         return pgeom
+
+    @staticmethod
+    def _simd_kernels() -> Any:
+        return kernels.get("conv_simd")
 
     @staticmethod
     def _simd(geom: ConvGeometry, *arrays: Any):

@@ -16,6 +16,8 @@ call the kernels with the layout's strides.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,34 @@ def forward_blocking(mg: int, nrow: int) -> tuple[int, float]:
         if best is None or cycles < best[1]:
             best = (j, cycles)
     return best[0], best[1] / max(1, mg * nrow)
+
+
+class Scratch:
+    """Buffers reused from call to call, per calling thread (fresh allocations of large temporaries
+    cost page faults that can exceed the kernel's own time). A buffer is zeroed once, when created:
+    callers write the same elements every time, so what they never write (padding, tails) stays
+    zero. The newest ``capacity`` buffers are kept."""
+
+    def __init__(self, capacity: int = 16):
+        self.capacity = capacity
+        self._bufs: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def zeros(self, tag: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The buffer for ``tag`` (include what fixes the untouched elements, e.g. the geometry)."""
+        key = (tag, tuple(shape), np.dtype(dtype), threading.get_ident())
+        with self._lock:
+            buf = self._bufs.pop(key, None)
+            if buf is None:
+                buf = np.zeros(shape, dtype=dtype)
+            self._bufs[key] = buf
+            while len(self._bufs) > self.capacity:
+                self._bufs.popitem(last=False)
+        return buf
+
+
+def _zeros(scratch: Scratch | None, tag: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+    return np.zeros(shape, dtype=dtype) if scratch is None else scratch.zeros(tag, shape, dtype)
 
 
 def as3(values: tuple[int, ...], fill: int) -> tuple[int, ...]:
@@ -98,9 +128,9 @@ def _spatial_view(buf: Any, lay: SimdLayout, nd: int) -> Any:
     return body.reshape(buf.shape[:2] + (lay.du, lay.hu, lay.wp)[3 - nd:])
 
 
-def padded_input(x: Any, geom: ConvGeometry, lay: SimdLayout) -> Any:
+def padded_input(x: Any, geom: ConvGeometry, lay: SimdLayout, scratch: Scratch | None = None) -> Any:
     """``x`` copied into a zeroed ``(N, C, x_cs)`` buffer of the layout."""
-    buf = np.zeros(x.shape[:2] + (lay.x_cs,), dtype=x.dtype)
+    buf = _zeros(scratch, ("xpad", geom, lay), x.shape[:2] + (lay.x_cs,), x.dtype)
     view = _spatial_view(buf, lay, geom.num_spatial)
     dst, src = geom.interior(view.shape[2:])
     view[(slice(None), slice(None)) + dst] = x[(slice(None), slice(None)) + src]
@@ -123,7 +153,8 @@ def _tap_strides(geom: ConvGeometry, lay: SimdLayout) -> tuple[int, int, int, in
     return dd * plane, dh * lay.wp, dw, sd * plane, (lay.lanes if lay.flat else sh * lay.wp)
 
 
-def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayout, out: Any = None) -> Any:
+def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayout, out: Any = None,
+                scratch: Scratch | None = None) -> Any:
     """The forward kernel on a padded input: written straight into ``out`` (``(N, M, *out_shape)``,
     returns None) when that is C-contiguous and the layout drops no positions, else into a new
     ``(N, M, OD, y_plane)`` buffer that is returned (:func:`output_positions` reads it)."""
@@ -133,7 +164,7 @@ def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayo
     kd, kh, kw = as3(geom.kernel, 1)
     direct = (out is not None and out.flags.c_contiguous and not lay.flat
               and lay.y_plane * od == math.prod(geom.out_shape))
-    yb = out if direct else np.empty((n, geom.channels_out, od, lay.y_plane), dtype=xbuf.dtype)
+    yb = out if direct else _zeros(scratch, "y", (n, geom.channels_out, od, lay.y_plane), xbuf.dtype)
     xkd, xkh, xkw, xozs, xrs = _tap_strides(geom, lay)
     km.forward(xbuf.reshape(-1), wblk.reshape(-1), yb.reshape(-1), n, g, geom.channels_in // g,
                geom.channels_out // g, wblk.shape[-1], kd, kh, kw, lay.x_cs, xkd, xkh, xkw, xozs, xrs,
@@ -141,31 +172,36 @@ def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayo
     return None if direct else yb
 
 
-def pad_input(x: Any, geom: ConvGeometry) -> Any:
+def pad_input(x: Any, geom: ConvGeometry, scratch: Scratch | None = None) -> Any:
     """``(N, C, *used_extent)``: ``x`` zero-padded and cropped to the region the windows touch."""
     xp = get_array_module(x)
     ext = geom.used_extent
     dst, src = geom.interior(ext)
     full = all(d.start == 0 and d.stop == e for d, e in zip(dst, ext))
-    buf = (xp.empty if full else xp.zeros)(x.shape[:2] + tuple(ext), dtype=x.dtype)
+    if scratch is not None:
+        buf = scratch.zeros(("pad", geom), x.shape[:2] + tuple(ext), x.dtype)
+    else:
+        buf = (xp.empty if full else xp.zeros)(x.shape[:2] + tuple(ext), dtype=x.dtype)
     buf[(slice(None), slice(None)) + dst] = x[(slice(None), slice(None)) + src]
     return buf
 
 
-def weight_grad_buffers(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: int) -> tuple[Any, Any, Any]:
-    """``(dyt, xpad, part)`` for :func:`run_weight_grad_kernel`: the gradient made position-major
-    (``(N, P, G, mgp)``, zero past each group's channels), the padded input, and ``chunks`` zeroed
-    partial sums."""
+def weight_grad_buffers(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: int,
+                        scratch: Scratch | None = None) -> tuple[Any, Any, Any]:
+    """``(dyt, xpad, part)`` for :func:`run_weight_grad_kernel`: the gradient made position-major per
+    block of channels (``(N, G, NB, P, MB)``, zero past each group's channels), the padded input, and
+    ``chunks`` zeroed partial sums."""
     n = x.shape[0]
     g = geom.group
     cg, mg = geom.channels_in // g, geom.channels_out // g
     kd, kh, kw = as3(geom.kernel, 1)
     mb = km.WGRAD_VECTORS * km.lanes(x.dtype)
     mgp = -(-mg // mb) * mb
-    dyt = np.zeros((n, geom.out_size, g, mgp), dtype=dy.dtype)
+    dyt = _zeros(scratch, ("dyt", geom), (n, g, mgp // mb, geom.out_size, mb), dy.dtype)
     km.position_major(np.ascontiguousarray(dy).reshape(n, geom.channels_out, -1), dyt, g)
-    xpad = np.ascontiguousarray(pad_input(x, geom))
-    part = np.zeros((max(1, min(chunks, n)), g, mgp // mb, cg, kd, kh, kw, mb), dtype=x.dtype)
+    xpad = np.ascontiguousarray(pad_input(x, geom, scratch))
+    part = _zeros(scratch, "part", (max(1, min(chunks, n)), g, mgp // mb, cg, kd, kh, kw, mb), x.dtype)
+    part[...] = 0  # sums: cleared every call
     return dyt, xpad, part
 
 
@@ -177,19 +213,20 @@ def run_weight_grad_kernel(km: Any, geom: ConvGeometry, dyt: Any, xpad: Any, par
     sz, sy, sx = as3(geom.stride, 1)
     dd, dh, dw = as3(geom.dilation, 1)
     _, hu, wu = as3(geom.used_extent, 1)
-    km.weight_grad(dyt, xpad.reshape(-1), part, xpad.shape[0], g, geom.channels_in // g, dyt.shape[-1], kd, kh, kw,
+    mgp = dyt.shape[2] * dyt.shape[4]
+    km.weight_grad(dyt.reshape(-1), xpad.reshape(-1), part, xpad.shape[0], g, geom.channels_in // g, mgp, kd, kh, kw,
                    od, oh, ow, xpad[0, 0].size, hu * wu, wu, sz, sy, sx, dd, dh, dw)
 
 
-def run_weight_grad(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: int) -> Any:
+def run_weight_grad(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: int, scratch: Scratch | None = None) -> Any:
     """``dL/dw`` (``geom.weight_shape``) by the weight-gradient kernel: ``chunks`` partial sums over
     the images, on the gradient made position-major and the padded input."""
     g = geom.group
     cg, mg = geom.channels_in // g, geom.channels_out // g
-    dyt, xpad, part = weight_grad_buffers(km, dy, x, geom, chunks)
+    dyt, xpad, part = weight_grad_buffers(km, dy, x, geom, chunks, scratch)
     run_weight_grad_kernel(km, geom, dyt, xpad, part)
     kd, kh, kw = as3(geom.kernel, 1)
-    dwb = np.moveaxis(part.sum(axis=0), -1, 2).reshape((g, dyt.shape[-1], cg, kd, kh, kw))[:, :mg]
+    dwb = np.moveaxis(part.sum(axis=0), -1, 2).reshape((g, dyt.shape[2] * dyt.shape[4], cg, kd, kh, kw))[:, :mg]
     return np.ascontiguousarray(dwb).reshape(geom.weight_shape)
 
 
@@ -243,9 +280,15 @@ def _unphase_axes(nd: int, lead: int) -> tuple[int, ...]:
     return tuple(range(lead)) + tuple(v for i in range(nd) for v in (lead + nd + i, lead + i))
 
 
-def phase_input(x: Any, geom: ConvGeometry, pgeom: ConvGeometry) -> Any:
-    """``x`` zero-padded and split into the stride phases of :func:`phase_geometry`."""
+def phase_input(x: Any, geom: ConvGeometry, pgeom: ConvGeometry, km: Any = None, scratch: Scratch | None = None) -> Any:
+    """``x`` zero-padded and split into the stride phases of :func:`phase_geometry` (by
+    ``km.phase_split`` when the kernels are given)."""
     nd = geom.num_spatial
+    if km is not None:
+        strides, ext, pads = as3(geom.stride, 1), as3(pgeom.in_shape, 1), as3(geom.pad, 0)
+        out = _zeros(scratch, ("phase", geom), x.shape[:2] + strides + ext, x.dtype)
+        km.phase_split(np.ascontiguousarray(x).reshape(x.shape[:2] + as3(geom.in_shape, 1)), out, *pads)
+        return out.reshape((x.shape[0], pgeom.channels_in) + tuple(pgeom.in_shape))
     ext = tuple(e * s for e, s in zip(pgeom.in_shape, geom.stride))
     buf = np.zeros(x.shape[:2] + ext, dtype=x.dtype)
     dst, src = geom.interior(ext)
@@ -276,10 +319,15 @@ def unphase_weights(dwp: Any, geom: ConvGeometry, pgeom: ConvGeometry) -> Any:
     return np.ascontiguousarray(full[(slice(None), slice(None)) + tuple(slice(0, k) for k in geom.kernel)])
 
 
-def unphase_input_grad(dxp: Any, geom: ConvGeometry, pgeom: ConvGeometry, out: Any) -> None:
-    """``out[...]`` = the gradient of the phase planes ``dxp`` mapped back onto the unpadded input."""
+def unphase_input_grad(dxp: Any, geom: ConvGeometry, pgeom: ConvGeometry, out: Any, km: Any = None) -> None:
+    """``out[...]`` = the gradient of the phase planes ``dxp`` mapped back onto the unpadded input
+    (by ``km.phase_merge`` when the kernels are given and ``out`` is C-contiguous)."""
     nd = geom.num_spatial
     n = dxp.shape[0]
+    if km is not None and out.flags.c_contiguous:
+        src = dxp.reshape((n, geom.channels_in) + as3(geom.stride, 1) + as3(pgeom.in_shape, 1))
+        km.phase_merge(src, out.reshape(out.shape[:2] + as3(geom.in_shape, 1)), *as3(geom.pad, 0))
+        return
     split = (n, geom.channels_in) + tuple(geom.stride) + tuple(pgeom.in_shape)
     ext = tuple(e * s for e, s in zip(pgeom.in_shape, geom.stride))
     full = dxp.reshape(split).transpose(_unphase_axes(nd, 2)).reshape((n, geom.channels_in) + ext)
