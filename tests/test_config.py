@@ -185,3 +185,17 @@ def test_solver_hands_its_config_to_every_net(tmp_path):
     assert lowering_name(solver.net) == "type2" and lowering_name(solver.test_nets[0]) == "type2"
     solver.step(1)
     assert solver.iter == 1
+
+
+def test_a_conv_above_the_data_prices_no_data_gradient():
+    """conv1 reads the data (no gradient needed below it): its plan counts forward and weight gradient
+    only; with force_backward the data gradient is back in the plan."""
+    net = cct.Net(net_param(), cct.TRAIN, config=Config())
+    plan = net.layer_by_name("conv1").lowering.chosen_plan
+    assert plan.passes == ("fwd", "bwd_weights")
+    assert "bwd_data" not in net.layer_by_name("conv1").lowering.plan_report
+    assert plan.predicted("total") == pytest.approx(plan.predicted("fwd") + plan.predicted("bwd_weights"))
+    forced = net_param()
+    forced.force_backward = True
+    plan = cct.Net(forced, cct.TRAIN, config=Config()).layer_by_name("conv1").lowering.chosen_plan
+    assert plan.passes == ("fwd", "bwd_data", "bwd_weights")

@@ -396,3 +396,14 @@ def test_call_overheads_are_measured_and_priced():
     assert cm.chunked_seconds("type1", g, 4, 1, mach, "fwd") == pytest.approx(
         cm.chunked_seconds("type1", g, 4, 1, flat_machine(), "fwd") + 4e-3)
     assert cm.Machine.from_json(mach.to_json()).call_overhead_s == mach.call_overhead_s
+
+
+def test_plan_counts_only_the_passes_the_layer_runs():
+    """Without the data gradient the plan is the cheapest on forward plus weight gradient."""
+    g = square(13, 3, 64, 64, pad=1)
+    mach = flat_machine()
+    plan = opt.choose_plan(g, 8, mach, per_pass=False, passes=("fwd", "bwd_weights"))
+    totals = {n: plan.predictions["fwd"][n] + plan.predictions["bwd_weights"][n] for n in plan.predictions["fwd"]}
+    assert plan.single == min(totals, key=totals.get)
+    assert plan.predicted("total") == pytest.approx(totals[plan.single])
+    assert "bwd_data" not in opt.describe_plan("conv", plan)

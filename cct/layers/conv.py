@@ -79,8 +79,16 @@ class _BaseConvolution(Layer):
             return
         key = (self.geom, self.num)
         if key != self._planned_for:
-            self._lowering = plan_lowering(self.name, self.geom, self.num)
+            self._lowering = plan_lowering(self.name, self.geom, self.num, passes=self._passes())
             self._planned_for = key
+
+    def _passes(self) -> tuple[str, ...]:
+        """The passes the plan is priced on: no data gradient when the net says the bottom needs none
+        (``bottom_need_backward``, set by the net before setup; the layer still computes it if asked)."""
+        need = getattr(self, "bottom_need_backward", None)
+        if need and not any(need):
+            return ("fwd", "bwd_weights")
+        return ("fwd", "bwd_data", "bwd_weights")
 
     def _geometry(self, shape: Sequence[int]) -> ConvGeometry:
         key = tuple(shape)

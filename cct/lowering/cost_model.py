@@ -356,9 +356,10 @@ def predict_breakdown(name: str, geom: ConvGeometry, batch: int, machine: Machin
 def predict_seconds(name: str | Mapping[str, str], geom: ConvGeometry, batch: int, machine: Machine | None = None,
                     pass_: str = "fwd") -> float:
     """Predicted seconds of ``pass_`` (``fwd``/``bwd_data``/``bwd_weights``/``total``) of a strategy, or of
-    a per-pass mapping ``{pass: name}`` (``total`` then sums each pass's own strategy)."""
-    if isinstance(name, Mapping):
-        passes = PASSES if pass_ == "total" else (pass_,)
+    a per-pass mapping ``{pass: name}`` (``total`` then sums each pass's own strategy, over the passes
+    the mapping names)."""
+    if isinstance(name, Mapping):  # a mapping may name only the passes a layer runs
+        passes = [p for p in PASSES if p in name] if pass_ == "total" else (pass_,)
         return sum(predict_breakdown(name[p], geom, batch, machine, p)["total"] for p in passes)
     return predict_breakdown(name, geom, batch, machine, pass_)["total"]
 

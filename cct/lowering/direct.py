@@ -279,9 +279,8 @@ class DirectConvolution(LoweringStrategy):
         pgeom = dl.phase_geometry(geom)
         if pgeom is not None and pass_ in PASSES:  # the unit-stride convolution over the stride phases
             planes = batch * pgeom.channels_in * pgeom.in_size
-            split = [("zero", planes), ("copy", batch * geom.channels_in * geom.in_size), ("copy", planes)]
             ops = self.pass_ops(pgeom, batch, pass_)
-            return ops + split[1:] if pass_ == "bwd_data" else split + ops
+            return ops + [("copy", planes)]  # the phase split (or merge), into reused buffers
         macs = batch * geom.channels_out * (geom.channels_in // geom.group) * geom.kernel_size * geom.out_size
         inp = batch * geom.channels_in * geom.in_size
         out = batch * geom.channels_out * geom.out_size
@@ -302,8 +301,8 @@ class DirectConvolution(LoweringStrategy):
             waste = (-(-mg // mb) * mb / mg) * (-(-cg // ci) * ci / cg)
             padded = batch * geom.channels_in * math.prod(geom.used_extent)
             partials = 2 * math.prod(geom.weight_shape) * (-(-mg // mb) * mb / mg)  # two chunks' sums
-            return [("zero", out * waste), ("copy", out), ("zero", padded), ("copy", inp),
-                    ("direct_wgrad", macs * waste), ("zero", partials), ("add", partials), ("add", out)]
+            return [("copy", out), ("copy", min(inp, padded)), ("direct_wgrad", macs * waste), ("zero", partials),
+                    ("add", partials), ("add", out)]
         raise ValueError(f"unknown pass {pass_!r}")
 
     @staticmethod
@@ -314,7 +313,7 @@ class DirectConvolution(LoweringStrategy):
             return [("zero", batch * geom.channels_in * math.prod(geom.used_extent)), ("copy", inp),
                     ("direct", macs * FALLBACK_SLOWDOWN)]
         computed = macs / lay.efficiency * dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[1]
-        ops = [("zero", batch * geom.channels_in * lay.x_cs), ("copy", inp), ("direct", computed)]
+        ops = [("copy", inp), ("direct", computed)]  # the padded copy into a reused buffer
         if lay.efficiency < 1:  # the valid positions copied out of the output buffer
             ops.append(("copy", batch * geom.channels_out * geom.out_size))
         return ops

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ..config import current, update_default
 from .base import LoweringStrategy, get_strategy
+from .gemm_ops import PASSES
 from .geometry import ConvGeometry
 
 log = logging.getLogger("cct")
@@ -74,11 +75,13 @@ def config() -> EngineConfig:
 
 
 def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
-                  config: EngineConfig | None = None) -> LoweringStrategy:
+                  config: EngineConfig | None = None, passes: tuple[str, ...] | None = None) -> LoweringStrategy:
     """The strategy a conv layer should run for ``geom`` at ``batch`` images under ``config`` (None: the
     current configuration's engine settings): the optimizer's :class:`~cct.lowering.optimizer.Plan`
     (strategy per pass, ``b_p``, partitions, checked against the memory budget) wrapped in the
-    :class:`~cct.lowering.partition.BatchedLowering` that executes it; logs the plan report."""
+    :class:`~cct.lowering.partition.BatchedLowering` that executes it; logs the plan report. ``passes``:
+    the passes the layer runs (default all three; a layer whose bottom needs no gradient leaves out
+    ``bwd_data``), the ones the plan is priced on."""
     from .. import blas
     from .calibrate import load_machine
     from .optimizer import describe_plan, parse_overrides, plan_convolution
@@ -97,7 +100,7 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
         load_machine(measure_if_missing=True, threads=machine.threads // 2)
     budget = memory_budget_of(current())
     plan = plan_convolution(geom, batch, machine, override=overrides.get(layer_name, overrides.get("*")),
-                            budget=budget, partitions=cfg.partitions)
+                            budget=budget, partitions=cfg.partitions, passes=passes or PASSES)
     if plan.b_p:
         lowering = BatchedLowering(plan.strategy(), batch_partition=plan.b_p, partitions=plan.partitions,
                                    budget=plan.budget)

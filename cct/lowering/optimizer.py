@@ -112,6 +112,7 @@ class Plan:
     workspace: dict[str, int] = field(default_factory=dict)
     budget: int = 0
     fits: bool = True
+    passes: tuple[str, ...] = PASSES  # the passes the layer runs (no data gradient below a data layer)
 
     @property
     def single(self) -> str | None:
@@ -134,7 +135,7 @@ class Plan:
     def predicted(self, pass_: str) -> float:
         """Predicted seconds of the chosen lowering for ``pass_`` (or ``total``)."""
         if pass_ == "total":
-            return sum(self.predicted(p) for p in PASSES)
+            return sum(self.predicted(p) for p in self.passes)
         return self.predictions[pass_][getattr(self, pass_)]
 
     def chosen_workspace(self) -> int:
@@ -153,7 +154,8 @@ def _budget_bytes(budget: int | str | None) -> int:
 
 def choose_plan(geom: ConvGeometry, batch: int, machine: Machine | None = None, per_pass: bool = True,
                 min_gain: float = 0.05, override: str | None = None,
-                names: list[str] | None = None, budget: int | str | None = None) -> Plan:
+                names: list[str] | None = None, budget: int | str | None = None,
+                passes: tuple[str, ...] = PASSES) -> Plan:
     """Pick the strategy (or one per pass, if that saves more than ``min_gain`` of the predicted total)
     among the candidates whose workspace fits the memory budget at one image per chunk; the fastest
     that fits wins (ZNNi's memory-aware choice). When none fits, the one with the smallest workspace."""
@@ -171,20 +173,23 @@ def choose_plan(geom: ConvGeometry, batch: int, machine: Machine | None = None, 
         if not supports(get_strategy(override), geom):
             raise ValueError(f"lowering '{override}' cannot compute this convolution")
         return Plan(override, override, override, preds, overridden=True, workspace=ws, budget=cap,
-                    fits=ws.get(override, 0) <= cap)
+                    fits=ws.get(override, 0) <= cap, passes=passes)
     if not common:
         raise ValueError("no lowering supports this convolution")
     fitting = [n for n in common if ws[n] <= cap]
     pool = fitting or [min(common, key=lambda n: (ws[n], n))]
-    totals = {n: sum(preds[p][n] for p in PASSES) for n in pool}
+    totals = {n: sum(preds[p][n] for p in passes) for n in pool}
     single = min(pool, key=lambda n: (totals[n], n))
-    plan = Plan(single, single, single, preds, workspace=ws, budget=cap, fits=bool(fitting))
+    plan = Plan(single, single, single, preds, workspace=ws, budget=cap, fits=bool(fitting), passes=passes)
     if per_pass:
         best = {p: min(pool, key=lambda n, p=p: (preds[p][n], n)) for p in PASSES}
-        mixed = sum(preds[p][best[p]] for p in PASSES)
+        for p in PASSES:
+            if p not in passes:  # not run: share the weight gradient's strategy (one fused backward)
+                best[p] = best["bwd_weights"] if p == "bwd_data" else single
+        mixed = sum(preds[p][best[p]] for p in passes)
         if mixed < (1.0 - min_gain) * totals[single]:
             plan = Plan(best["fwd"], best["bwd_data"], best["bwd_weights"], preds, workspace=ws, budget=cap,
-                        fits=bool(fitting))
+                        fits=bool(fitting), passes=passes)
     return plan
 
 
@@ -234,14 +239,15 @@ def _machine_for_threads(threads: int) -> Machine:
 def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = None,
                      override: str | None = None, budget: int | str | None = None,
                      partitions: int | str = "model", threads: int | None = None, per_pass: bool = True,
-                     min_gain: float = 0.05, machine_for: Callable[[int], Machine] | None = None) -> Plan:
+                     min_gain: float = 0.05, machine_for: Callable[[int], Machine] | None = None,
+                     passes: tuple[str, ...] = PASSES) -> Plan:
     """The whole plan of one conv layer, chosen once: strategy per pass (:func:`choose_plan`), then
     the partition count and ``b_p`` (:func:`choose_chunking`; ``partitions`` an int fixes the count,
     ``"auto"`` leaves both to measurement by the executing wrapper: ``b_p = 0``)."""
     from .. import blas
 
     plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override,
-                       budget=budget)
+                       budget=budget, passes=passes)
     if partitions == "auto":
         return plan
     total = int(threads or max(1, blas.get_num_threads()))
@@ -251,7 +257,8 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
 
         def machine_for(t: int, _m=machine, _full=full) -> Machine:
             return _m if t == _full or getattr(_m, "nominal", False) else _machine_for_threads(t)
-    p, bp, _t = choose_chunking(plan.names, geom, batch, total, plan.budget, fixed, machine_for)
+    run = {p: n for p, n in plan.names.items() if p in passes}
+    p, bp, _t = choose_chunking(run, geom, batch, total, plan.budget, fixed, machine_for)
     plan.partitions, plan.b_p = p, bp
     names = set(plan.names.values())
     plan.workspace.update({n: int(priced_strategy(n).workspace_bytes(geom, bp, 4)) * p for n in names})
@@ -370,17 +377,18 @@ def describe_plan(layer_name: str, plan: Plan) -> str:
     0.9 MiB of 4096.0 MiB; type 1 4.2 ms 12.0 MiB, fft 9.9 ms 30.1 MiB)``; a per-pass plan names each
     pass's strategy; ``[override]``, ``[over budget]`` flag overrides and budget misses."""
     names = plan.names
-    head = plan.single or ", ".join(f"{p} {_pretty(n)}" for p, n in names.items())
+    run = plan.passes
+    head = plan.single or ", ".join(f"{p} {_pretty(n)}" for p, n in names.items() if p in run)
     chunk = f", b_p={plan.b_p} p={plan.partitions}" if plan.b_p else ""
-    parts = " + ".join(f"{p} {_ms(plan.predictions[p][names[p]])}" for p in PASSES if names[p] in plan.predictions[p])
-    total = sum(plan.predictions[p].get(names[p], 0.0) for p in PASSES)
+    parts = " + ".join(f"{p} {_ms(plan.predictions[p][names[p]])}" for p in run if names[p] in plan.predictions[p])
+    total = sum(plan.predictions[p].get(names[p], 0.0) for p in run)
     line = (f"{layer_name}: {_pretty(head)}{chunk} (predicted {_ms(total)} ms = {parts}, workspace "
             f"{_mib(plan.chosen_workspace())} of {_mib(plan.budget)}")
     others = []
     for n in sorted(plan.predictions.get("fwd", {})):
-        if n in names.values() or not all(n in plan.predictions[p] for p in PASSES):
+        if n in names.values() or not all(n in plan.predictions[p] for p in run):
             continue
-        t = sum(plan.predictions[p][n] for p in PASSES)
+        t = sum(plan.predictions[p][n] for p in run)
         w = plan.workspace.get(n, 0)
         flag = " over budget" if plan.budget and w > plan.budget else ""
         others.append(f"{_pretty(n)} {_ms(t)} ms {_mib(w)}{flag}")

@@ -209,6 +209,8 @@ class Net:
             self.bottom_names.append(list(lp.bottom))
             self.top_names.append(top_names)
             self.bottom_need_backward.append(bottom_need)
+            # lets a conv layer price only the passes it runs (force_backward brings every gradient back)
+            layer.bottom_need_backward = [b or bool(param.force_backward) for b in bottom_need]
 
             log.info("Setting up %s", lp.name)
             try:
