@@ -22,6 +22,8 @@ GEMM lowerings (results agree to rounding).
 """
 from __future__ import annotations
 
+import types as pytypes
+
 import numba as nb
 import numpy as np
 from llvmlite import ir
@@ -137,36 +139,22 @@ def _conv_tile(J: int, rows: int):
     return tile
 
 
-_t8r, _t8o = _conv_tile(8, FORWARD_ROWS[8]), _conv_tile(8, 1)
-_t4r, _t4o = _conv_tile(4, FORWARD_ROWS[4]), _conv_tile(4, 1)
-_t2r, _t2o = _conv_tile(2, FORWARD_ROWS[2]), _conv_tile(2, 1)
+def _variant(template, name: str, **tiles):
+    """``template`` compiled as its own function ``name`` with ``tiles`` bound as its globals: one
+    driver per tile shape, so a net compiles only the shapes it uses, and numba caches each under its
+    own name."""
+    fn = pytypes.FunctionType(template.__code__, {**template.__globals__, **tiles}, name)
+    fn.__qualname__ = name
+    fn.__doc__ = template.__doc__
+    return nb.njit(parallel=True, **_OPTS)(fn)
 
 
-@nb.njit(inline="always", **_OPTS)
-def _tile_call(jb, full, xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh,
-               kw):  # pragma: no cover (compiled)
-    if jb == 8:
-        if full:
-            _t8r(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
-        else:
-            _t8o(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
-    elif jb == 4:
-        if full:
-            _t4r(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
-        else:
-            _t4o(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
-    elif full:
-        _t2r(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
-    else:
-        _t2o(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+_tile_full = _tile_one = None  # bound per variant (_variant)
 
 
-@nb.njit(parallel=True, **_OPTS)
-def forward(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
-            od, nrow, ncol, vl, yms, yozs, yrs):  # pragma: no cover (compiled)
-    """``y = conv(x, w)`` over flat arrays: ``nrow`` rows x ``ncol`` vectors of ``vl`` positions per
-    output depth slice; strides in elements (``x*``: input channel/tap/depth/row, ``y*``: output);
-    ``jb`` output channels per tile (``wf`` from :func:`blocked_weights` with the same ``jb``)."""
+def _forward_template(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
+                      od, nrow, ncol, vl, yms, yozs, yrs):  # pragma: no cover (compiled)
+    """``y = conv(x, w)`` with tiles of ``jb`` output channels (see :func:`forward`)."""
     rows = 24 // jb
     nblk = (mg + jb - 1) // jb
     nrt = (nrow + rows - 1) // rows
@@ -189,11 +177,24 @@ def forward(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw
         xo = (n * group + g) * cg * xcs + oz * xozs + r0 * xrs + col * vl
         yo = ((n * group + g) * mg + b * jb) * yms + oz * yozs + r0 * yrs + col * vl
         if r0 + rows <= nrow:
-            _tile_call(jb, True, xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+            _tile_full(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
         else:
             for r in range(nrow - r0):
-                _tile_call(jb, False, xf, wf, yf, xo + r * xrs, xrs, xcs, xkd, xkh, xkw, wo, yo + r * yrs, yms, yrs,
-                           jv, cg, kd, kh, kw)
+                _tile_one(xf, wf, yf, xo + r * xrs, xrs, xcs, xkd, xkh, xkw, wo, yo + r * yrs, yms, yrs,
+                          jv, cg, kd, kh, kw)
+
+
+_FORWARD = {jb: _variant(_forward_template, f"forward_j{jb}", _tile_full=_conv_tile(jb, rows),
+                         _tile_one=_conv_tile(jb, 1)) for jb, rows in FORWARD_ROWS.items()}
+
+
+def forward(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
+            od, nrow, ncol, vl, yms, yozs, yrs) -> None:
+    """``y = conv(x, w)`` over flat arrays: ``nrow`` rows x ``ncol`` vectors of ``vl`` positions per
+    output depth slice; strides in elements (``x*``: input channel/tap/depth/row, ``y*``: output);
+    ``jb`` output channels per tile (``wf`` from :func:`blocked_weights` with the same ``jb``)."""
+    _FORWARD[jb](xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
+                 od, nrow, ncol, vl, yms, yozs, yrs)
 
 
 def blocked_weights(w: np.ndarray, group: int, jb: int) -> np.ndarray:
@@ -260,41 +261,14 @@ def _wgrad_tile(mv: int, ci: int, cols: int):
 WGRAD_CHANNELS = {1: 12, 2: 6, 3: 4, 4: 3, 5: 2, 6: 2}
 WGRAD_COLUMNS = max(WGRAD_CHANNELS)
 WGRAD_VECTORS = 2  # output-channel vectors per weight-gradient tile
-_wg = tuple(_wgrad_tile(WGRAD_VECTORS, WGRAD_CHANNELS[t], t) for t in range(1, WGRAD_COLUMNS + 1))
-_wg1, _wg2, _wg3, _wg4, _wg5, _wg6 = _wg
-
-
-@nb.njit(inline="always", **_OPTS)
-def _wgrad_call(cols, dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po,
-                pcs):  # pragma: no cover (compiled)
-    if cols == 1:
-        _wg1(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
-    elif cols == 2:
-        _wg2(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
-    elif cols == 3:
-        _wg3(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
-    elif cols == 4:
-        _wg4(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
-    elif cols == 5:
-        _wg5(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
-    else:
-        _wg6(dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs, xrs, xcol, xkw, xns, nimg, nrow, ncol, cv, po, pcs)
-
-
 #: images one weight-gradient tile sums before it adds into its chunk's partial gradient
 IMAGE_BLOCK = 8
+_wgrad_tile_fn = None  # bound per variant (_variant)
 
 
-@nb.njit(parallel=True, **_OPTS)
-def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xcs, xdep, xrow, sz, sy, sx,
-                dd, dh, dw):  # pragma: no cover (compiled)
-    """Partial ``dL/dw`` per chunk of images into ``part`` ``(chunks, G, NB, Cg, KD, KH, KW, MB)``
-    (zeroed by the caller; ``MB = WGRAD_VECTORS * lanes`` output channels per block).
-
-    ``dyt`` is the output gradient position-major per block of ``MB`` channels, ``(N, G, NB, OD, OH,
-    OW, MB)`` with ``NB * MB = mgp`` a whole
-    number of blocks (zero past the group's channels); ``xf`` the padded input ``(N, C, xcs)`` with
-    depth-slice and row strides ``xdep`` and ``xrow``."""
+def _weight_grad_template(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, cols, od, oh, ow, xcs, xdep, xrow,
+                          sz, sy, sx, dd, dh, dw):  # pragma: no cover (compiled)
+    """Kernel columns ``k0 .. k0 + cols`` of the weight gradient (see :func:`weight_grad`)."""
     chunks = part.shape[0]
     mb = part.shape[-1]
     nbm = mgp // mb
@@ -304,7 +278,7 @@ def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xc
     dyns = group * nbm * dyblk
     xns = group * cg * xcs
     pcs = kd * kh * kw * mb
-    tcols = (kw + WGRAD_COLUMNS - 1) // WGRAD_COLUMNS
+    ci = 12 // cols if cols < 5 else 2
     for ch in nb.prange(chunks):
         c0 = ch * n_img // chunks
         c1 = (ch + 1) * n_img // chunks
@@ -312,21 +286,38 @@ def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xc
             ni = min(IMAGE_BLOCK, c1 - n0)
             for g in range(group):
                 for b in range(nbm):
-                    for q in range(tcols):
-                        k0 = q * kw // tcols
-                        cols = (q + 1) * kw // tcols - k0
-                        ci = 12 // cols if cols < 5 else 2
-                        for cb in range(0, cg, ci):
-                            cv = min(ci, cg - cb)
-                            for a in range(kd):
-                                for e in range(kh):
-                                    po = ((((((ch * group + g) * nbm + b) * cg + cb) * kd + a) * kh + e) * kw + k0) * mb
-                                    xb = ((n0 * group + g) * cg + cb) * xcs + a * dd * xdep + e * dh * xrow + k0 * dw
-                                    for oz in range(od):
-                                        dyo = n0 * dyns + (g * nbm + b) * dyblk + oz * oh * dyrs
-                                        xo = xb + oz * sz * xdep
-                                        _wgrad_call(cols, dyt, xf, part, dyo, dyps, dyrs, dyns, xo, xcs,
-                                                    sy * xrow, sx, dw, xns, ni, oh, ow, cv, po, pcs)
+                    for cb in range(0, cg, ci):
+                        cv = min(ci, cg - cb)
+                        for a in range(kd):
+                            for e in range(kh):
+                                po = ((((((ch * group + g) * nbm + b) * cg + cb) * kd + a) * kh + e) * kw + k0) * mb
+                                xb = ((n0 * group + g) * cg + cb) * xcs + a * dd * xdep + e * dh * xrow + k0 * dw
+                                for oz in range(od):
+                                    dyo = n0 * dyns + (g * nbm + b) * dyblk + oz * oh * dyrs
+                                    _wgrad_tile_fn(dyt, xf, part, dyo, dyps, dyrs, dyns, xb + oz * sz * xdep, xcs,
+                                                   sy * xrow, sx, dw, xns, ni, oh, ow, cv, po, pcs)
+
+
+_WEIGHT_GRAD = {t: _variant(_weight_grad_template, f"weight_grad_c{t}",
+                            _wgrad_tile_fn=_wgrad_tile(WGRAD_VECTORS, WGRAD_CHANNELS[t], t))
+                for t in range(1, WGRAD_COLUMNS + 1)}
+
+
+def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xcs, xdep, xrow, sz, sy, sx,
+                dd, dh, dw) -> None:
+    """Partial ``dL/dw`` per chunk of images into ``part`` ``(chunks, G, NB, Cg, KD, KH, KW, MB)``
+    (zeroed by the caller; ``MB = WGRAD_VECTORS * lanes`` output channels per block); the kernel's
+    columns in tiles of at most :data:`WGRAD_COLUMNS`.
+
+    ``dyt`` is the output gradient position-major per block of ``MB`` channels, ``(N, G, NB, OD, OH,
+    OW, MB)`` with ``NB * MB = mgp`` a whole number of blocks (zero past the group's channels); ``xf``
+    the padded input ``(N, C, xcs)`` with depth-slice and row strides ``xdep`` and ``xrow``."""
+    tiles = -(-kw // WGRAD_COLUMNS)
+    for q in range(tiles):
+        k0 = q * kw // tiles
+        cols = (q + 1) * kw // tiles - k0
+        _WEIGHT_GRAD[cols](dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, cols, od, oh, ow, xcs, xdep, xrow,
+                           sz, sy, sx, dd, dh, dw)
 
 
 @nb.njit(parallel=True, **_OPTS)

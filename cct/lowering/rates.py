@@ -4,14 +4,14 @@
 second once numba's cached machine code is loaded):
 
 * ``direct_gflops`` -- the register-blocked direct-convolution kernel (:mod:`cct.kernels.conv_simd`)
-  alone, forward on 32 images of a 32-channel 5x5 layer of 16x16 outputs and a 64-channel 3x3
+  alone, forward on 32 images of a 32-channel 5x5 layer of 16x16 outputs and a 64-channel 5x5
   layer of 13x13 outputs together (2 flops per multiply-add; the buffer copies are priced as
   sweeps), the whole numpy-path forward when the kernels are off; ``direct_wgrad_gflops`` the same
   for its weight-gradient kernel;
 * ``fft_gflops`` -- ``scipy.fft`` real transforms of conv-sized planes, in nominal FFT flops
   (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
 
-* ``call_overhead_s`` -- per strategy and pass, one call on a trivial layer (one channel, 4x4 output,
+* ``call_overhead_s`` -- per strategy and pass, one call on a trivial layer (8 channels, 4x4 output,
   one image): the fixed cost a thin or tiny layer pays whatever its size.
 
 Each point keeps the best of a few runs. :func:`cct.lowering.calibrate.calibrate` stores them in
@@ -48,7 +48,7 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     direct_rates = []
     for pass_ in ("fwd", "bwd_weights"):
         seconds = flops = 0.0
-        for c, n, k in ((32, 16, 5), (64, 13, 3)):  # cifar10-like 5x5 and VGG-like 3x3 layers
+        for c, n, k in ((32, 16, 5), (64, 13, 5)):  # 5x5 layers: the kernel variants most small nets use
             g = _geom(c, c, n, k)
             x = rng.standard_normal((32, c, n, n), dtype=np.float32)
             w = rng.standard_normal(g.weight_shape, dtype=np.float32)
@@ -72,11 +72,11 @@ def measure_call_overheads(repeats: int = 10) -> dict[str, dict[str, float]]:
     from .base import get_strategy, strategy_names
 
     rng = np.random.default_rng(1)
-    g = _geom(1, 1, 4, 3)
-    x = rng.standard_normal((1, 1, 4, 4), dtype=np.float32)
+    g = _geom(8, 8, 4, 5)  # 8 channels, 5x5: the kernel variants the rates compiled
+    x = rng.standard_normal((1, 8, 4, 4), dtype=np.float32)
     w = rng.standard_normal(g.weight_shape, dtype=np.float32)
-    b = np.zeros(1, np.float32)
-    dy = rng.standard_normal((1, 1) + g.out_shape, dtype=np.float32)
+    b = np.zeros(8, np.float32)
+    dy = rng.standard_normal((1, 8) + g.out_shape, dtype=np.float32)
     out: dict[str, dict[str, float]] = {}
     for name in strategy_names():
         s = get_strategy(name)
