@@ -46,6 +46,7 @@ class LoweringShape:
     lifted: bool  # some axis is lifted (type 2/3)
     im2col: bool  # Caffe's im2col (type 1: every axis lowered, even with k = 1)
     batch: int
+    direct_1x1: bool = False  # type 1 on a 1x1 convolution: no im2col, per-image GEMMs on the input
 
     @classmethod
     def of(cls, geom: ConvGeometry, batch: int, lowered_axes: tuple[int, ...], im2col: bool = False) -> LoweringShape:
@@ -61,7 +62,7 @@ class LoweringShape:
                    k_lift=math.prod(geom.kernel[i] for i in range(nd) if i not in low),
                    cols=batch * math.prod(geom.out_shape[i] if i in low else ext[i] for i in range(nd)),
                    E=batch * math.prod(ext), P=batch * geom.out_size, I=batch * geom.in_size,
-                   lifted=len(low) < nd, im2col=im2col, batch=batch)
+                   lifted=len(low) < nd, im2col=im2col, batch=batch, direct_1x1=im2col and geom.is_1x1)
 
     @property
     def lowered(self) -> bool:
@@ -95,6 +96,16 @@ class LoweringShape:
                 ops.append(("copy", C * inp))
                 if E != inp:
                     ops.append(("zero", C * E))
+
+        if self.direct_1x1:  # the input is the lowered matrix (type1.py): one broadcast matmul, no lift
+            if pass_ == "fwd":
+                return [("gemm", mg, P, cg, g), ("copy", M * P)]  # contiguous bias add: one stream like a copy
+            if pass_ == "bwd_data":
+                return [("gemm", cg, P, mg, g)]
+            if pass_ == "bwd_weights":
+                regroup = [("copy", C * inp), ("copy", M * P)] if self.batch > 1 else []
+                return regroup + [("gemm", mg, cg, cols, g), ("add", M * P)]
+            raise ValueError(f"unknown pass {pass_!r}: expected one of {PASSES}")
 
         def scatter():  # adjoint of the lifting: dy into the (zeroed) GEMM-result layout
             if self.lifted:
