@@ -112,3 +112,21 @@ def test_fallback_passes_are_priced_as_slow():
     # a strided layer is priced as its stride-phase convolution
     s4 = CASES["k=11 stride 4 (stride phases)"]
     assert d.pass_ops(dl.phase_geometry(s4), 4, "fwd")[0] in d.pass_ops(s4, 4, "fwd")
+
+
+@pytest.mark.parametrize("key", ["k=11 stride 4 (stride phases)", "3-D stride 2 grouped (stride phases)"])
+def test_stride_phase_split_and_merge(key):
+    """The compiled phase split equals the numpy one and the merge inverts it on the input's elements."""
+    g = CASES[key]
+    p = dl.phase_geometry(g)
+    km = kernels.get("conv_simd")
+    x = np.random.default_rng(3).standard_normal((3, g.channels_in) + g.in_shape).astype(np.float32)
+    planes = dl.phase_input(x, g, p, km)
+    np.testing.assert_array_equal(planes, dl.phase_input(x, g, p))
+    assert planes.shape == (3, p.channels_in) + p.in_shape
+    for k in (km, None):
+        back = np.full_like(x, np.nan)
+        dl.unphase_input_grad(planes, g, p, back, k)
+        np.testing.assert_array_equal(back, x)
+    w = np.random.default_rng(4).standard_normal(g.weight_shape).astype(np.float32)
+    np.testing.assert_array_equal(dl.unphase_weights(dl.phase_weights(w, g, p), g, p), w)
