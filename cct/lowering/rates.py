@@ -5,9 +5,10 @@ second once numba's cached machine code is loaded):
 
 * ``direct_gflops`` -- the register-blocked direct-convolution kernel (:mod:`cct.kernels.conv_simd`)
   alone, forward on 32 images of a 32-channel 5x5 layer of 16x16 outputs and a 64-channel 5x5
-  layer of 13x13 outputs together (2 flops per multiply-add; the buffer copies are priced as
-  sweeps), the whole numpy-path forward when the kernels are off; ``direct_wgrad_gflops`` the same
-  for its weight-gradient kernel;
+  layer of 13x13 outputs together (2 flops per multiply-add the tiles compute, dropped positions
+  included, as :meth:`~cct.lowering.direct.DirectConvolution.pass_ops` declares them; the buffer
+  copies are priced as sweeps), the whole numpy-path forward when the kernels are off;
+  ``direct_wgrad_gflops`` the same for its weight-gradient kernel;
 * ``fft_gflops`` -- ``scipy.fft`` real transforms of conv-sized planes, in nominal FFT flops
   (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
 
@@ -25,8 +26,8 @@ from .. import blas
 from .geometry import ConvGeometry
 
 #: bumped when a measured kernel changes enough that cached rates mislead (2: register-blocked direct;
-#: 3: its weight gradient)
-RATES_VERSION = 3
+#: 3: its weight gradient; 4: rates over the multiply-adds the tiles compute)
+RATES_VERSION = 4
 
 
 def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
@@ -52,10 +53,12 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
             g = _geom(c, c, n, k)
             x = rng.standard_normal((32, c, n, n), dtype=np.float32)
             w = rng.standard_normal(g.weight_shape, dtype=np.float32)
-            call = DirectConvolution().kernel_call(x, w, g, pass_)
+            direct = DirectConvolution()
+            call = direct.kernel_call(x, w, g, pass_)
             call()  # compile / load the kernel
-            seconds += blas.best_time(call, max(repeats, 5))  # ~1 ms a call
-            flops += 2.0 * 32 * c * c * k * k * g.out_size
+            seconds += blas.best_time(call, max(repeats, 7))  # ~1 ms a call
+            # the multiply-adds the tiles compute (dropped positions and channels included), as priced
+            flops += 2.0 * sum(op[1] for op in direct.pass_ops(g, 32, pass_) if op[0] in ("direct", "direct_wgrad"))
         direct_rates.append(flops / seconds / 1e9)
 
     planes = rng.standard_normal((64, 16, 18, 18), dtype=np.float32)
