@@ -499,6 +499,15 @@ def test_sgd_l2_kernel_bitwise(decay, dtype):
     assert_bits(d_ref, d)
     assert_bits(h_ref, h)
     assert not np.array_equal(d, r.standard_normal(w.shape).astype(dtype))
+    # with apply: Net::Update's data -= diff in the same pass, same bits
+    w2, d2, h2 = w.copy(), r.standard_normal(w.shape).astype(dtype), h.copy()
+    w_ref, d2_ref, h2_ref = w2.copy(), d2.copy(), h2.copy()
+    updates.regularize(w_ref, d2_ref, t(decay), "L2")
+    updates.sgd(d2_ref, h2_ref, t(0.01) * t(2), 0.9)
+    w_ref -= d2_ref
+    kernels.get("update").sgd_l2(w2, d2, h2, t(decay), t(0.01) * t(2), 0.9, True)
+    assert_bits(w_ref, w2)
+    assert_bits(d2_ref, d2)
 
 
 @needs_numba

@@ -572,14 +572,26 @@ class Solver:
             log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
         params = self.net.learnable_params
         updates.clip_gradients([b.diff for b in params], p.clip_gradients)
+        # the fused kernel also applies data -= diff in its pass, unless debug_info must show the
+        # diffs and data in between (as Caffe logs them before Net::Update)
+        apply = not self.net.debug_info
+        applied = set()
         for pid in range(len(params)):
             self.normalize(pid)
-            if not self.fused_update(pid, rate):
+            if self.fused_update(pid, rate, apply_data=apply):
+                if apply:
+                    applied.add(pid)
+            else:
                 self.regularize(pid)
                 self.compute_update_value(pid, rate)
         if self.net.debug_info:
             self.net.update_debug_info()
-        self.net.update()
+        if not applied:
+            self.net.update()
+        else:
+            for pid, blob in enumerate(params):
+                if pid not in applied:
+                    blob.data -= blob.diff
 
     def normalize(self, param_id: int) -> None:
         """Divide the accumulated gradient by ``iter_size``."""
@@ -601,9 +613,10 @@ class Solver:
         """Replace the param's diff by the update to subtract (the solver's rule)."""
         raise NotImplementedError
 
-    def fused_update(self, param_id: int, rate: float) -> bool:
+    def fused_update(self, param_id: int, rate: float, apply_data: bool = False) -> bool:
         """Do :meth:`regularize` + :meth:`compute_update_value` in one compiled pass if this solver
-        has one for the parameter (same result bits); False to take the two steps."""
+        has one for the parameter (same result bits); False to take the two steps. With
+        ``apply_data`` the pass also does the parameter's ``data -= diff``."""
         return False
 
     # -- snapshots -------------------------------------------------------------------------------
@@ -777,7 +790,7 @@ class SGDSolver(Solver):
         blob = self.net.learnable_params[param_id]
         updates.sgd(blob.diff, self.history[param_id], self.local_rate(param_id, rate), self.param.momentum)
 
-    def fused_update(self, param_id: int, rate: float) -> bool:
+    def fused_update(self, param_id: int, rate: float, apply_data: bool = False) -> bool:
         """L2 decay + momentum SGD in one pass (:func:`cct.kernels.update.sgd_l2`) for plain SGD
         with numpy float parameters; subclasses and overridden steps take the general path."""
         cls = type(self)
@@ -793,7 +806,8 @@ class SGDSolver(Solver):
             return False
         dt = blob.diff.dtype.type
         decay = dt(self.param.weight_decay) * dt(self.net.params_weight_decay[param_id])
-        ku.sgd_l2(blob.data, blob.diff, history, decay, self.local_rate(param_id, rate), self.param.momentum)
+        ku.sgd_l2(blob.data, blob.diff, history, decay, self.local_rate(param_id, rate), self.param.momentum,
+                  apply_data)
         return True
 
 
