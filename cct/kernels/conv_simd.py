@@ -381,3 +381,32 @@ def phase_merge(src, x, pd, ph, pw):  # pragma: no cover (compiled)
                 for v in range(ww):
                     k, rw = divmod(v + pw, sw)
                     x[n, c, z, y, v] = src[n, c, rd, rh, rw, i, j, k]
+
+
+@nb.njit(parallel=True, **_OPTS)
+def gather_output(yb, out, bias, width, has_bias):  # pragma: no cover (compiled)
+    """``out[n, m, z, y, x] = yb[n, m, z, y * width + x] (+ bias[m])``: the valid positions of a
+    forward buffer (``yb`` ``(N, M, OD, y_plane)``, ``out`` ``(N, M, OD, OH, OW)``), bias added."""
+    n_img, m_all, od, oh, ow = out.shape
+    for t in nb.prange(n_img * m_all):
+        n = t // m_all
+        m = t % m_all
+        bv = bias[m] if has_bias else out.dtype.type(0)
+        for z in range(od):
+            src = yb[n, m, z]
+            for y in range(oh):
+                dst = out[n, m, z, y]
+                for x in range(ow):
+                    dst[x] = src[y * width + x] + bv
+
+
+@nb.njit(parallel=True, **_OPTS)
+def add_bias(out, bias):  # pragma: no cover (compiled)
+    """``out[n, m, :] += bias[m]`` for ``out`` ``(N, M, P)``."""
+    n_img, m_all, npos = out.shape
+    for t in nb.prange(n_img * m_all):
+        m = t % m_all
+        row = out[t // m_all, m]
+        bv = bias[m]
+        for p in range(npos):
+            row[p] += bv

@@ -88,9 +88,10 @@ class DirectConvolution(LoweringStrategy):
             w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
             wb = km.blocked_weights(w3, geom.group, dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[0])
             yb = dl.run_forward(km, dl.padded_input(x, geom, lay, self._scratch), wb, geom, lay, out, self._scratch)
-            if yb is not None:
-                out[...] = dl.output_positions(yb, geom, lay)
-        elif n and x.size:
+            if yb is not None or b is not None:  # one parallel pass: the valid positions, the bias
+                dl.finish_output(km, yb, out, b, geom, lay)
+            return out
+        if n and x.size:
             y = xp.zeros((n, geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
             xpad = pad_input(x, geom)
             km = self._kernels(xpad, w, y)
@@ -314,7 +315,7 @@ class DirectConvolution(LoweringStrategy):
                     ("direct", macs * FALLBACK_SLOWDOWN)]
         computed = macs / lay.efficiency * dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[1]
         ops = [("copy", inp), ("direct", computed)]  # the padded copy into a reused buffer
-        if lay.efficiency < 1:  # the valid positions copied out of the output buffer
+        if lay.efficiency < 1 or geom.bias_term:  # one pass: valid positions out of the buffer, bias added
             ops.append(("copy", batch * geom.channels_out * geom.out_size))
         return ops
 

@@ -153,6 +153,25 @@ def _tap_strides(geom: ConvGeometry, lay: SimdLayout) -> tuple[int, int, int, in
     return dd * plane, dh * lay.wp, dw, sd * plane, (lay.lanes if lay.flat else sh * lay.wp)
 
 
+def finish_output(km: Any, yb: Any, out: Any, b: Any, geom: ConvGeometry, lay: SimdLayout) -> None:
+    """``out`` from the forward buffer ``yb`` (its valid positions; None: the kernel wrote ``out``
+    itself) plus the bias ``b`` (or None), in one compiled pass when ``out`` is C-contiguous."""
+    n, m = out.shape[:2]
+    od, oh, ow = as3(geom.out_shape, 1)
+    if not out.flags.c_contiguous:
+        if yb is not None:
+            out[...] = output_positions(yb, geom, lay)
+        if b is not None:
+            out += b.reshape((1, -1) + (1,) * geom.num_spatial)
+        return
+    if yb is None:
+        km.add_bias(out.reshape(n, m, -1), b)
+        return
+    width = lay.wp if lay.flat else lay.ncol * lay.lanes
+    bias = b if b is not None else np.zeros(m, dtype=out.dtype)
+    km.gather_output(yb, out.reshape(n, m, od, oh, ow), bias, width, b is not None)
+
+
 def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayout, out: Any = None,
                 scratch: Scratch | None = None) -> Any:
     """The forward kernel on a padded input: written straight into ``out`` (``(N, M, *out_shape)``,
