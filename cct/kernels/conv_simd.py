@@ -410,3 +410,19 @@ def add_bias(out, bias):  # pragma: no cover (compiled)
         bv = bias[m]
         for p in range(npos):
             row[p] += bv
+
+
+@nb.njit(parallel=True, **_OPTS)
+def copy_into(src, dst, z0, y0, x0):  # pragma: no cover (compiled)
+    """``dst[n, c, z0 + i, y0 + j, x0 + k] = src[n, c, i, j, k]`` (``dst`` 5-D, larger): a region
+    copied into a padded buffer, in parallel over images and channels."""
+    n_img, chans, dd, hh, ww = src.shape
+    for t in nb.prange(n_img * chans):
+        n = t // chans
+        c = t % chans
+        for i in range(dd):
+            for j in range(hh):
+                s = src[n, c, i, j]
+                d = dst[n, c, z0 + i, y0 + j]
+                for k in range(ww):
+                    d[x0 + k] = s[k]

@@ -87,7 +87,7 @@ class DirectConvolution(LoweringStrategy):
             km, lay = simd
             w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
             wb = km.blocked_weights(w3, geom.group, dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[0])
-            yb = dl.run_forward(km, dl.padded_input(x, geom, lay, self._scratch), wb, geom, lay, out, self._scratch)
+            yb = dl.run_forward(km, dl.padded_input(x, geom, lay, self._scratch, km), wb, geom, lay, out, self._scratch)
             if yb is not None or b is not None:  # one parallel pass: the valid positions, the bias
                 dl.finish_output(km, yb, out, b, geom, lay)
             return out

@@ -128,12 +128,20 @@ def _spatial_view(buf: Any, lay: SimdLayout, nd: int) -> Any:
     return body.reshape(buf.shape[:2] + (lay.du, lay.hu, lay.wp)[3 - nd:])
 
 
-def padded_input(x: Any, geom: ConvGeometry, lay: SimdLayout, scratch: Scratch | None = None) -> Any:
-    """``x`` copied into a zeroed ``(N, C, x_cs)`` buffer of the layout."""
+def padded_input(x: Any, geom: ConvGeometry, lay: SimdLayout, scratch: Scratch | None = None,
+                 km: Any = None) -> Any:
+    """``x`` copied into a zeroed ``(N, C, x_cs)`` buffer of the layout (by ``km.copy_into`` in
+    parallel when the kernels are given)."""
     buf = _zeros(scratch, ("xpad", geom, lay), x.shape[:2] + (lay.x_cs,), x.dtype)
     view = _spatial_view(buf, lay, geom.num_spatial)
     dst, src = geom.interior(view.shape[2:])
-    view[(slice(None), slice(None)) + dst] = x[(slice(None), slice(None)) + src]
+    region = x[(slice(None), slice(None)) + src]
+    if km is not None and region.size:
+        dst3 = ((slice(0, 1),) * (3 - len(dst))) + tuple(dst)
+        km.copy_into(region.reshape(region.shape[:2] + as3(region.shape[2:], 1)),
+                     view.reshape(view.shape[:2] + as3(view.shape[2:], 1)), *(d.start for d in dst3))
+    else:
+        view[(slice(None), slice(None)) + dst] = region
     return buf
 
 
