@@ -54,7 +54,7 @@ class Scratch:
     callers write the same elements every time, so what they never write (padding, tails) stays
     zero. The newest ``capacity`` buffers are kept."""
 
-    def __init__(self, capacity: int = 16):
+    def __init__(self, capacity: int = 48):
         self.capacity = capacity
         self._bufs: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
