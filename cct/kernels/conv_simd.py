@@ -139,6 +139,20 @@ def _conv_tile(J: int, rows: int):
     return tile
 
 
+@nb.njit(inline="always", **_OPTS)
+def unravel_task(t, ncol, nrow, od, nblk, group):  # pragma: no cover (compiled)
+    """``(col, row, depth, block, group, image)`` of flat task ``t`` (column fastest)."""
+    col = t % ncol
+    r1 = t // ncol
+    row = r1 % nrow
+    r2 = r1 // nrow
+    oz = r2 % od
+    r3 = r2 // od
+    b = r3 % nblk
+    r4 = r3 // nblk
+    return col, row, oz, b, r4 % group, r4 // group
+
+
 def _variant(template, name: str, **tiles):
     """``template`` compiled as its own function ``name`` with ``tiles`` bound as its globals: one
     driver per tile shape, so a net compiles only the shapes it uses, and numba caches each under its
@@ -161,16 +175,7 @@ def _forward_template(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd
     tasks = n_img * group * nblk * od * nrt * ncol
     taps = cg * kd * kh * kw
     for t in nb.prange(tasks):
-        col = t % ncol
-        r1 = t // ncol
-        rt = r1 % nrt
-        r2 = r1 // nrt
-        oz = r2 % od
-        r3 = r2 // od
-        b = r3 % nblk
-        r4 = r3 // nblk
-        g = r4 % group
-        n = r4 // group
+        col, rt, oz, b, g, n = unravel_task(t, ncol, nrt, od, nblk, group)
         r0 = rt * rows
         jv = min(jb, mg - b * jb)
         wo = (g * nblk + b) * taps * jb

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from .conv_simd import unravel_task
+
 _OPTS = dict(nogil=True, cache=True, error_model="numpy", fastmath=False)
 MB = 4  # output channels per register block
 
@@ -35,14 +37,7 @@ def forward(xp, wb, y, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (com
     kd, kh, kw = wb.shape[3], wb.shape[4], wb.shape[5]
     tasks = n_img * group * nblk * od * oh
     for t in nb.prange(tasks):
-        oy = t % oh
-        r1 = t // oh
-        oz = r1 % od
-        r2 = r1 // od
-        bi = r2 % nblk
-        r3 = r2 // nblk
-        g = r3 % group
-        n = r3 // group
+        _, oy, oz, bi, g, n = unravel_task(t, 1, oh, od, nblk, group)
         a0 = np.zeros(ow, dtype=y.dtype)
         a1 = np.zeros(ow, dtype=y.dtype)
         a2 = np.zeros(ow, dtype=y.dtype)
