@@ -199,3 +199,11 @@ def test_a_conv_above_the_data_prices_no_data_gradient():
     forced.force_backward = True
     plan = cct.Net(forced, cct.TRAIN, config=Config()).layer_by_name("conv1").lowering.chosen_plan
     assert plan.passes == ("fwd", "bwd_data", "bwd_weights")
+
+
+def test_a_deconvolution_above_the_data_prices_its_forward_as_the_data_gradient():
+    """A Deconvolution runs the strategy's data gradient forward: without a bottom gradient its plan
+    counts bwd_data (its forward) and bwd_weights, not fwd."""
+    param = parse_text(NET.replace('type: "Convolution"', 'type: "Deconvolution"'), caffe_pb2.NetParameter())
+    plan = cct.Net(param, cct.TRAIN, config=Config()).layer_by_name("conv1").lowering.chosen_plan
+    assert plan.passes == ("bwd_data", "bwd_weights")

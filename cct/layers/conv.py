@@ -83,11 +83,12 @@ class _BaseConvolution(Layer):
             self._planned_for = key
 
     def _passes(self) -> tuple[str, ...]:
-        """The passes the plan is priced on: no data gradient when the net says the bottom needs none
-        (``bottom_need_backward``, set by the net before setup; the layer still computes it if asked)."""
+        """The passes the plan is priced on: no gradient to the bottom when the net says it needs none
+        (``bottom_need_backward``, set by the net before setup; the layer still computes it if asked):
+        for a Convolution that is ``bwd_data``, for a Deconvolution ``fwd``."""
         need = getattr(self, "bottom_need_backward", None)
-        if need and not any(need):
-            return ("fwd", "bwd_weights")
+        if need and not any(need):  # a Deconvolution's forward is the data-gradient pass
+            return ("bwd_data", "bwd_weights") if self.reverse else ("fwd", "bwd_weights")
         return ("fwd", "bwd_data", "bwd_weights")
 
     def _geometry(self, shape: Sequence[int]) -> ConvGeometry:
