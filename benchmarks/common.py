@@ -143,8 +143,20 @@ def write_json(name: str, payload: dict, out: str | None = None) -> Path:
     payload.setdefault("argv", sys.argv)
     payload.setdefault("timestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=_json_default)
+        json.dump(machine_neutral(json.loads(json.dumps(payload, default=_json_default))), f, indent=1)
     return path
+
+
+def machine_neutral(obj: Any) -> Any:
+    """``obj`` with every absolute path (a BLAS library, a Caffe binary, a work directory) reduced to
+    its last component: results in the repository name no machine's directories."""
+    if isinstance(obj, dict):
+        return {k: machine_neutral(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [machine_neutral(v) for v in obj]
+    if isinstance(obj, str) and obj.startswith("/") and len(obj) > 1:
+        return os.path.basename(obj.rstrip("/"))
+    return obj
 
 
 def _json_default(o: Any) -> Any:

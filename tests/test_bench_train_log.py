@@ -40,3 +40,21 @@ def test_parse_cct_log_phases():
 def test_parse_log_without_loop_lines():
     with pytest.raises(ValueError, match="Starting Optimization"):
         bench_train.parse_train_log("I1125 02:45:30.5 1 x] nothing\n", 2026)
+
+
+def test_results_name_no_machine_directory(tmp_path):
+    """Benchmark JSON keeps file names but drops the directories of the machine that ran it."""
+    import json
+
+    import common
+
+    path = common.write_json("x", {"blas": {"filepath": "/opt/venv/lib/libopenblas.so", "threads": 2},
+                                   "argv": ["bench.py", "--caffe", "/srv/caffe/build/tools/caffe", "3"]},
+                             out=str(tmp_path / "x.json"))
+    got = json.loads(path.read_text())
+    assert got["blas"] == {"filepath": "libopenblas.so", "threads": 2}
+    assert got["argv"] == ["bench.py", "--caffe", "caffe", "3"]
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for p in results.glob("*.json"):
+        data = json.loads(p.read_text())
+        assert common.machine_neutral(data) == data, f"{p.name} names an absolute path"
