@@ -72,7 +72,10 @@ def test_layouts_and_blocks():
     assert dl.forward_blocking(32, 16) == (8, pytest.approx(4 * (5 * 24 + 9) / (32 * 16)))
     assert dl.forward_blocking(3, 32)[0] == 4 and dl.forward_blocking(50, 6)[0] == 4
     assert dl.forward_blocking(1, 40)[0] == 2
-    assert kernels.get("conv_simd").FORWARD_ROWS == dl.FORWARD_TILES
+    km = kernels.get("conv_simd")
+    assert km.FORWARD_ROWS == dl.FORWARD_TILES and km.WGRAD_CHANNELS == dl.WGRAD_CHANNELS
+    # 11 columns run as tiles of 5 and 6: priced with the 6-column tile's 2 input channels
+    assert [dl.wgrad_channels(k) for k in (1, 3, 5, 7, 11)] == [12, 4, 2, 3, 2]
 
 
 def test_fast_kernels_run_where_they_apply(monkeypatch):

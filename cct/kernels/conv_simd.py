@@ -271,9 +271,10 @@ IMAGE_BLOCK = 8
 _wgrad_tile_fn = None  # bound per variant (_variant)
 
 
-def _weight_grad_template(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, cols, od, oh, ow, xcs, xdep, xrow,
+def _weight_grad_template(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, ci, od, oh, ow, xcs, xdep, xrow,
                           sz, sy, sx, dd, dh, dw):  # pragma: no cover (compiled)
-    """Kernel columns ``k0 .. k0 + cols`` of the weight gradient (see :func:`weight_grad`)."""
+    """Kernel columns from ``k0`` of the weight gradient in tiles of ``ci`` input channels (see
+    :func:`weight_grad`)."""
     chunks = part.shape[0]
     mb = part.shape[-1]
     nbm = mgp // mb
@@ -283,7 +284,6 @@ def _weight_grad_template(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, 
     dyns = group * nbm * dyblk
     xns = group * cg * xcs
     pcs = kd * kh * kw * mb
-    ci = 12 // cols if cols < 5 else 2
     for ch in nb.prange(chunks):
         c0 = ch * n_img // chunks
         c1 = (ch + 1) * n_img // chunks
@@ -321,8 +321,8 @@ def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xc
     for q in range(tiles):
         k0 = q * kw // tiles
         cols = (q + 1) * kw // tiles - k0
-        _WEIGHT_GRAD[cols](dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, cols, od, oh, ow, xcs, xdep, xrow,
-                           sz, sy, sx, dd, dh, dw)
+        _WEIGHT_GRAD[cols](dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, WGRAD_CHANNELS[cols], od, oh, ow,
+                           xcs, xdep, xrow, sz, sy, sx, dd, dh, dw)
 
 
 @nb.njit(parallel=True, **_OPTS)

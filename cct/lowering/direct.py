@@ -85,8 +85,7 @@ class DirectConvolution(LoweringStrategy):
         simd = self._simd(geom, x, w) if n and x.size else None
         if simd is not None:
             km, lay = simd
-            w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
-            wb = km.blocked_weights(w3, geom.group, dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[0])
+            wb = self._blocked_weights(km, w, geom, lay)
             yb = dl.run_forward(km, dl.padded_input(x, geom, lay, self._scratch, km), wb, geom, lay, out, self._scratch)
             if yb is not None or b is not None:  # one parallel pass: the valid positions, the bias
                 dl.finish_output(km, yb, out, b, geom, lay)
@@ -120,7 +119,7 @@ class DirectConvolution(LoweringStrategy):
                 if dw is not None:
                     dw += dl.unphase_weights(dwp, geom, pgeom).reshape(dw.shape)
             if dx is not None:
-                dxp = self.backward_data(dy, dl.phase_weights(w, geom, pgeom), pgeom)
+                dxp = self.backward_data(dy, dl.phase_weights(w, geom, pgeom), pgeom)  # unit stride
                 dl.unphase_input_grad(dxp, geom, pgeom, dx, self._simd_kernels())
             return
         if dw is not None or db is not None:
@@ -134,18 +133,18 @@ class DirectConvolution(LoweringStrategy):
             if dy.shape[0] and dy.size and tgeom is not None and self._simd(tgeom, dy, w) is not None:
                 self.forward_into(dy, dl.transposed_weights(w, geom), None, tgeom, dx)
             else:
-                dx[...] = self.backward_data(dy, w, geom)
+                dx[...] = self._backward_data_plain(dy, w, geom)
 
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
         xp = get_array_module(dy)
+        dx = xp.empty((dy.shape[0], geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
+        self.backward_into(dy, None, w, geom, dx=dx)
+        return dx
+
+    def _backward_data_plain(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
+        """The data gradient by the plain kernels (or the array-module path)."""
+        xp = get_array_module(dy)
         n, nd = dy.shape[0], geom.num_spatial
-        if self._phased(geom, dy, w) is not None:
-            dx = xp.empty((n, geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
-            self.backward_into(dy, None, w, geom, dx=dx)
-            return dx
-        tgeom = dl.transposed_geometry(geom)
-        if n and dy.size and tgeom is not None and self._simd(tgeom, dy, w) is not None:
-            return self.forward(dy, dl.transposed_weights(w, geom), None, tgeom)
         dxp = xp.zeros((n, geom.channels_in) + tuple(geom.used_extent), dtype=dy.dtype)
         if n and dy.size:
             km = self._kernels(dy, w, dxp)
@@ -201,12 +200,16 @@ class DirectConvolution(LoweringStrategy):
         if simd is None:
             return lambda: self.forward(x, w, None, geom)
         km, lay = simd
-        nd = geom.num_spatial
-        w3 = w.reshape(w.shape[:2] + (1,) * (3 - nd) + w.shape[2:])
-        wb = km.blocked_weights(w3, geom.group, dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[0])
+        wb = self._blocked_weights(km, w, geom, lay)
         xb = dl.padded_input(x, geom, lay)
         yb = np.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
         return lambda: dl.run_forward(km, xb, wb, geom, lay, yb)
+
+    @staticmethod
+    def _blocked_weights(km: Any, w: Any, geom: ConvGeometry, lay: dl.SimdLayout) -> Any:
+        """The weights in the forward kernel's block layout, for the tile the layout gets."""
+        w3 = w.reshape(w.shape[:2] + (1,) * (3 - geom.num_spatial) + w.shape[2:])
+        return km.blocked_weights(w3, geom.group, dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[0])
 
     def _phased(self, geom: ConvGeometry, *arrays: Any) -> ConvGeometry | None:
         """The stride-phase geometry (:func:`direct_layout.phase_geometry`) when ``geom`` is strided
@@ -297,8 +300,7 @@ class DirectConvolution(LoweringStrategy):
             g = geom.group
             mg, cg = geom.channels_out // g, geom.channels_in // g
             mb = 2 * _PRICED_LANES
-            cols = -(-geom.kernel[-1] // -(-geom.kernel[-1] // 6))
-            ci = 12 // cols if cols < 5 else 2
+            ci = dl.wgrad_channels(geom.kernel[-1])
             waste = (-(-mg // mb) * mb / mg) * (-(-cg // ci) * ci / cg)
             padded = batch * geom.channels_in * math.prod(geom.used_extent)
             partials = 2 * math.prod(geom.weight_shape) * (-(-mg // mb) * mb / mg)  # two chunks' sums

@@ -31,6 +31,17 @@ from .geometry import ConvGeometry
 FORWARD_TILES = {8: 3, 4: 6, 2: 12}
 
 
+#: weight-gradient tiles: kernel columns -> input channels (:data:`cct.kernels.conv_simd.WGRAD_CHANNELS`)
+WGRAD_CHANNELS = {1: 12, 2: 6, 3: 4, 4: 3, 5: 2, 6: 2}
+
+
+def wgrad_channels(kw: int) -> int:
+    """Input channels per weight-gradient tile of a kernel ``kw`` wide (its widest column chunk)."""
+    widest = max(WGRAD_CHANNELS)
+    tiles = -(-kw // widest)
+    return WGRAD_CHANNELS[-(-kw // tiles)]
+
+
 def _tile_cycles(j: int, r: int) -> int:
     """Relative cost of one tap of a ``j x r`` tile: its multiply-adds, or its loads when those are more."""
     return max(j * r, j + r)
