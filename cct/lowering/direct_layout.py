@@ -145,15 +145,21 @@ def padded_input(x: Any, geom: ConvGeometry, lay: SimdLayout, scratch: Scratch |
     parallel when the kernels are given)."""
     buf = _zeros(scratch, ("xpad", geom, lay), x.shape[:2] + (lay.x_cs,), x.dtype)
     view = _spatial_view(buf, lay, geom.num_spatial)
-    dst, src = geom.interior(view.shape[2:])
+    _copy_interior(km, x, view, geom)
+    return buf
+
+
+def _copy_interior(km: Any, x: Any, buf: Any, geom: ConvGeometry) -> None:
+    """``x``'s part inside the padded buffer ``buf`` (``(N, C, *extent)``) copied to its place, by
+    ``km.copy_into`` in parallel when the kernels are given."""
+    dst, src = geom.interior(buf.shape[2:])
     region = x[(slice(None), slice(None)) + src]
     if km is not None and region.size:
-        dst3 = ((slice(0, 1),) * (3 - len(dst))) + tuple(dst)
+        starts = as3(tuple(d.start for d in dst), 0)
         km.copy_into(region.reshape(region.shape[:2] + as3(region.shape[2:], 1)),
-                     view.reshape(view.shape[:2] + as3(view.shape[2:], 1)), *(d.start for d in dst3))
+                     buf.reshape(buf.shape[:2] + as3(buf.shape[2:], 1)), *starts)
     else:
-        view[(slice(None), slice(None)) + dst] = region
-    return buf
+        buf[(slice(None), slice(None)) + dst] = region
 
 
 def output_positions(buf: Any, geom: ConvGeometry, lay: SimdLayout) -> Any:
@@ -210,17 +216,18 @@ def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayo
     return None if direct else yb
 
 
-def pad_input(x: Any, geom: ConvGeometry, scratch: Scratch | None = None) -> Any:
-    """``(N, C, *used_extent)``: ``x`` zero-padded and cropped to the region the windows touch."""
+def pad_input(x: Any, geom: ConvGeometry, scratch: Scratch | None = None, km: Any = None) -> Any:
+    """``(N, C, *used_extent)``: ``x`` zero-padded and cropped to the region the windows touch (a
+    reused buffer with ``scratch``; copied in parallel with the kernels ``km``)."""
     xp = get_array_module(x)
     ext = geom.used_extent
-    dst, src = geom.interior(ext)
+    dst, _ = geom.interior(ext)
     full = all(d.start == 0 and d.stop == e for d, e in zip(dst, ext))
     if scratch is not None:
         buf = scratch.zeros(("pad", geom), x.shape[:2] + tuple(ext), x.dtype)
     else:
         buf = (xp.empty if full else xp.zeros)(x.shape[:2] + tuple(ext), dtype=x.dtype)
-    buf[(slice(None), slice(None)) + dst] = x[(slice(None), slice(None)) + src]
+    _copy_interior(km, x, buf, geom)
     return buf
 
 
@@ -237,7 +244,7 @@ def weight_grad_buffers(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: in
     mgp = -(-mg // mb) * mb
     dyt = _zeros(scratch, ("dyt", geom), (n, g, mgp // mb, geom.out_size, mb), dy.dtype)
     km.position_major(np.ascontiguousarray(dy).reshape(n, geom.channels_out, -1), dyt, g)
-    xpad = np.ascontiguousarray(pad_input(x, geom, scratch))
+    xpad = pad_input(x, geom, scratch, km)
     part = _zeros(scratch, "part", (max(1, min(chunks, n)), g, mgp // mb, cg, kd, kh, kw, mb), x.dtype)
     part[...] = 0  # sums: cleared every call
     return dyt, xpad, part
