@@ -37,8 +37,8 @@ def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
 
 def measure_rates(repeats: int = 3) -> dict[str, float]:
     """``{"direct_gflops", "direct_wgrad_gflops", "fft_gflops", "call_overhead_s"}`` of this machine (see
-    module docstring). Complex GEMMs are
-    priced from the real GEMM grids (a complex multiply-add is four real ones)."""
+    the module docstring). Complex GEMMs are priced from the real GEMM grids (a complex multiply-add
+    is four real ones)."""
     import scipy.fft as sfft
 
     from .direct import DirectConvolution
