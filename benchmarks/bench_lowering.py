@@ -29,12 +29,25 @@ import common  # noqa: E402
 
 
 def run_pass(strategy, pass_, x, w, b, dy, geom):
-    """One pass of a lowering on fixed inputs."""
+    """One pass of a lowering on fixed inputs. The forward pass sees new weights on every call, as in
+    training (an update between iterations): nothing derived from the weights (FFT's kernel
+    transform) carries over from the previous call. The gradients follow a forward pass with the
+    same weights, as in an iteration."""
     if pass_ == "fwd":
+        w.flat[0] = -w.flat[0]
         return strategy.forward(x, w, b, geom)
     if pass_ == "bwd_data":
         return strategy.backward_data(dy, w, geom)
     return strategy.backward_weights(dy, x, geom)
+
+
+def _machine_at(level: str, threads: int, machines: dict):
+    """The level's Machine for ``threads`` BLAS threads: the measured one at its own count, the cached
+    calibration otherwise (``cct calibrate --threads N``)."""
+    from cct.lowering import calibrate as cal
+
+    m = machines[level]
+    return m if threads == m.threads else cal.load_machine(measure_if_missing=False, threads=threads)
 
 
 def main(argv=None) -> int:
@@ -46,6 +59,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="images per batch (default 32, quick 8)")
     ap.add_argument("--chunked", action="store_true",
                     help="run each type in its cost-model chunks and pick by chunked predictions")
+    ap.add_argument("--engine", action="store_true",
+                    help="run each type as the engine runs a layer planned on it alone: the partition count and "
+                         "chunk size the cost model picks for it (optimizer.choose_chunking), each partition on "
+                         "threads // p threads, priced the same way")
     ap.add_argument("--fixed", type=int, default=None, help="the channel count held fixed (default 256, quick 128)")
     ap.add_argument("--values", default=None, help="comma-separated channel counts to sweep")
     ap.add_argument("--passes", default="fwd", help="fwd,bwd_data,bwd_weights or 'all'")
@@ -120,20 +137,31 @@ def main(argv=None) -> int:
         b = np.zeros(o, np.float32)
         dy = rng.standard_normal((batch, o) + geom.out_shape, dtype=np.float32)
         for p in passes:
-            strategies = {t: BatchedLowering(get_strategy(t), batch_partition="auto", partitions=1)
-                          if args.chunked else get_strategy(t) for t in types}
+            if args.engine:  # (partitions, b_p, predicted seconds) per type, as plan_convolution decides them
+                chunking = {t: opt.choose_chunking({p: t}, geom, batch, blas.get_num_threads()) for t in types}
+                strategies = {t: BatchedLowering(get_strategy(t), batch_partition=chunking[t][1],
+                                                 partitions=chunking[t][0]) for t in types}
+            else:
+                strategies = {t: BatchedLowering(get_strategy(t), batch_partition="auto", partitions=1)
+                              if args.chunked else get_strategy(t) for t in types}
             fns = {t: functools.partial(run_pass, strategies[t], p, x, w, b, dy, geom) for t in types}
             for fn in fns.values():  # warm-up
                 fn()
-            # round-robin repeats, best of each: load bursts from other processes hit all types alike
+            # round-robin repeats, best of each: load bursts from other processes hit all types alike; each
+            # round starts one type later, so no type always follows the same one (a large FFT leaves
+            # the caches cold for whatever runs next)
             meas = {t: float("inf") for t in types}
-            for _ in range(repeats):
-                for t in types:
+            for r in range(repeats):
+                for t in types[r % len(types):] + types[:r % len(types)]:
                     meas[t] = min(meas[t], common.time_call(fns[t], repeats=1, warmup=0)["best"])
             fastest = min(meas, key=meas.get)
             by_level = {}
             for lv, m in machines.items():
-                if args.chunked:  # what the engine's optimizer compares: each type in its cost-model chunks
+                if args.engine:
+                    pred = {t: opt.choose_chunking({p: t}, geom, batch, blas.get_num_threads(),
+                                                   machine_for=lambda n, lv=lv: _machine_at(lv, n, machines))[2]
+                            for t in types}
+                elif args.chunked:  # what the engine's optimizer compares: each type in its cost-model chunks
                     pred = opt.predictions(geom, batch, m, p, names=types)
                 else:
                     pred = {t: predict_seconds(t, geom, batch, m, p) for t in types}
@@ -149,7 +177,8 @@ def main(argv=None) -> int:
         rows.append([pt["sweep"].split(":")[0], pt["k"], pt["d"], pt["o"], f"{pt['d'] / pt['o']:.3g}", pt["pass"]]
                     + [f"{pt['measured'][t] * 1e3:.2f}/{pt['predicted'][t] * 1e3:.2f}" for t in types]
                     + [pt["pick"], pt["fastest"], f"{pt['slowdown'] * 100:.1f}%"])
-    mode = "cost-model chunks (BatchedLowering, 1 partition)" if args.chunked else "whole batch per call"
+    mode = ("as the engine runs it (partitions and chunks by the cost model)" if args.engine else
+            "cost-model chunks (BatchedLowering, 1 partition)" if args.chunked else "whole batch per call")
     print(f"\nFigure 8: n={args.n} k={args.k} pad={args.pad} batch={batch} fixed={fixed}, {mode}; "
           "times in ms, measured/predicted")
     common.print_table(["fig", "k", "d", "o", "d/o", "pass"] + [f"{t} ms" for t in types]
@@ -173,7 +202,7 @@ def main(argv=None) -> int:
     path = common.write_json("lowering_quick" if args.quick else "lowering",
                              {"config": {"n": args.n, "k": args.k, "pad": args.pad, "batch": batch, "fixed": fixed,
                                          "values": values, "passes": passes, "repeats": repeats,
-                                         "chunked": bool(args.chunked), "types": types,
+                                         "chunked": bool(args.chunked), "engine": bool(args.engine), "types": types,
                                          "extended": bool(args.extended), "levels": list(machines)},
                               "environment": rep, "machine": machine.to_json(), "points": points,
                               "summary": summary}, args.out)

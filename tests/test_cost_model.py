@@ -241,7 +241,7 @@ def test_type1_single_image_backward_has_no_group_major_copy():
     per_image = g.channels_out * g.out_size
     copies = {n: [op for op in cm.pass_ops("type1", g, n, "bwd_weights") if op[0] == "copy"] for n in (1, 4)}
     assert copies[1] == []
-    assert copies[4] == [("copy", 4 * per_image)]
+    assert copies[4] == [("copy", 4 * per_image, g.out_size)]  # runs of one output plane
     # the data-gradient pass likewise
     assert not [op for op in cm.pass_ops("type1", g, 1, "bwd_data") if op[0] == "copy"]
     mach = flat_machine()

@@ -13,11 +13,10 @@ order and dtype (bitwise equal); the power ``scale**-beta`` is left to numpy's `
 """
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import numba as nb
 import numpy as np
+
+from . import worker_pool
 
 _OPTS = dict(nogil=True, cache=True, error_model="numpy",
              parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
@@ -95,19 +94,7 @@ def scale_across(x: np.ndarray, scale: np.ndarray, size: int, alpha: float, k: f
     return scale
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 _SPLIT_MIN = 1 << 16  # elements; below this one thread does the power
-
-
-def _executor() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(max_workers=max(1, int(nb.config.NUMBA_NUM_THREADS)),
-                                           thread_name_prefix="cct-kernels")
-    return _pool
 
 
 def power(scale: np.ndarray, exponent: float, out: np.ndarray) -> np.ndarray:
@@ -127,7 +114,7 @@ def power(scale: np.ndarray, exponent: float, out: np.ndarray) -> np.ndarray:
         return out
     src, dst = scale.reshape(-1), out.reshape(-1)
     bounds = np.linspace(0, src.size, nthreads + 1).astype(np.int64)
-    futs = [_executor().submit(np.power, src[a:b], te, out=dst[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
+    futs = [worker_pool().submit(np.power, src[a:b], te, out=dst[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
     np.power(src[: bounds[1]], te, out=dst[: bounds[1]])
     for f in futs:
         f.result()

@@ -87,36 +87,57 @@ def _big(m: int, k: int, budget: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, budget / (2.0 * m * k))))
 
 
-def measure_elementwise(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24), repeats: int = 3) -> dict:
+#: the element-wise sweep kinds :func:`measure_elementwise` measures (a cached Machine missing one is
+#: re-measured)
+ELEM_KINDS = ("copy", "stream", "add", "sum", "zero")
+
+
+def measure_elementwise(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24), repeats: int = 3,
+                        passes: int = 3) -> dict:
     """ns/element of the sweeps the lowerings run, per sweep size (elements, float32).
 
     ``copy``: a window of 13-wide rows read from 15-wide rows and written through a transposed
-    view (as the lowerings and the lifting copy do); ``add``: the same window accumulated into
-    a transposed view (lifting); ``zero``: a fill. Returns ``{kind: [(elements, ns), ...]}``.
+    view (as the lowerings and the lifting copy do); ``stream``: whole 169-element planes copied
+    through the same transposed view (long contiguous runs: a channel-major transpose, an
+    unpadded plane); ``add``: the window accumulated into a transposed view (lifting); ``sum``: a
+    per-channel reduction (a bias gradient); ``zero``: a fill. ``passes`` sweeps over all sizes and
+    kinds, each point keeping its best (a burst of load spoils one pass, not the curve). Returns
+    ``{kind: [(elements, ns), ...]}``.
     """
-    curves: dict[str, list[tuple[int, float]]] = {"copy": [], "add": [], "zero": []}
     rng = np.random.default_rng(0)
+    cases = []
     for size in sizes:
         planes = max(4, size // 169)
         a, b = 4, max(1, planes // 4)
         src = rng.standard_normal((a, b, 15, 15), dtype=np.float32)
         dst = np.empty((b, a, 13, 13), np.float32).transpose(1, 0, 2, 3)
         acc = np.zeros((b, a, 13, 13), np.float32).transpose(1, 0, 2, 3)
+        plane = src[:, :, 1:14, 1:14].copy()
         flat = np.empty(a * b * 169, np.float32)
-        n = a * b * 169
 
         def copy(dst=dst, src=src):
             dst[...] = src[:, :, 1:14, 2:15]
 
+        def stream(dst=dst, plane=plane):
+            dst[...] = plane
+
         def add(acc=acc, src=src):
             acc += src[:, :, 2:15, 1:14]
+
+        def reduce(plane=plane):
+            plane.sum(axis=(0, 2, 3))
 
         def zero(flat=flat):
             flat.fill(0)
 
-        for kind, fn in (("copy", copy), ("add", add), ("zero", zero)):
-            curves[kind].append((n, _best_time(fn, repeats) / n * 1e9))
-    return curves
+        cases.append((a * b * 169, dict(zip(ELEM_KINDS, (copy, stream, add, reduce, zero)))))
+    best: dict[tuple[str, int], float] = {}
+    for _ in range(max(1, passes)):
+        for i, (n, fns) in enumerate(cases):
+            for kind, fn in fns.items():
+                t = _best_time(fn, repeats) / n * 1e9
+                best[kind, i] = min(best.get((kind, i), t), t)
+    return {kind: [(n, best[kind, i]) for i, (n, _) in enumerate(cases)] for kind in ELEM_KINDS}
 
 
 def _calib_geom(d: int, n: int = 13, k: int = 3, pad: int = 1):
@@ -181,6 +202,7 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
     dims = list(lv.dims)
     repeats = repeats if repeats is not None else lv.repeats
     n_passes = passes if passes is not None else lv.passes
+    blas.limit_openblas_spin()  # measure as a net runs: idle GEMM workers must not spin into the sweeps
     pool = blas.OperandPool()
     t0 = time.perf_counter()
     with blas.blas_threads(threads):
@@ -297,6 +319,10 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
                 with blas.blas_threads(n):
                     _add_rates(m)
                 return _store(m, backend, True)
+            if measure_if_missing and set(ELEM_KINDS) - set(m.elem_curves):  # cached before a sweep kind
+                with blas.blas_threads(n):
+                    m.elem_curves = measure_elementwise(FULL_ELEM_SIZES, 2)
+                return _store(m, backend, True)
             _memo[name] = m
             return m
     if (blas.cache_dir() / name).exists():
@@ -324,9 +350,9 @@ def summary(machine: Machine) -> str:
     for d, row in zip(dims, machine.gemm_bigk):
         lines.append(f"  M={d:<6}" + " ".join(f"{v:6.1f}" for v in row))
     lines.append("small-N factor: " + ", ".join(f"{b}:{f:.2f}" for b, f in machine.big_curve))
-    for kind in ("copy", "add", "zero"):
-        curve = machine.elem_curves.get(kind) or [(0, getattr(machine, kind + "_ns"))]
-        lines.append(f"{kind:>4} ns/elem by sweep size: " + ", ".join(f"{n:.3g}:{v:.3f}" for n, v in curve))
+    for kind in ELEM_KINDS:
+        curve = machine.elem_curves.get(kind) or [(0, getattr(machine, kind + "_ns", 0.0))]
+        lines.append(f"{kind:>6} ns/elem by sweep size: " + ", ".join(f"{n:.3g}:{v:.3f}" for n, v in curve))
     for name, curves in sorted(machine.lowering_curves.items()):
         for kind, curve in sorted(curves.items()):
             lines.append(f"{name} {kind} ns/lowered elem: " + ", ".join(f"{n:.3g}:{v:.3f}" for n, v in curve))

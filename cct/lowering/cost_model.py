@@ -37,6 +37,9 @@ from .geometry import ConvGeometry
 DIRECT_SHARE = 0.5
 FFT_SHARE = 0.03
 CGEMM_SHARE = 0.3  # complex GEMMs at most this share of the real peak
+#: contiguous run length of the calibrated ``copy`` curve's windows (:func:`cct.lowering.calibrate.
+#: measure_elementwise`)
+WINDOW_RUN = 13
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,9 +121,19 @@ class Machine:
         floor = 8.0 * m * n * k / (CGEMM_SHARE * self.peak_gflops() * 1e9)
         return count * max(4 * real, floor) + self.gemm_overhead_s
 
-    def elem_seconds(self, kind: str, elems: float, lowering: str | None = None) -> float:
+    def elem_seconds(self, kind: str, elems: float, lowering: str | None = None, run: int = 0) -> float:
         """Predicted seconds of an element-wise sweep (``copy``, ``add``, ``zero``, or a
-        lowering's own ``lower``/``unlower``, per lowered element)."""
+        lowering's own ``lower``/``unlower``, per lowered element).
+
+        ``run``: for a ``copy``, the length of its contiguous runs, when the strategy knows it. The
+        ``copy`` curve is measured on :data:`WINDOW_RUN`-element runs and the ``stream`` curve on
+        long ones; a run of ``L`` pays the stream rate plus the window's per-run excess scaled by
+        ``WINDOW_RUN / L``. Without a run (or a stream curve) the window curve prices it."""
+        if kind == "copy" and run and self.elem_curves.get("stream") and self.elem_curves.get("copy"):
+            x = max(float(elems), 1.0)
+            stream = _interp1(self.elem_curves["stream"], x)
+            window = _interp1(self.elem_curves["copy"], x)
+            return elems * (stream + max(window - stream, 0.0) * WINDOW_RUN / max(run, 1)) * 1e-9
         if kind in ("lower", "unlower"):
             curve = self.lowering_curves.get(lowering or "", {}).get(kind)
             if curve:
@@ -132,7 +145,7 @@ class Machine:
         if curve:
             ns = _interp1(curve, max(float(elems), 1.0))
         else:
-            ns = {"copy": self.copy_ns, "add": self.add_ns, "zero": self.zero_ns}[kind]
+            ns = {"add": self.add_ns, "zero": self.zero_ns}.get(kind, self.copy_ns)
         return elems * ns * 1e-9
 
     def streaming_seconds(self, working_set_bytes: float) -> float:
@@ -332,7 +345,7 @@ def price(ops: list[tuple], machine: Machine, lowering: str | None = None) -> di
         elif kind == "fft":
             out["fft"] += machine.fft_seconds(op[1])
         else:
-            out["elementwise"] += machine.elem_seconds(kind, op[1], lowering)
+            out["elementwise"] += machine.elem_seconds(kind, op[1], lowering, *op[2:])
     out["total"] = sum(out.values())
     return out
 

@@ -285,7 +285,7 @@ class DirectConvolution(LoweringStrategy):
             planes = batch * pgeom.channels_in * pgeom.in_size
             ops = self.pass_ops(pgeom, batch, pass_)
             return ops + [("copy", planes)]  # the phase split (or merge), into reused buffers
-        macs = batch * geom.channels_out * (geom.channels_in // geom.group) * geom.kernel_size * geom.out_size
+        macs = _macs(geom, batch)
         inp = batch * geom.channels_in * geom.in_size
         out = batch * geom.channels_out * geom.out_size
         if pass_ == "fwd":
@@ -293,7 +293,9 @@ class DirectConvolution(LoweringStrategy):
         if pass_ == "bwd_data":
             tgeom = dl.transposed_geometry(geom)
             if tgeom is not None and dl.plan_layout(tgeom, _PRICED_LANES) is not None:
-                return self._forward_ops(tgeom, batch, macs) + [("copy", inp)]
+                # the transposed forward computes every position of the padded input, the taps that
+                # fall in its zero border included
+                return self._forward_ops(tgeom, batch, _macs(tgeom, batch)) + [("copy", inp)]
             return [("zero", batch * geom.channels_in * math.prod(geom.used_extent)),
                     ("direct", macs * FALLBACK_SLOWDOWN), ("copy", inp)]
         if pass_ == "bwd_weights":
@@ -305,7 +307,7 @@ class DirectConvolution(LoweringStrategy):
             padded = batch * geom.channels_in * math.prod(geom.used_extent)
             partials = 2 * math.prod(geom.weight_shape) * (-(-mg // mb) * mb / mg)  # two chunks' sums
             return [("copy", out), ("copy", min(inp, padded)), ("direct_wgrad", macs * waste), ("zero", partials),
-                    ("add", partials), ("add", out)]
+                    ("add", partials), ("sum", out)]
         raise ValueError(f"unknown pass {pass_!r}")
 
     @staticmethod
@@ -347,6 +349,11 @@ class DirectConvolution(LoweringStrategy):
         dyt = batch * geom.out_size * geom.group * -(-mg // mb) * mb
         passes.append(dyt + batch * geom.channels_in * math.prod(geom.used_extent) + 2 * weights * mb / mg)
         return int(itemsize * max(passes))
+
+
+def _macs(geom: ConvGeometry, batch: int) -> int:
+    """Multiply-adds of a convolution over ``batch`` images (every output position, every tap)."""
+    return batch * geom.channels_out * (geom.channels_in // geom.group) * geom.kernel_size * geom.out_size
 
 
 #: slowdown of the fallback kernels (:mod:`cct.kernels.direct`) against the register-blocked ones,

@@ -16,8 +16,8 @@ that are not all zero; inverse transforms keep, axis by axis, only the lines who
 used. The kernel's transform is cached from the forward pass for the data gradient of the same
 iteration (reused while the weights are unchanged: they are compared with a kept copy).
 
-Transforms run through the array module: ``scipy.fft`` for numpy (``workers`` = the BLAS thread
-count), ``cupy.fft`` for cupy. Operations declared to the cost model follow ZNNi Table I
+Transforms run through the array module: ``scipy.fft`` for numpy (split over the batch, one chunk per
+BLAS thread of the caller), ``cupy.fft`` for cupy. Operations declared to the cost model follow ZNNi Table I
 (``("fft", flops)`` per transform stage and complex GEMMs ``("cgemm", m, n, k, count)``); the
 workspace follows Table II (input, kernel and output transforms of one chunk).
 """
@@ -26,11 +26,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .. import blas
+from .. import blas, kernels
 from ..backend import get_array_module
 from .base import LoweringStrategy, register_strategy
 from .direct import pad_input
@@ -41,8 +42,33 @@ def _fft_module(xp: Any) -> tuple[Any, dict]:
     if xp is np:
         import scipy.fft as sfft
 
-        return sfft, {"workers": max(1, blas.get_num_threads())}
+        return sfft, {"workers": 1}  # threads: :func:`_chunked`
     return xp.fft, {}
+
+
+def _chunked(fn: Callable[[Any], Any], a: Any) -> Any:
+    """``fn(a)`` for a transform ``fn`` that maps each leading-axis slice of ``a`` on its own: numpy
+    arrays are split along that axis over the calling thread's BLAS thread budget, one chunk per
+    thread (:func:`cct.kernels.worker_pool`). scipy's own ``workers`` threads were bimodal on a
+    2-core VM: by process, 2 workers ran 5 or 9 GFLOPS where one chunk per thread ran 8-10."""
+    n = min(blas.get_num_threads(), a.shape[0]) if get_array_module(a) is np and a.ndim else 1
+    if n <= 1:
+        return fn(a)
+    bounds = [a.shape[0] * i // n for i in range(n + 1)]
+    futures = [kernels.worker_pool().submit(fn, a[lo:hi]) for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    first = fn(a[: bounds[1]])
+    out = np.empty((a.shape[0],) + first.shape[1:], dtype=first.dtype)
+    out[: bounds[1]] = first
+    for (lo, hi), fut in zip(zip(bounds[1:-1], bounds[2:]), futures):
+        out[lo:hi] = fut.result()
+    return out
+
+
+def rfftn(a: Any, shape: tuple[int, ...]) -> Any:
+    """``rfftn(a, s=shape)`` over the trailing ``len(shape)`` axes (no pruning), chunked (:func:`_chunked`)."""
+    f, kw = _fft_module(get_array_module(a))
+    axes = tuple(range(a.ndim - len(shape), a.ndim))
+    return _chunked(lambda c: f.rfftn(c, s=shape, axes=axes, **kw), a)
 
 
 def fft_shape(geom: ConvGeometry) -> tuple[int, ...]:
@@ -59,28 +85,33 @@ def _complex(dtype: Any) -> Any:
 def pruned_rfftn(a: Any, shape: tuple[int, ...]) -> Any:
     """``rfftn(a, s=shape)`` over the trailing ``len(shape)`` axes, one axis at a time, each stage
     over only the lines the zero padding leaves non-zero (ZNNi Figure 2)."""
-    xp = get_array_module(a)
-    f, kw = _fft_module(xp)
+    f, kw = _fft_module(get_array_module(a))
     nd = len(shape)
-    out = f.rfft(a, n=shape[-1], axis=-1, **kw)
-    for i in range(nd - 2, -1, -1):
-        out = f.fft(out, n=shape[i], axis=a.ndim - nd + i, **kw)
-    return out
+
+    def stages(c: Any) -> Any:
+        out = f.rfft(c, n=shape[-1], axis=-1, **kw)
+        for i in range(nd - 2, -1, -1):
+            out = f.fft(out, n=shape[i], axis=c.ndim - nd + i, **kw)
+        return out
+
+    return _chunked(stages, a)
 
 
 def pruned_irfftn(a: Any, shape: tuple[int, ...], keep: tuple[int, ...]) -> Any:
     """The first ``keep[i]`` positions per axis of ``irfftn(a, s=shape)``: each inverse stage runs on
     the lines later stages need, and keeps only ``keep[i]`` of its outputs."""
-    xp = get_array_module(a)
-    f, kw = _fft_module(xp)
+    f, kw = _fft_module(get_array_module(a))
     nd = len(shape)
     lead = a.ndim - nd
-    out = a
-    for i in range(nd - 1):
-        out = f.ifft(out, n=shape[i], axis=lead + i, **kw)
-        out = out[(slice(None),) * (lead + i) + (slice(0, keep[i]),)]
-    res = f.irfft(out, n=shape[-1], axis=-1, **kw)
-    return res[..., : keep[-1]]
+
+    def stages(c: Any) -> Any:
+        out = c
+        for i in range(nd - 1):
+            out = f.ifft(out, n=shape[i], axis=lead + i, **kw)
+            out = out[(slice(None),) * (lead + i) + (slice(0, keep[i]),)]
+        return f.irfft(out, n=shape[-1], axis=-1, **kw)[..., : keep[-1]]
+
+    return _chunked(stages, a)
 
 
 def _dilated(w: Any, geom: ConvGeometry) -> Any:
@@ -137,8 +168,7 @@ class FFTConvolution(LoweringStrategy):
             y = xp.zeros((n, geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
             return y if b is None else y + b.reshape((1, -1) + (1,) * nd)
         shape = fft_shape(geom)
-        f, kw = _fft_module(xp)
-        xt = f.rfftn(pad_input(x, geom), s=shape, axes=tuple(range(2, 2 + nd)), **kw)
+        xt = rfftn(pad_input(x, geom), shape)
         fp = math.prod(xt.shape[2:])
         xg = xt.reshape(n, g, geom.channels_in // g, fp).transpose(1, 0, 2, 3)  # (G, N, Cg, F)
         wt = self.kernel_transform(w, geom).reshape(g, geom.channels_out // g, -1, fp).transpose(0, 2, 1, 3)
@@ -155,14 +185,12 @@ class FFTConvolution(LoweringStrategy):
     def _dy_transform(self, dy: Any, geom: ConvGeometry, shape: tuple[int, ...]) -> Any:
         """``rfftn`` of ``dy`` spread ``stride`` apart on the stride-1 output grid."""
         xp = get_array_module(dy)
-        f, kw = _fft_module(xp)
-        nd = geom.num_spatial
         if any(s > 1 for s in geom.stride):
             full = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
             up = xp.zeros(dy.shape[:2] + full, dtype=dy.dtype)
             up[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in geom.stride)] = dy
             dy = up
-        return f.rfftn(dy, s=shape, axes=tuple(range(2, 2 + nd)), **kw)
+        return rfftn(dy, shape)
 
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry, dyt: Any = None) -> Any:
         xp = get_array_module(dy)
@@ -190,8 +218,7 @@ class FFTConvolution(LoweringStrategy):
         if n == 0 or dy.size == 0:
             return xp.zeros(geom.weight_shape, dtype=dy.dtype), db
         shape = fft_shape(geom)
-        f, kw = _fft_module(xp)
-        xt = f.rfftn(pad_input(x, geom), s=shape, axes=tuple(range(2, 2 + nd)), **kw)
+        xt = rfftn(pad_input(x, geom), shape)
         if dyt is None:
             dyt = self._dy_transform(dy, geom, shape)
         fp = math.prod(xt.shape[2:])
@@ -252,7 +279,7 @@ class FFTConvolution(LoweringStrategy):
         if pass_ == "bwd_weights":
             return [("zero", padded + spread), ("copy", batch * c * geom.in_size), ("fft", batch * c * full),
                     ("fft", batch * m * full), ("copy", 2 * cplx), ("cgemm", mg, cg, batch, freq * g),
-                    ("fft", m * cg * inv_kern), ("add", batch * m * geom.out_size)]
+                    ("fft", m * cg * inv_kern), ("sum", batch * m * geom.out_size)]
         raise ValueError(f"unknown pass {pass_!r}")
 
     def workspace_bytes(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:

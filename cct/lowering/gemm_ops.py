@@ -9,7 +9,8 @@ The operation vocabulary every strategy declares (see :func:`cct.lowering.cost_m
 
 * ``("gemm", m, n, k, count)`` -- ``count`` real GEMMs of ``(m, k) @ (k, n)``;
 * ``("cgemm", m, n, k, count)`` -- complex GEMMs (four real ones each);
-* ``("copy" | "add" | "zero", elements)`` -- element-wise sweeps;
+* ``("copy" | "add" | "sum" | "zero", elements)`` -- element-wise sweeps (``sum``: a reduction;
+  ``("copy", elements, run)``: a copy whose contiguous runs are ``run`` elements long);
 * ``("lower" | "unlower", elements)`` -- the strategy's own replication and its adjoint, per
   lowered element (priced from its calibrated curve when the machine has one);
 * ``("direct", multiply_adds)`` -- a direct convolution kernel's work (``"direct_wgrad"``: the
@@ -47,6 +48,9 @@ class LoweringShape:
     im2col: bool  # Caffe's im2col (type 1: every axis lowered, even with k = 1)
     batch: int
     direct_1x1: bool = False  # type 1 on a 1x1 convolution: no im2col, per-image GEMMs on the input
+    in_run: int = 0  # contiguous run of the input's copy into the padded layout
+    lift_run: int = 0  # contiguous run of a shifted output slice in the GEMM result's layout
+    out_run: int = 0  # contiguous run of an output plane
 
     @classmethod
     def of(cls, geom: ConvGeometry, batch: int, lowered_axes: tuple[int, ...], im2col: bool = False) -> LoweringShape:
@@ -62,7 +66,11 @@ class LoweringShape:
                    k_lift=math.prod(geom.kernel[i] for i in range(nd) if i not in low),
                    cols=batch * math.prod(geom.out_shape[i] if i in low else ext[i] for i in range(nd)),
                    E=batch * math.prod(ext), P=batch * geom.out_size, I=batch * geom.in_size,
-                   lifted=len(low) < nd, im2col=im2col, batch=batch, direct_1x1=im2col and geom.is_1x1)
+                   lifted=len(low) < nd, im2col=im2col, batch=batch, direct_1x1=im2col and geom.is_1x1,
+                   in_run=contiguous_run(ext, geom.in_shape),
+                   lift_run=contiguous_run(tuple(geom.out_shape[i] if i in low else ext[i] for i in range(nd)),
+                                           geom.out_shape),
+                   out_run=geom.out_size)
 
     @property
     def lowered(self) -> bool:
@@ -93,32 +101,33 @@ class LoweringShape:
             if self.lowered:  # padding copy + k_low strided copies (or a compiled im2col), per lowered element
                 ops.append(("lower", C * kl * cols))
             else:  # type 3: the padded, channel-major copy of the input is the lowered matrix
-                ops.append(("copy", C * inp))
+                ops.append(("copy", C * inp, self.in_run))
                 if E != inp:
                     ops.append(("zero", C * E))
 
         if self.direct_1x1:  # the input is the lowered matrix (type1.py): one broadcast matmul, no lift
-            if pass_ == "fwd":
-                return [("gemm", mg, P, cg, g), ("copy", M * P)]  # contiguous bias add: one stream like a copy
+            per_image = P // max(self.batch, 1)  # the broadcast matmul runs one GEMM per image and group
+            if pass_ == "fwd":  # contiguous bias add: one stream like a copy
+                return [("gemm", mg, per_image, cg, g * self.batch), ("copy", M * P, self.out_run)]
             if pass_ == "bwd_data":
-                return [("gemm", cg, P, mg, g)]
+                return [("gemm", cg, per_image, mg, g * self.batch)]
             if pass_ == "bwd_weights":
-                regroup = [("copy", C * inp), ("copy", M * P)] if self.batch > 1 else []
-                return regroup + [("gemm", mg, cg, cols, g), ("add", M * P)]
+                regroup = [("copy", C * inp, self.in_run), ("copy", M * P, self.out_run)] if self.batch > 1 else []
+                return regroup + [("gemm", mg, cg, cols, g), ("sum", M * P)]
             raise ValueError(f"unknown pass {pass_!r}: expected one of {PASSES}")
 
         def scatter():  # adjoint of the lifting: dy into the (zeroed) GEMM-result layout
             if self.lifted:
                 ops.append(("zero", g * mg * kf * cols))
-                ops.append(("copy", kf * M * P))
+                ops.append(("copy", kf * M * P, self.lift_run))
             elif self.batch > 1:
-                ops.append(("copy", M * P))  # type 1: dy to group-major (one image's dy already is)
+                ops.append(("copy", M * P, self.out_run))  # type 1: dy to group-major (one image's dy already is)
 
         if pass_ == "fwd":
             lower()
             ops.append(("gemm", mg * kf, cols, cg * kl, g))
             if self.lifted:
-                ops.append(("copy", M * P))  # first shifted slice (+ bias, fused)
+                ops.append(("copy", M * P, self.lift_run))  # first shifted slice (+ bias, fused)
                 ops.append(("add", (kf - 1) * M * P))
             else:
                 ops.append(("add", M * P))  # type 1: bias add doubles as the transposing lift
@@ -128,12 +137,12 @@ class LoweringShape:
             if self.lowered:
                 ops.append(("unlower", C * kl * cols))  # col2im-style accumulation (+ its zeroed buffer)
             if not self.im2col:
-                ops.append(("copy", C * inp))  # crop + transpose back to (N, C, ...)
+                ops.append(("copy", C * inp, self.in_run))  # crop + transpose back to (N, C, ...)
         elif pass_ == "bwd_weights":
             lower()
             scatter()
             ops.append(("gemm", mg * kf, cg * kl, cols, g))
-            ops.append(("add", M * P))  # bias reduction
+            ops.append(("sum", M * P))  # bias reduction
         else:
             raise ValueError(f"unknown pass {pass_!r}: expected one of {PASSES}")
         return ops
@@ -144,6 +153,17 @@ class LoweringShape:
         lowered = self.C * self.k_low * self.cols if self.lowered else 0
         result = self.mg * self.k_lift * self.cols
         return int(itemsize * (self.C * self.E + lowered + 2 * result + self.M * self.P))
+
+
+def contiguous_run(full: tuple[int, ...], part: tuple[int, ...]) -> int:
+    """Elements of the longest contiguous run of a ``part``-shaped slice of a C-ordered ``full``-shaped
+    array (the trailing axes it covers whole, times the first it cuts)."""
+    run = 1
+    for f, p in zip(reversed(tuple(full)), reversed(tuple(part))):
+        run *= int(p)
+        if p != f:
+            break
+    return run
 
 
 class GemmLoweringOps:

@@ -53,7 +53,8 @@ class PartialLowering(GemmLoweringOps, LoweringStrategy):
     # -- helpers -----------------------------------------------------------------------------
     def _layout(self, geom: ConvGeometry):
         nd = geom.num_spatial
-        low = tuple(sorted(set(self.lowered_axes(geom))))
+        # an axis of kernel 1 and stride 1 lowers to the input itself: lifting it is the same GEMM without the copy
+        low = tuple(sorted(i for i in set(self.lowered_axes(geom)) if (geom.kernel[i], geom.stride[i]) != (1, 1)))
         lift = tuple(i for i in range(nd) if i not in low)
         return nd, low, lift, geom.used_extent
 
