@@ -407,3 +407,67 @@ def test_plan_counts_only_the_passes_the_layer_runs():
     assert plan.single == min(totals, key=totals.get)
     assert plan.predicted("total") == pytest.approx(totals[plan.single])
     assert "bwd_data" not in opt.describe_plan("conv", plan)
+
+
+def test_contiguous_run_of_a_slice():
+    from cct.lowering.gemm_ops import contiguous_run
+
+    assert contiguous_run((15, 15), (13, 13)) == 13  # a padded window: one row at a time
+    assert contiguous_run((13, 13), (13, 13)) == 169  # a whole plane
+    assert contiguous_run((15, 11), (13, 11)) == 143  # full rows: the cut axis times the rows
+    assert contiguous_run((4, 5, 6), (4, 5, 6)) == 120
+
+
+def test_copy_runs_are_priced_between_the_window_and_the_stream_curves():
+    """A copy declared with its run length pays the stream rate plus the window curve's excess scaled by
+    WINDOW_RUN / run; without a run (or a stream curve) it pays the window curve."""
+    m = flat_machine()
+    m.elem_curves = {"copy": [(1, 0.3), (1 << 30, 0.3)], "stream": [(1, 0.1), (1 << 30, 0.1)]}
+    n = 1000
+    window = m.elem_seconds("copy", n)
+    assert window == pytest.approx(n * 0.3e-9)
+    assert m.elem_seconds("copy", n, None, cm.WINDOW_RUN) == pytest.approx(window)
+    assert m.elem_seconds("copy", n, None, 10 * cm.WINDOW_RUN) == pytest.approx(n * (0.1 + 0.02) * 1e-9)
+    assert m.elem_seconds("copy", n, None, 1 << 20) == pytest.approx(n * 0.1e-9, rel=1e-3)
+    assert cm.price([("copy", n, 130)], m)["elementwise"] == pytest.approx(m.elem_seconds("copy", n, None, 130))
+    del m.elem_curves["stream"]
+    assert m.elem_seconds("copy", n, None, 1 << 20) == pytest.approx(window)  # an older cache: no stream curve
+
+
+def test_bias_gradients_are_priced_as_reductions():
+    """Every strategy's weight-gradient pass declares the bias gradient as a ``sum`` over dy, priced by
+    the reduction curve (a read-only sweep, cheaper than an accumulating ``add``)."""
+    g = square(13, 3, 16, 32, pad=1)
+    dy = 8 * g.channels_out * g.out_size
+    for name in ("type1", "type2", "type3", "direct", "fft"):
+        assert ("sum", dy) in cm.pass_ops(name, g, 8, "bwd_weights"), name
+    m = flat_machine()
+    m.elem_curves = {"sum": [(1, 0.2), (1 << 30, 0.2)], "add": [(1, 0.8), (1 << 30, 0.8)]}
+    assert cm.price([("sum", 1000)], m)["elementwise"] == pytest.approx(0.2e-6)
+
+
+def test_direct_data_gradient_is_priced_on_the_transposed_convolution():
+    """The data gradient runs the forward kernel of the transposed convolution over the whole padded
+    input, zero border included: at n = 13, k = 3, pad 0 that is 169 positions per plane where the
+    forward pass computes 121."""
+    g = square(13, 3, 32, 64)
+    macs = {p: sum(op[1] for op in cm.pass_ops("direct", g, 4, p) if op[0] == "direct") for p in ("fwd", "bwd_data")}
+    assert macs["fwd"] >= 4 * 32 * 64 * 9 * 121
+    assert macs["bwd_data"] >= 4 * 32 * 64 * 9 * 169 > macs["fwd"]
+
+
+def test_stale_cache_without_a_sweep_kind_is_remeasured(monkeypatch):
+    """A Machine cached before a sweep kind existed (here ``sum``) gets its element-wise curves measured
+    anew on load; the GEMM grids stay."""
+    from cct import blas
+
+    real_ew = cal.measure_elementwise
+    monkeypatch.setattr(cal, "measure_elementwise", lambda sizes, repeats: real_ew((1 << 12, 1 << 14), 1, 1))
+    m = flat_machine(gflops=77.0)
+    m.threads, m.backend, m.direct_gflops, m.call_overhead_s = 1, blas.get_backend(), 50.0, {"type1": {"fwd": 1e-5}}
+    m.info = {"rates_version": cal.RATES_VERSION}
+    m.elem_curves = {"copy": [(1, 0.3)], "add": [(1, 0.8)], "zero": [(1, 0.1)]}
+    blas.write_cache(cal._cache_name(1, m.backend), m.to_json())
+    got = cal.load_machine(threads=1)
+    assert set(got.elem_curves) == set(cal.ELEM_KINDS) and got.gemm_bign == m.gemm_bign
+    assert set(cal.Machine.from_json(blas.read_cache(cal._cache_name(1, m.backend))).elem_curves) == set(cal.ELEM_KINDS)

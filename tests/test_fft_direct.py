@@ -3,7 +3,7 @@ import numpy as np
 import scipy.fft as sfft
 
 from cct.lowering import ConvGeometry, get_strategy
-from cct.lowering.fft import FFTConvolution, fft_shape, pruned_irfftn, pruned_rfftn
+from cct.lowering.fft import FFTConvolution, fft_shape, pruned_irfftn, pruned_rfftn, rfftn
 
 
 def test_pruned_transforms_equal_the_full_ones():
@@ -51,3 +51,33 @@ def test_direct_output_channel_blocks_with_a_tail():
         np.testing.assert_allclose(d.backward_data(dy, w, g), t.backward_data(dy, w, g), rtol=1e-4, atol=1e-4)
         for a, r in zip(d.backward_weights(dy, x, g), t.backward_weights(dy, x, g)):
             np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4)
+
+
+def test_transforms_split_over_threads_equal_one_call():
+    """With several BLAS threads the transforms run one batch chunk per thread (uneven chunks here);
+    the result is the same as one scipy call."""
+    from cct import blas
+
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((5, 3, 9, 10)).astype(np.float32)
+    want = sfft.rfftn(a, s=(12, 12), axes=(2, 3))
+    with blas.blas_threads(2):
+        np.testing.assert_allclose(rfftn(a, (12, 12)), want, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(pruned_rfftn(a, (12, 12)), want, rtol=1e-5, atol=1e-4)
+        back = pruned_irfftn(want, (12, 12), (9, 10))
+    np.testing.assert_allclose(back, a, rtol=1e-4, atol=1e-4)
+
+
+def test_type2_on_a_1x1_convolution_runs_type3():
+    """Lowering a kernel-1, stride-1 axis copies the input unchanged: type 2 lifts it instead, so on a
+    1x1 convolution it runs (and is priced as) type 3."""
+    g = ConvGeometry(8, 4, 1, (5, 6), (1, 1), (0, 0), (1, 1), (1, 1), (5, 6), True)
+    t2, t3 = get_strategy("type2"), get_strategy("type3")
+    assert t2._layout(g)[1] == () == t3._layout(g)[1]
+    from cct.lowering import cost_model as cm
+
+    for p in ("fwd", "bwd_data", "bwd_weights"):
+        assert cm.pass_ops("type2", g, 3, p) == cm.pass_ops("type3", g, 3, p)
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((3, 8, 5, 6)), rng.standard_normal(g.weight_shape)
+    np.testing.assert_allclose(t2.forward(x, w, None, g), get_strategy("type1").forward(x, w, None, g), rtol=1e-12)
