@@ -233,7 +233,7 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
         del pool
         small = np.ones((2, 2), np.float32)
         overhead = _best_time(lambda: blas.gemm(small, small), 20)
-    ew = measure_elementwise(lv.elem_sizes, repeats)
+    ew = measure_elementwise(lv.elem_sizes, repeats, passes=min(3, n_passes + 1))
     tick()
     lw = measure_lowerings(lv.lowering_sizes, repeats)
     tick()
