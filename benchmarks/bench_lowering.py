@@ -6,7 +6,10 @@ cost model, and records the cost model's pick. As in the paper each type lowers 
 in one call, and the pick is the type with the least whole-batch prediction. ``--chunked`` runs
 each type as the engine's optimizer prices it instead: in the chunks of ``b_p`` images the cost
 model picks for it (``BatchedLowering``, one partition), compared by chunked predictions (types 2
-and 3 have no per-chunk entry points, so their chunks pay a copy the model does not price). It reports the
+and 3 have no per-chunk entry points, so their chunks pay a copy the model does not price). ``--engine``
+scores what a net runs: the optimizer's plan (:func:`cct.lowering.optimizer.plan_convolution`) of a layer
+running the pass, against each type measured in the batch partitions and chunks the cost model gives
+it (on this 2-core machine: two partitions of one thread, no cross-core hand-offs inside a pass). It reports the
 fraction of points where the pick is the measured-fastest type (target >= 90%) and the worst
 slowdown of the pick over the measured-fastest (target <= 10%), plus the same with a 5% tie
 tolerance. The strategies are lowering types 1-3, direct and FFT convolution (``--types``);
@@ -60,9 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunked", action="store_true",
                     help="run each type in its cost-model chunks and pick by chunked predictions")
     ap.add_argument("--engine", action="store_true",
-                    help="run each type as the engine runs a layer planned on it alone: the partition count and "
-                         "chunk size the cost model picks for it (optimizer.choose_chunking), each partition on "
-                         "threads // p threads, priced the same way")
+                    help="score the optimizer's own plan (plan_convolution) of a layer running the pass against each "
+                         "type measured as the engine would run it: the partition count and chunk size the cost "
+                         "model picks for that type (optimizer.choose_chunking), each partition on threads // p")
     ap.add_argument("--fixed", type=int, default=None, help="the channel count held fixed (default 256, quick 128)")
     ap.add_argument("--values", default=None, help="comma-separated channel counts to sweep")
     ap.add_argument("--passes", default="fwd", help="fwd,bwd_data,bwd_weights or 'all'")
@@ -147,21 +150,25 @@ def main(argv=None) -> int:
             fns = {t: functools.partial(run_pass, strategies[t], p, x, w, b, dy, geom) for t in types}
             for fn in fns.values():  # warm-up
                 fn()
-            # round-robin repeats, best of each: load bursts from other processes hit all types alike; each
-            # round starts one type later, so no type always follows the same one (a large FFT leaves
-            # the caches cold for whatever runs next)
+            # round-robin repeats, best of each: load bursts from other processes hit all types alike. Each
+            # timed call follows an untimed one of the same type, so that it runs on warm caches as the
+            # cost model's calibration does (a large FFT before it would otherwise leave them cold, and
+            # charge the next type for it); each round starts one type later.
             meas = {t: float("inf") for t in types}
             for r in range(repeats):
                 for t in types[r % len(types):] + types[:r % len(types)]:
-                    meas[t] = min(meas[t], common.time_call(fns[t], repeats=1, warmup=0)["best"])
+                    meas[t] = min(meas[t], common.time_call(fns[t], repeats=1, warmup=1)["best"])
             fastest = min(meas, key=meas.get)
             by_level = {}
             for lv, m in machines.items():
-                if args.engine:
-                    pred = {t: opt.choose_chunking({p: t}, geom, batch, blas.get_num_threads(),
-                                                   machine_for=lambda n, lv=lv: _machine_at(lv, n, machines))[2]
-                            for t in types}
-                elif args.chunked:  # what the engine's optimizer compares: each type in its cost-model chunks
+                if args.engine:  # the optimizer's own plan of a layer running this pass, and its predictions
+                    plan = opt.plan_convolution(geom, batch, m, passes=(p,), names=types,
+                                                machine_for=lambda n, lv=lv: _machine_at(lv, n, machines))
+                    pred = {t: plan.predictions[p].get(t, float("inf")) for t in types}
+                    by_level[lv] = {"predicted": pred, "pick": plan.names[p], "partitions": plan.partitions,
+                                    "b_p": plan.b_p, "slowdown": meas[plan.names[p]] / meas[fastest] - 1.0}
+                    continue
+                if args.chunked:  # what the engine's optimizer compares: each type in its cost-model chunks
                     pred = opt.predictions(geom, batch, m, p, names=types)
                 else:
                     pred = {t: predict_seconds(t, geom, batch, m, p) for t in types}

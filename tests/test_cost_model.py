@@ -456,13 +456,18 @@ def test_direct_data_gradient_is_priced_on_the_transposed_convolution():
     assert macs["bwd_data"] >= 4 * 32 * 64 * 9 * 169 > macs["fwd"]
 
 
-def test_stale_cache_without_a_sweep_kind_is_remeasured(monkeypatch):
-    """A Machine cached before a sweep kind existed (here ``sum``) gets its element-wise curves measured
-    anew on load; the GEMM grids stay."""
-    from cct import blas
+def test_cache_from_older_curves_is_remeasured(monkeypatch):
+    """A Machine cached by an older cct's curves (no ``curves_version``: before the ``sum`` and
+    ``stream`` sweeps, and lowering curves timed on every kernel thread whatever its thread count) gets
+    its element-wise and lowering curves measured anew on load, on its own thread count; the GEMM
+    grids stay."""
+    from cct import blas, kernels
 
-    real_ew = cal.measure_elementwise
+    real_ew, real_lw = cal.measure_elementwise, cal.measure_lowerings
     monkeypatch.setattr(cal, "measure_elementwise", lambda sizes, repeats: real_ew((1 << 12, 1 << 14), 1, 1))
+    seen = []
+    monkeypatch.setattr(cal, "measure_lowerings",
+                        lambda sizes, repeats: seen.append(kernels.get_num_threads()) or real_lw(((16, 2),), 1))
     m = flat_machine(gflops=77.0)
     m.threads, m.backend, m.direct_gflops, m.call_overhead_s = 1, blas.get_backend(), 50.0, {"type1": {"fwd": 1e-5}}
     m.info = {"rates_version": cal.RATES_VERSION}
@@ -470,4 +475,5 @@ def test_stale_cache_without_a_sweep_kind_is_remeasured(monkeypatch):
     blas.write_cache(cal._cache_name(1, m.backend), m.to_json())
     got = cal.load_machine(threads=1)
     assert set(got.elem_curves) == set(cal.ELEM_KINDS) and got.gemm_bign == m.gemm_bign
+    assert got.info["curves_version"] == cal.CURVES_VERSION and seen == [1]
     assert set(cal.Machine.from_json(blas.read_cache(cal._cache_name(1, m.backend))).elem_curves) == set(cal.ELEM_KINDS)

@@ -53,9 +53,9 @@ def test_direct_output_channel_blocks_with_a_tail():
             np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4)
 
 
-def test_transforms_split_over_threads_equal_one_call():
-    """With several BLAS threads the transforms run one batch chunk per thread (uneven chunks here);
-    the result is the same as one scipy call."""
+def test_transforms_on_several_threads_equal_one_call():
+    """With several BLAS threads the transforms use as many scipy workers; the result is the same as
+    one single-threaded scipy call."""
     from cct import blas
 
     rng = np.random.default_rng(2)

@@ -230,3 +230,17 @@ def test_accumulating_gemm_in_row_blocks(monkeypatch, trans_a, alpha):
     blas.gemm(a, b, out=out, trans_a=trans_a, alpha=alpha, beta=1.0)
     opa = a.T if trans_a else a
     np.testing.assert_allclose(out, c0 + alpha * (opa.astype(np.float64) @ b), rtol=1e-5, atol=1e-5)
+
+
+def test_partition_reduction_is_priced_once_a_call():
+    """The weight-gradient sums BatchedLowering adds after its chunks: per partition a zeroed private
+    gradient summed into dw; type 1 (transposed accumulation) also one transposing add with one partition."""
+    from cct.lowering import ConvGeometry, get_strategy
+    from cct.lowering.partition import reduction_ops
+
+    g = ConvGeometry(16, 32, 1, (9, 9), (3, 3), (1, 1), (1, 1), (1, 1), (9, 9), True)
+    w = 32 * 16 * 9
+    assert reduction_ops(get_strategy("type1"), g, 1) == [("zero", w), ("add", 0), ("add", w)]
+    assert reduction_ops(get_strategy("type1"), g, 2) == [("zero", 2 * w), ("add", w), ("add", w)]
+    assert reduction_ops(get_strategy("direct"), g, 1) == []
+    assert reduction_ops(get_strategy("direct"), g, 2) == [("zero", 2 * w), ("add", 2 * w)]

@@ -15,16 +15,17 @@ or ``~/.cache/cct``), keyed by :func:`cct.blas.machine_key`, the backend and the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import blas
+from .. import blas, kernels
 from ..errors import CctError
 from ..flags import FlagParser, add_progress_flag, command_parser
 from ..progress import Progress
@@ -87,6 +88,10 @@ def _big(m: int, k: int, budget: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, budget / (2.0 * m * k))))
 
 
+#: bumped when the sweep or lowering curves change what they measure (2: the stream and sum sweeps, in
+#: passes; curves timed on the Machine's own kernel thread count); a cached Machine from before is
+#: re-measured on load
+CURVES_VERSION = 2
 #: the element-wise sweep kinds :func:`measure_elementwise` measures (a cached Machine missing one is
 #: re-measured)
 ELEM_KINDS = ("copy", "stream", "add", "sum", "zero")
@@ -233,10 +238,11 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
         del pool
         small = np.ones((2, 2), np.float32)
         overhead = _best_time(lambda: blas.gemm(small, small), 20)
-    ew = measure_elementwise(lv.elem_sizes, repeats, passes=min(3, n_passes + 1))
-    tick()
-    lw = measure_lowerings(lv.lowering_sizes, repeats)
-    tick()
+    with _threads(threads):
+        ew = measure_elementwise(lv.elem_sizes, repeats, passes=min(3, n_passes + 1))
+        tick()
+        lw = measure_lowerings(lv.lowering_sizes, repeats)
+        tick()
     info = blas.blas_info()
     machine = Machine(grid_dims=list(dims), gemm_bign=bign, gemm_bigk=bigk, big_curve=curve,
                       copy_ns=ew["copy"][-1][1], add_ns=ew["add"][-1][1], zero_ns=ew["zero"][-1][1],
@@ -245,7 +251,7 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
                       backend=backend,
                       kernel=str(info.get("architecture") or ""), key=blas.machine_key(),
                       info={"quick": lv.name == "quick", "level": lv.name, "seconds": time.perf_counter() - t0,
-                            "measured_at": time.time(), "blas": info})
+                            "measured_at": time.time(), "blas": info, "curves_version": CURVES_VERSION})
     with blas.blas_threads(threads):
         _add_rates(machine)
     machine.info["seconds"] = time.perf_counter() - t0
@@ -273,16 +279,28 @@ def recalibrate_kernels(threads: int | None = None, repeats: int = 2, save: bool
     backend = blas.get_backend()
     with blas.blas_threads(threads):
         cached = blas.read_cache(_cache_name(blas.get_num_threads(), backend))
-        if cached:
-            ew = measure_elementwise(FULL_ELEM_SIZES, repeats)
-            lw = measure_lowerings(FULL_LOWERING_SIZES, repeats)
     if not cached:
         return calibrate(threads=threads, save=save)
-    machine = Machine.from_json(cached)
+    return _store(_remeasure_curves(Machine.from_json(cached), repeats), backend, save)
+
+
+def _remeasure_curves(machine: Machine, repeats: int = 2) -> Machine:
+    """``machine`` with its element-wise and lowering curves measured anew, on its own thread count."""
+    with _threads(machine.threads):
+        ew = measure_elementwise(FULL_ELEM_SIZES, repeats)
+        lw = measure_lowerings(FULL_LOWERING_SIZES, repeats)
     machine.elem_curves, machine.lowering_curves = ew, lw
     machine.copy_ns, machine.add_ns, machine.zero_ns = ew["copy"][-1][1], ew["add"][-1][1], ew["zero"][-1][1]
-    machine.info = dict(machine.info, kernels_measured_at=time.time())
-    return _store(machine, backend, save)
+    machine.info = dict(machine.info, kernels_measured_at=time.time(), curves_version=CURVES_VERSION)
+    return machine
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """BLAS *and* compiled-kernel threads limited to ``n`` (None: all): the lowering curves time the
+    im2col/col2im kernels, which run on numba's threads."""
+    with blas.blas_threads(n), kernels.num_threads(n):
+        yield
 
 
 def _store(machine: Machine, backend: str, save: bool) -> Machine:
@@ -319,10 +337,8 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
                 with blas.blas_threads(n):
                     _add_rates(m)
                 return _store(m, backend, True)
-            if measure_if_missing and set(ELEM_KINDS) - set(m.elem_curves):  # cached before a sweep kind
-                with blas.blas_threads(n):
-                    m.elem_curves = measure_elementwise(FULL_ELEM_SIZES, 2)
-                return _store(m, backend, True)
+            if measure_if_missing and m.info.get("curves_version", 1) != CURVES_VERSION:
+                return _store(_remeasure_curves(m), backend, True)
             _memo[name] = m
             return m
     if (blas.cache_dir() / name).exists():
@@ -356,7 +372,11 @@ def summary(machine: Machine) -> str:
     for name, curves in sorted(machine.lowering_curves.items()):
         for kind, curve in sorted(curves.items()):
             lines.append(f"{name} {kind} ns/lowered elem: " + ", ".join(f"{n:.3g}:{v:.3f}" for n, v in curve))
-    lines.append(f"GEMM call overhead {machine.gemm_overhead_s * 1e6:.1f} us")
+    lines.append(f"direct kernels GFLOPS: forward {machine.direct_gflops:.0f}, weight gradient "
+                 f"{machine.direct_wgrad_gflops:.0f}; FFT GFLOPS: forward {machine.fft_gflops:.1f}, "
+                 f"inverse {machine.ifft_gflops:.1f}")
+    lines.append(f"GEMM call overhead {machine.gemm_overhead_s * 1e6:.1f} us, per batch chunk "
+                 f"{machine.chunk_overhead_s * 1e6:.1f} us")
     for name, passes in sorted((machine.call_overhead_s or {}).items()):
         lines.append(f"{name} call overhead (us): " + ", ".join(f"{p} {v * 1e6:.0f}" for p, v in passes.items()))
     return "\n".join(lines)

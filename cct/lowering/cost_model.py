@@ -66,7 +66,8 @@ class Machine:
     elem_curves: dict = field(default_factory=dict)  # kind -> [(elements, ns/element)], by sweep size
     lowering_curves: dict = field(default_factory=dict)  # lowering -> {"lower"|"unlower": [(elements, ns)]}
     gemm_overhead_s: float = 5e-6
-    chunk_overhead_s: float = 25e-6  # Python/numpy dispatch of one batch chunk (im2col, GEMMs, lifting calls)
+    # BatchedLowering's dispatch of one batch chunk beyond the strategy's own call (measured: a few us)
+    chunk_overhead_s: float = 25e-6
     # strategy -> {pass: seconds}: one call of the strategy on a trivial layer (its fixed Python, allocation
     # and kernel-launch cost, which a thin or tiny layer cannot hide); missing: 0
     call_overhead_s: dict = field(default_factory=dict)
@@ -75,6 +76,7 @@ class Machine:
     direct_gflops: float = 0.0  # direct-convolution kernel (2 flops per multiply-add); 0: DIRECT_SHARE of peak
     direct_wgrad_gflops: float = 0.0  # its weight-gradient kernel; 0: as direct_gflops
     fft_gflops: float = 0.0  # FFT flops (2.5 n log2 n per complex line); 0: FFT_SHARE of peak
+    ifft_gflops: float = 0.0  # the same for the (pruned) inverse transforms; 0: as fft_gflops
     threads: int = 1
     backend: str = "openblas"
     kernel: str = ""
@@ -107,9 +109,10 @@ class Machine:
         rate = self.direct_gflops or DIRECT_SHARE * self.peak_gflops()
         return 2.0 * float(macs) / (rate * 1e9) + (self.gemm_overhead_s if macs else 0.0)
 
-    def fft_seconds(self, flops: float) -> float:
-        """Predicted seconds of FFT work of ``flops`` (nominal ``2.5 n log2 n`` per line)."""
-        rate = self.fft_gflops or FFT_SHARE * self.peak_gflops()
+    def fft_seconds(self, flops: float, inverse: bool = False) -> float:
+        """Predicted seconds of FFT work of ``flops`` (nominal ``2.5 n log2 n`` per line); ``inverse``: of
+        inverse transforms, at their own rate when measured."""
+        rate = (inverse and self.ifft_gflops) or self.fft_gflops or FFT_SHARE * self.peak_gflops()
         return float(flops) / (rate * 1e9) + (self.gemm_overhead_s if flops else 0.0)
 
     def cgemm_seconds(self, m: int, n: int, k: int, count: int) -> float:
@@ -342,8 +345,8 @@ def price(ops: list[tuple], machine: Machine, lowering: str | None = None) -> di
         elif kind == "direct_wgrad":
             rate = machine.direct_wgrad_gflops
             out["direct"] += 2.0 * op[1] / (rate * 1e9) if rate else machine.direct_seconds(op[1])
-        elif kind == "fft":
-            out["fft"] += machine.fft_seconds(op[1])
+        elif kind in ("fft", "ifft"):
+            out["fft"] += machine.fft_seconds(op[1], inverse=kind == "ifft")
         else:
             out["elementwise"] += machine.elem_seconds(kind, op[1], lowering, *op[2:])
     out["total"] = sum(out.values())

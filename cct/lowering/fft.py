@@ -16,8 +16,8 @@ that are not all zero; inverse transforms keep, axis by axis, only the lines who
 used. The kernel's transform is cached from the forward pass for the data gradient of the same
 iteration (reused while the weights are unchanged: they are compared with a kept copy).
 
-Transforms run through the array module: ``scipy.fft`` for numpy (split over the batch, one chunk per
-BLAS thread of the caller), ``cupy.fft`` for cupy. Operations declared to the cost model follow ZNNi Table I
+Transforms run through the array module: ``scipy.fft`` for numpy (``workers`` = the BLAS thread
+count), ``cupy.fft`` for cupy. Operations declared to the cost model follow ZNNi Table I
 (``("fft", flops)`` per transform stage and complex GEMMs ``("cgemm", m, n, k, count)``); the
 workspace follows Table II (input, kernel and output transforms of one chunk).
 """
@@ -26,12 +26,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .. import blas, kernels
+from .. import blas
 from ..backend import get_array_module
 from .base import LoweringStrategy, register_strategy
 from .direct import pad_input
@@ -42,33 +41,14 @@ def _fft_module(xp: Any) -> tuple[Any, dict]:
     if xp is np:
         import scipy.fft as sfft
 
-        return sfft, {"workers": 1}  # threads: :func:`_chunked`
+        return sfft, {"workers": max(1, blas.get_num_threads())}
     return xp.fft, {}
 
 
-def _chunked(fn: Callable[[Any], Any], a: Any) -> Any:
-    """``fn(a)`` for a transform ``fn`` that maps each leading-axis slice of ``a`` on its own: numpy
-    arrays are split along that axis over the calling thread's BLAS thread budget, one chunk per
-    thread (:func:`cct.kernels.worker_pool`). scipy's own ``workers`` threads were bimodal on a
-    2-core VM: by process, 2 workers ran 5 or 9 GFLOPS where one chunk per thread ran 8-10."""
-    n = min(blas.get_num_threads(), a.shape[0]) if get_array_module(a) is np and a.ndim else 1
-    if n <= 1:
-        return fn(a)
-    bounds = [a.shape[0] * i // n for i in range(n + 1)]
-    futures = [kernels.worker_pool().submit(fn, a[lo:hi]) for lo, hi in zip(bounds[1:-1], bounds[2:])]
-    first = fn(a[: bounds[1]])
-    out = np.empty((a.shape[0],) + first.shape[1:], dtype=first.dtype)
-    out[: bounds[1]] = first
-    for (lo, hi), fut in zip(zip(bounds[1:-1], bounds[2:]), futures):
-        out[lo:hi] = fut.result()
-    return out
-
-
 def rfftn(a: Any, shape: tuple[int, ...]) -> Any:
-    """``rfftn(a, s=shape)`` over the trailing ``len(shape)`` axes (no pruning), chunked (:func:`_chunked`)."""
+    """``rfftn(a, s=shape)`` over the trailing ``len(shape)`` axes (no pruning)."""
     f, kw = _fft_module(get_array_module(a))
-    axes = tuple(range(a.ndim - len(shape), a.ndim))
-    return _chunked(lambda c: f.rfftn(c, s=shape, axes=axes, **kw), a)
+    return f.rfftn(a, s=shape, axes=tuple(range(a.ndim - len(shape), a.ndim)), **kw)
 
 
 def fft_shape(geom: ConvGeometry) -> tuple[int, ...]:
@@ -87,14 +67,10 @@ def pruned_rfftn(a: Any, shape: tuple[int, ...]) -> Any:
     over only the lines the zero padding leaves non-zero (ZNNi Figure 2)."""
     f, kw = _fft_module(get_array_module(a))
     nd = len(shape)
-
-    def stages(c: Any) -> Any:
-        out = f.rfft(c, n=shape[-1], axis=-1, **kw)
-        for i in range(nd - 2, -1, -1):
-            out = f.fft(out, n=shape[i], axis=c.ndim - nd + i, **kw)
-        return out
-
-    return _chunked(stages, a)
+    out = f.rfft(a, n=shape[-1], axis=-1, **kw)
+    for i in range(nd - 2, -1, -1):
+        out = f.fft(out, n=shape[i], axis=a.ndim - nd + i, **kw)
+    return out
 
 
 def pruned_irfftn(a: Any, shape: tuple[int, ...], keep: tuple[int, ...]) -> Any:
@@ -103,15 +79,11 @@ def pruned_irfftn(a: Any, shape: tuple[int, ...], keep: tuple[int, ...]) -> Any:
     f, kw = _fft_module(get_array_module(a))
     nd = len(shape)
     lead = a.ndim - nd
-
-    def stages(c: Any) -> Any:
-        out = c
-        for i in range(nd - 1):
-            out = f.ifft(out, n=shape[i], axis=lead + i, **kw)
-            out = out[(slice(None),) * (lead + i) + (slice(0, keep[i]),)]
-        return f.irfft(out, n=shape[-1], axis=-1, **kw)[..., : keep[-1]]
-
-    return _chunked(stages, a)
+    out = a
+    for i in range(nd - 1):
+        out = f.ifft(out, n=shape[i], axis=lead + i, **kw)
+        out = out[(slice(None),) * (lead + i) + (slice(0, keep[i]),)]
+    return f.irfft(out, n=shape[-1], axis=-1, **kw)[..., : keep[-1]]
 
 
 def _dilated(w: Any, geom: ConvGeometry) -> Any:
@@ -253,7 +225,7 @@ class FFTConvolution(LoweringStrategy):
 
     # -- what the cost model prices (ZNNi Tables I and II) -----------------------------------------
     def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:
-        """Transform stages as ``("fft", flops)``, the per-frequency channel sums as
+        """Transform stages as ``("fft", flops)`` (``"ifft"`` for inverse ones), the per-frequency channel sums as
         ``("cgemm", m, n, k, frequencies * groups)``, and the padding/spreading sweeps."""
         shape = fft_shape(geom)
         g, c, m = geom.group, geom.channels_in, geom.channels_out
@@ -271,15 +243,15 @@ class FFTConvolution(LoweringStrategy):
         if pass_ == "fwd":
             return [("zero", padded), ("copy", batch * c * geom.in_size), ("fft", batch * c * full),
                     ("fft", m * cg * kern), ("copy", 2 * cplx), ("cgemm", batch, mg, cg, freq * g),
-                    ("fft", batch * m * inv_out), ("copy", batch * m * geom.out_size)]
+                    ("ifft", batch * m * inv_out), ("copy", batch * m * geom.out_size)]
         if pass_ == "bwd_data":
             return [("zero", spread), ("fft", batch * m * full), ("copy", 2 * cplx),
-                    ("cgemm", batch, cg, mg, freq * g), ("fft", batch * c * inv_in),
+                    ("cgemm", batch, cg, mg, freq * g), ("ifft", batch * c * inv_in),
                     ("zero", batch * c * geom.in_size), ("copy", batch * c * geom.in_size)]
         if pass_ == "bwd_weights":
             return [("zero", padded + spread), ("copy", batch * c * geom.in_size), ("fft", batch * c * full),
                     ("fft", batch * m * full), ("copy", 2 * cplx), ("cgemm", mg, cg, batch, freq * g),
-                    ("fft", m * cg * inv_kern), ("sum", batch * m * geom.out_size)]
+                    ("ifft", m * cg * inv_kern), ("sum", batch * m * geom.out_size)]
         raise ValueError(f"unknown pass {pass_!r}")
 
     def workspace_bytes(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:

@@ -15,7 +15,8 @@ The operation vocabulary every strategy declares (see :func:`cct.lowering.cost_m
   lowered element (priced from its calibrated curve when the machine has one);
 * ``("direct", multiply_adds)`` -- a direct convolution kernel's work (``"direct_wgrad"``: the
   weight-gradient kernel's, which has a rate of its own);
-* ``("fft", flops)`` -- FFT work (``2.5 n log2 n`` per complex line of ``n`` points).
+* ``("fft", flops)`` -- FFT work (``2.5 n log2 n`` per complex line of ``n`` points); ``("ifft", flops)``
+  the same for inverse transforms.
 
 :class:`GemmLoweringOps` is the mixin the GEMM lowerings use to declare theirs.
 """
@@ -129,8 +130,8 @@ class LoweringShape:
             if self.lifted:
                 ops.append(("copy", M * P, self.lift_run))  # first shifted slice (+ bias, fused)
                 ops.append(("add", (kf - 1) * M * P))
-            else:
-                ops.append(("add", M * P))  # type 1: bias add doubles as the transposing lift
+            else:  # type 1: the transposing lift, (M, N, P) -> (N, M, P), with the bias added on the way
+                ops.append(("copy", M * P, self.out_run))
         elif pass_ == "bwd_data":
             scatter()
             ops.append(("gemm", cg * kl, cols, mg * kf, g))

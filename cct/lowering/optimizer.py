@@ -200,8 +200,8 @@ def choose_chunking(names: dict[str, str], geom: ConvGeometry, batch: int, threa
     each candidate partition count ``p`` (or the given one) priced with the constants measured for
     ``threads // p`` BLAS threads (counts without measured constants are skipped), its chunk size by
     :func:`cost_model.best_batch_partition` within ``budget / p``. The one place both are decided."""
-    from .cost_model import detect_cache_bytes
-    from .partition import max_batch_partition, split
+    from .cost_model import detect_cache_bytes, price
+    from .partition import max_batch_partition, reduction_ops, split
 
     machine_for = machine_for or _machine_for_threads
     cap = _budget_bytes(budget)
@@ -221,6 +221,8 @@ def choose_chunking(names: dict[str, str], geom: ConvGeometry, batch: int, threa
             bp_cap = min(max_batch_partition(get_strategy(n), geom, per_part, 4, cap // p) for n in set(names.values()))
             bp, t = best_batch_partition(names, geom, per_part, mach, "total", max_bp=bp_cap)
         t += PARTITION_OVERHEAD_S * p if p > 1 else 0.0
+        if "bwd_weights" in names and per_part >= 1:  # the partitions' weight gradients summed, once a call
+            t += price(reduction_ops(get_strategy(names["bwd_weights"]), geom, p), mach)["total"]
         if best is None or t < best[2]:
             best = (p, bp, t)
     return best if best is not None else (1, max(1, batch), 0.0)
@@ -240,14 +242,14 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
                      override: str | None = None, budget: int | str | None = None,
                      partitions: int | str = "model", threads: int | None = None, per_pass: bool = True,
                      min_gain: float = 0.05, machine_for: Callable[[int], Machine] | None = None,
-                     passes: tuple[str, ...] = PASSES) -> Plan:
+                     passes: tuple[str, ...] = PASSES, names: list[str] | None = None) -> Plan:
     """The whole plan of one conv layer, chosen once: strategy per pass (:func:`choose_plan`), then
     the partition count and ``b_p`` (:func:`choose_chunking`; ``partitions`` an int fixes the count,
     ``"auto"`` leaves both to measurement by the executing wrapper: ``b_p = 0``)."""
     from .. import blas
 
     plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override,
-                       budget=budget, passes=passes)
+                       budget=budget, passes=passes, names=names)
     if partitions == "auto":
         return plan
     total = int(threads or max(1, blas.get_num_threads()))

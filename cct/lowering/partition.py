@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import threading
@@ -431,6 +432,17 @@ class BatchedLowering(IntoLowering):
 
     def __repr__(self) -> str:
         return f"<lowering {self.name} b_p={self.batch_partition} p={self.partitions}>"
+
+
+def reduction_ops(strategy: LoweringStrategy, geom: ConvGeometry, partitions: int) -> list[tuple]:
+    """The sweeps :meth:`BatchedLowering.backward_into` adds to a weight-gradient pass over its chunks,
+    once per call: each partition's private gradient zeroed and summed into ``dw`` -- for a strategy
+    that accumulates the transposed gradient (``transposed_weight_grad``) one transposing add at the
+    end, even with one partition."""
+    w = math.prod(geom.weight_shape)
+    if getattr(strategy, "transposed_weight_grad", False) and getattr(strategy, "backward_into", None):
+        return [("zero", partitions * w), ("add", (partitions - 1) * w), ("add", w)]
+    return [("zero", partitions * w), ("add", partitions * w)] if partitions > 1 else []
 
 
 def _in_device_memory(a: Any) -> bool:

@@ -4,31 +4,40 @@
 second once numba's cached machine code is loaded):
 
 * ``direct_gflops`` -- the register-blocked direct-convolution kernel (:mod:`cct.kernels.conv_simd`)
-  alone, forward on 32 images of a 32-channel 5x5 layer of 16x16 outputs and a 64-channel 5x5
-  layer of 13x13 outputs together (2 flops per multiply-add the tiles compute, dropped positions
+  alone (beside a copy of itself on each other share of the cores, :func:`loaded_best_time`),
+  forward on 32 images of a 32-channel 5x5 layer of 16x16 outputs and a 64-channel 5x5 layer of
+  13x13 outputs together (2 flops per multiply-add the tiles compute, dropped positions
   included, as :meth:`~cct.lowering.direct.DirectConvolution.pass_ops` declares them; the buffer
   copies are priced as sweeps), the whole numpy-path forward when the kernels are off;
   ``direct_wgrad_gflops`` the same for its weight-gradient kernel;
-* ``fft_gflops`` -- real transforms of conv-sized planes as the FFT strategy runs them
-  (:func:`cct.lowering.fft.rfftn`), in nominal FFT flops (``2.5 n log2 n`` per complex line,
-  :func:`cct.lowering.fft._fft_flops`);
+* ``fft_gflops`` / ``ifft_gflops`` -- real transforms of conv-sized planes, zero-padded as the FFT
+  strategy's are (:func:`cct.lowering.fft.rfftn`), and their pruned inverses, in nominal FFT flops
+  (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
 
 * ``call_overhead_s`` -- per strategy and pass, one call on a trivial layer (8 channels, 4x4 output,
-  one image): the fixed cost a thin or tiny layer pays whatever its size.
+  one image): the fixed cost a thin or tiny layer pays whatever its size;
+* ``chunk_overhead_s`` -- what running a pass in batch chunks adds per chunk beyond those calls.
 
 Each point keeps the best of a few runs. :func:`cct.lowering.calibrate.calibrate` stores them in
 the :class:`~cct.lowering.cost_model.Machine`.
 """
 from __future__ import annotations
 
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
-from .. import blas
+from .. import blas, kernels
 from .geometry import ConvGeometry
 
 #: bumped when a measured kernel changes enough that cached rates mislead (2: register-blocked direct;
-#: 3: its weight gradient; 4: rates over the multiply-adds the tiles compute; 5: FFT split over the batch)
-RATES_VERSION = 5
+#: 3: its weight gradient; 4: rates over the multiply-adds the tiles compute; 5: the FFT rate best of three passes;
+#: 6: direct kernels timed beside their twins, the per-chunk overhead and the inverse-FFT rate measured)
+RATES_VERSION = 6
 
 
 def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
@@ -37,11 +46,12 @@ def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
 
 
 def measure_rates(repeats: int = 3) -> dict[str, float]:
-    """``{"direct_gflops", "direct_wgrad_gflops", "fft_gflops", "call_overhead_s"}`` of this machine (see
+    """``{"direct_gflops", "direct_wgrad_gflops", "fft_gflops", "ifft_gflops", "call_overhead_s",
+    "chunk_overhead_s"}`` of this machine (see
     the module docstring). Complex GEMMs are priced from the real GEMM grids (a complex multiply-add
     is four real ones)."""
     from .direct import DirectConvolution
-    from .fft import _fft_flops, rfftn
+    from .fft import _fft_flops, pruned_irfftn, rfftn
 
     blas.limit_openblas_spin()  # as in a net: GEMM workers spinning after the grids would slow the kernels
     rng = np.random.default_rng(0)
@@ -52,20 +62,74 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
             g = _geom(c, c, n, k)
             x = rng.standard_normal((32, c, n, n), dtype=np.float32)
             w = rng.standard_normal(g.weight_shape, dtype=np.float32)
-            direct = DirectConvolution()
-            call = direct.kernel_call(x, w, g, pass_)
-            call()  # compile / load the kernel
-            seconds += blas.best_time(call, max(repeats, 7))  # ~1 ms a call
+            seconds += loaded_best_time(lambda g=g, x=x, w=w, p=pass_: DirectConvolution().kernel_call(x, w, g, p),
+                                        max(repeats, 7))  # ~1 ms a call
             # the multiply-adds the tiles compute (dropped positions and channels included), as priced
-            flops += 2.0 * sum(op[1] for op in direct.pass_ops(g, 32, pass_) if op[0] in ("direct", "direct_wgrad"))
+            flops += 2.0 * sum(op[1] for op in DirectConvolution().pass_ops(g, 32, pass_)
+                               if op[0] in ("direct", "direct_wgrad"))
         direct_rates.append(flops / seconds / 1e9)
 
-    planes = rng.standard_normal((64, 16, 18, 18), dtype=np.float32)
-    t = min(blas.best_time(lambda: rfftn(planes, (18, 18)), repeats) for _ in range(3))
-    fft_gflops = 64 * 16 * _fft_flops((18, 18), (18, 18)) / t / 1e9
+    # conv-like transforms: 14x14 planes zero-padded to 18x18, and back keeping 14x14 (flops counted
+    # as FFTConvolution.pass_ops counts them) from a spectrum laid out frequency-major, as the
+    # channel products leave it (the inverse reads it strided: 2.4x slower than a contiguous one)
+    shape, keep = (18, 18), (14, 14)
+    planes = rng.standard_normal((64, 16) + keep, dtype=np.float32)
+    spectrum = np.ascontiguousarray(rfftn(planes, shape).reshape(64 * 16, -1).T).T.reshape(64, 16, 18, 10)
+    t = min(blas.best_time(lambda: rfftn(planes, shape), repeats) for _ in range(3))
+    fft_gflops = 64 * 16 * _fft_flops(shape, shape) / t / 1e9
+    t = min(blas.best_time(lambda: pruned_irfftn(spectrum, shape, keep), repeats) for _ in range(3))
+    ifft_gflops = 64 * 16 * _fft_flops(shape, keep) / t / 1e9
 
     return {"direct_gflops": direct_rates[0], "direct_wgrad_gflops": direct_rates[1], "fft_gflops": fft_gflops,
-            "call_overhead_s": measure_call_overheads()}
+            "ifft_gflops": ifft_gflops,
+            "call_overhead_s": measure_call_overheads(), "chunk_overhead_s": measure_chunk_overhead()}
+
+
+def measure_chunk_overhead(repeats: int = 10, chunks: int = 4) -> float:
+    """Seconds :class:`~cct.lowering.partition.BatchedLowering` adds per chunk beyond the strategy's own
+    call: a forward pass of type 1 on ``chunks`` one-image chunks of a trivial layer against ``chunks``
+    calls of type 1 alone (0 when within noise)."""
+    from .base import get_strategy
+    from .partition import BatchedLowering
+
+    rng = np.random.default_rng(2)
+    g = _geom(8, 8, 4, 5)
+    x = rng.standard_normal((chunks, 8, 4, 4), dtype=np.float32)
+    w = rng.standard_normal(g.weight_shape, dtype=np.float32)
+    alone, batched = get_strategy("type1"), BatchedLowering(get_strategy("type1"), batch_partition=1, partitions=1)
+    one = min(blas.best_time(lambda: alone.forward(x[:1], w, None, g), repeats) for _ in range(2))
+    many = min(blas.best_time(lambda: batched.forward(x, w, None, g), repeats) for _ in range(2))
+    return max(0.0, (many - chunks * one) / chunks)
+
+
+def loaded_best_time(make_call: Callable[[], Callable[[], Any]], repeats: int) -> float:
+    """Seconds of the fastest call of ``make_call()`` while the rest of the machine is as busy as in a
+    partitioned net: when the calling thread's kernel thread count is a share of the cores, each other
+    share runs a copy of the same call at the same time (as :class:`~cct.lowering.partition.
+    BatchedLowering`'s partitions do), and a repeat lasts until the slowest copy ends. Measured alone,
+    one thread of a 2-core Zen 5 ran the direct kernel ~1.3x faster than it did beside its twin."""
+    threads = max(1, kernels.get_num_threads())
+    copies = max(1, (os.cpu_count() or 1) // threads)
+    calls = [make_call() for _ in range(copies)]
+    for call in calls:
+        call()  # compile / load the kernel, fault the buffers in
+    if copies == 1:
+        return blas.best_time(calls[0], repeats)
+    start = threading.Barrier(copies)
+
+    def timed(call: Callable[[], Any]) -> list[float]:
+        with kernels.num_threads(threads):
+            out = []
+            for _ in range(repeats):
+                start.wait()
+                t0 = time.perf_counter()
+                call()
+                out.append(time.perf_counter() - t0)
+            return out
+
+    others = [kernels.worker_pool().submit(timed, call) for call in calls[1:]]
+    mine = timed(calls[0])
+    return min(max(ts) for ts in zip(mine, *(f.result() for f in others)))
 
 
 def measure_call_overheads(repeats: int = 10) -> dict[str, dict[str, float]]:
