@@ -221,10 +221,17 @@ def get_num_threads() -> int:
 SMALL_WORK = 1 << 15
 
 
-def serial_if_small(n: int, fn, *args):
-    """``fn(*args)``, on one kernel thread when ``n`` (the elements it touches) is below
-    :data:`SMALL_WORK`; the calling thread's thread count is restored afterwards."""
-    if n >= SMALL_WORK:
+#: elements below which the lowering kernels (im2col, col2im) run on the calling thread alone: what
+#: they write is read next by one thread (or a small GEMM), and data written by another core cost
+#: more to read than the second thread saved (a 2-core Zen 5 VM: im2col of 0.8M elements and one
+#: read of the result, 373 us on two threads against 95 us on one)
+LOWERING_SMALL_WORK = 1 << 20
+
+
+def serial_if_small(n: int, fn, *args, limit: int = SMALL_WORK):
+    """``fn(*args)``, on one kernel thread when ``n`` (the elements it touches) is below ``limit``;
+    the calling thread's thread count is restored afterwards."""
+    if n >= limit:
         return fn(*args)
     import numba
 
