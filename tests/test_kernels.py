@@ -548,3 +548,23 @@ def test_sgd_solver_fused_and_numpy_updates_agree(monkeypatch):
     assert len(calls) == 3 * 4  # the kernel path ran the fused update for each of the 4 params
     for a, b in zip(ref, got):
         assert_bits(a, b)
+
+
+def test_serial_if_small_runs_below_its_limit_on_one_thread():
+    """Work under the limit runs on one kernel thread (the caller's count restored after); work at or
+    over it keeps the caller's threads. The lowering kernels use a larger limit than the others."""
+    from cct import kernels as km
+
+    if not km.enabled():
+        pytest.skip("numba kernels off")
+    import numba
+
+    seen = []
+    with km.num_threads(2):
+        km.serial_if_small(10, lambda: seen.append(numba.get_num_threads()))
+        km.serial_if_small(km.SMALL_WORK, lambda: seen.append(numba.get_num_threads()))
+        km.serial_if_small(km.SMALL_WORK, lambda: seen.append(numba.get_num_threads()), limit=km.LOWERING_SMALL_WORK)
+        seen.append(numba.get_num_threads())
+    expected_top = min(2, numba.config.NUMBA_NUM_THREADS)
+    assert seen == [1, expected_top, 1, expected_top]
+    assert km.LOWERING_SMALL_WORK > km.SMALL_WORK
