@@ -239,7 +239,7 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
         small = np.ones((2, 2), np.float32)
         overhead = _best_time(lambda: blas.gemm(small, small), 20)
     with _threads(threads):
-        ew = measure_elementwise(lv.elem_sizes, repeats, passes=min(3, n_passes + 1))
+        ew = _sweeps_measured(lv, backend) or measure_elementwise(lv.elem_sizes, repeats, passes=min(2, n_passes))
         tick()
         lw = measure_lowerings(lv.lowering_sizes, repeats)
         tick()
@@ -258,6 +258,20 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
     if verbose:
         print(summary(machine))
     return _store(machine, backend, save and lv.cached)
+
+
+def _sweeps_measured(level: CalibrationLevel, backend: str) -> dict | None:
+    """The element-wise curves of a Machine this process measured already (another thread count) at
+    ``level`` or a more thorough one: numpy's sweeps run on one thread whatever the BLAS or kernel
+    thread count, so a second calibration reuses them (a first run calibrates two counts)."""
+    rank = list(LEVELS)
+    for m in _memo.values():
+        lvl = m.info.get("level", "full")
+        if (m.backend == backend and m.key == blas.machine_key() and lvl in rank and level.name in rank
+                and rank.index(lvl) >= rank.index(level.name) and m.info.get("curves_version") == CURVES_VERSION
+                and set(ELEM_KINDS) <= set(m.elem_curves)):
+            return {k: list(v) for k, v in m.elem_curves.items()}
+    return None
 
 
 def _add_rates(machine: Machine) -> Machine:
