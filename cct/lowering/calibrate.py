@@ -390,7 +390,8 @@ def summary(machine: Machine) -> str:
                  f"{machine.direct_wgrad_gflops:.0f}; FFT GFLOPS: forward {machine.fft_gflops:.1f}, "
                  f"inverse {machine.ifft_gflops:.1f}")
     lines.append(f"GEMM call overhead {machine.gemm_overhead_s * 1e6:.1f} us, per batch chunk "
-                 f"{machine.chunk_overhead_s * 1e6:.1f} us")
+                 f"{machine.chunk_overhead_s * 1e6:.1f} us, per batch partition "
+                 f"{machine.partition_overhead_s * 1e6:.1f} us")
     for name, passes in sorted((machine.call_overhead_s or {}).items()):
         lines.append(f"{name} call overhead (us): " + ", ".join(f"{p} {v * 1e6:.0f}" for p, v in passes.items()))
     return "\n".join(lines)

@@ -68,6 +68,7 @@ class Machine:
     gemm_overhead_s: float = 5e-6
     # BatchedLowering's dispatch of one batch chunk beyond the strategy's own call (measured: a few us)
     chunk_overhead_s: float = 25e-6
+    partition_overhead_s: float = 30e-6  # handing one batch partition to a worker thread and joining it
     # strategy -> {pass: seconds}: one call of the strategy on a trivial layer (its fixed Python, allocation
     # and kernel-launch cost, which a thin or tiny layer cannot hide); missing: 0
     call_overhead_s: dict = field(default_factory=dict)

@@ -26,8 +26,6 @@ from .cost_model import PASSES, Machine, best_batch_partition, chunked_seconds, 
 from .cost_model import strategy as priced_strategy
 from .geometry import ConvGeometry
 
-PARTITION_OVERHEAD_S = 30e-6  # handing a partition to a worker thread and joining it
-
 
 def supports(strategy: LoweringStrategy, geom: ConvGeometry) -> bool:
     """``strategy.supports(geom)`` when the strategy defines it, else True."""
@@ -205,6 +203,7 @@ def choose_chunking(names: dict[str, str], geom: ConvGeometry, batch: int, threa
 
     machine_for = machine_for or _machine_for_threads
     cap = _budget_bytes(budget)
+    handoff = getattr(machine_for(threads), "partition_overhead_s", 30e-6)  # measured on the whole machine
     pool = [partitions] if partitions else _partition_candidates(threads, batch)
     best: tuple[int, int, float] | None = None
     for p in pool:
@@ -220,7 +219,7 @@ def choose_chunking(names: dict[str, str], geom: ConvGeometry, batch: int, threa
         else:
             bp_cap = min(max_batch_partition(get_strategy(n), geom, per_part, 4, cap // p) for n in set(names.values()))
             bp, t = best_batch_partition(names, geom, per_part, mach, "total", max_bp=bp_cap)
-        t += PARTITION_OVERHEAD_S * p if p > 1 else 0.0
+        t += handoff * p if p > 1 else 0.0
         if "bwd_weights" in names and per_part >= 1:  # the partitions' weight gradients summed, once a call
             t += price(reduction_ops(get_strategy(names["bwd_weights"]), geom, p), mach)["total"]
         if best is None or t < best[2]:

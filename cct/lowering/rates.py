@@ -16,7 +16,8 @@ second once numba's cached machine code is loaded):
 
 * ``call_overhead_s`` -- per strategy and pass, one call on a trivial layer (8 channels, 4x4 output,
   one image): the fixed cost a thin or tiny layer pays whatever its size;
-* ``chunk_overhead_s`` -- what running a pass in batch chunks adds per chunk beyond those calls.
+* ``chunk_overhead_s`` -- what running a pass in batch chunks adds per chunk beyond those calls;
+  ``partition_overhead_s`` -- what each parallel batch partition adds (hand-off and join).
 
 Each point keeps the best of a few runs. :func:`cct.lowering.calibrate.calibrate` stores them in
 the :class:`~cct.lowering.cost_model.Machine`.
@@ -47,7 +48,7 @@ def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
 
 def measure_rates(repeats: int = 3) -> dict[str, float]:
     """``{"direct_gflops", "direct_wgrad_gflops", "fft_gflops", "ifft_gflops", "call_overhead_s",
-    "chunk_overhead_s"}`` of this machine (see
+    "chunk_overhead_s", "partition_overhead_s"}`` of this machine (see
     the module docstring). Complex GEMMs are priced from the real GEMM grids (a complex multiply-add
     is four real ones)."""
     from .direct import DirectConvolution
@@ -82,7 +83,24 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
 
     return {"direct_gflops": direct_rates[0], "direct_wgrad_gflops": direct_rates[1], "fft_gflops": fft_gflops,
             "ifft_gflops": ifft_gflops,
-            "call_overhead_s": measure_call_overheads(), "chunk_overhead_s": measure_chunk_overhead()}
+            "call_overhead_s": measure_call_overheads(), "chunk_overhead_s": measure_chunk_overhead(),
+            "partition_overhead_s": measure_partition_overhead()}
+
+
+def measure_partition_overhead(repeats: int = 20) -> float:
+    """Seconds per partition of running a pass in parallel batch partitions, one per core, with no work
+    in them (:meth:`~cct.lowering.partition.BatchedLowering`'s hand-off to its worker threads and the
+    join; a 2-core Zen 5 VM: ~45 us a partition); 0 on one core."""
+    from .base import get_strategy
+    from .partition import BatchedLowering
+
+    p = os.cpu_count() or 1
+    if p < 2:
+        return 0.0
+    g = _geom(8, 8, 4, 5)
+    runner = BatchedLowering(get_strategy("type1"), batch_partition=1, partitions=p, threads=p)
+    t = min(blas.best_time(lambda: runner._run(g, p, 4, lambda s, e: None, p), repeats) for _ in range(2))
+    return t / p
 
 
 def measure_chunk_overhead(repeats: int = 10, chunks: int = 4) -> float:
