@@ -280,8 +280,9 @@ _pool: Any = None
 
 
 def worker_pool() -> Any:
-    """The process's pool of ``cct-kernels`` threads (one per core) for work split in chunks that
-    release the GIL and never call BLAS (numpy element-wise chunks, FFT chunks); created on first use."""
+    """The process's pool of ``cct-kernels`` threads (one per core) for work that releases the GIL and
+    never calls BLAS (LRN's element-wise power chunks, the calibration's twin kernel calls); created
+    on first use."""
     global _pool
     if _pool is None:
         with _lock:

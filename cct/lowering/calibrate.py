@@ -252,8 +252,7 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
                       kernel=str(info.get("architecture") or ""), key=blas.machine_key(),
                       info={"quick": lv.name == "quick", "level": lv.name, "seconds": time.perf_counter() - t0,
                             "measured_at": time.time(), "blas": info, "curves_version": CURVES_VERSION})
-    with blas.blas_threads(threads):
-        _add_rates(machine)
+    _add_rates(machine)
     machine.info["seconds"] = time.perf_counter() - t0
     if verbose:
         print(summary(machine))
@@ -275,11 +274,11 @@ def _sweeps_measured(level: CalibrationLevel, backend: str) -> dict | None:
 
 
 def _add_rates(machine: Machine) -> Machine:
-    """Measure the direct, FFT and complex-GEMM rates into ``machine`` (:mod:`cct.lowering.rates`)."""
-    from .. import kernels
+    """Measure the direct, FFT and complex-GEMM rates into ``machine`` (:mod:`cct.lowering.rates`), on
+    its own BLAS and kernel thread counts."""
     from .rates import measure_rates
 
-    with kernels.num_threads(machine.threads):
+    with _threads(machine.threads):
         for key, value in measure_rates().items():
             setattr(machine, key, value if isinstance(value, dict) else float(value))
     machine.info = dict(machine.info, rates_version=RATES_VERSION)
@@ -348,9 +347,7 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
         if m is not None:
             stale = m.info.get("rates_version", 1) != RATES_VERSION  # cached by an older cct's kernels
             if measure_if_missing and (stale or not (m.direct_gflops and m.call_overhead_s)):
-                with blas.blas_threads(n):
-                    _add_rates(m)
-                return _store(m, backend, True)
+                return _store(_add_rates(m), backend, True)
             if measure_if_missing and m.info.get("curves_version", 1) != CURVES_VERSION:
                 return _store(_remeasure_curves(m), backend, True)
             _memo[name] = m

@@ -203,7 +203,7 @@ def choose_chunking(names: dict[str, str], geom: ConvGeometry, batch: int, threa
 
     machine_for = machine_for or _machine_for_threads
     cap = _budget_bytes(budget)
-    handoff = getattr(machine_for(threads), "partition_overhead_s", 30e-6)  # measured on the whole machine
+    handoff = getattr(machine_for(threads), "partition_overhead_s", Machine.partition_overhead_s)  # whole machine
     pool = [partitions] if partitions else _partition_candidates(threads, batch)
     best: tuple[int, int, float] | None = None
     for p in pool:

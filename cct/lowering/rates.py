@@ -90,7 +90,7 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
 def measure_partition_overhead(repeats: int = 20) -> float:
     """Seconds per partition of running a pass in parallel batch partitions, one per core, with no work
     in them (:meth:`~cct.lowering.partition.BatchedLowering`'s hand-off to its worker threads and the
-    join; a 2-core Zen 5 VM: ~45 us a partition); 0 on one core."""
+    join; a 2-core Zen 5 VM: 30-33 us a partition); 0 on one core."""
     from .base import get_strategy
     from .partition import BatchedLowering
 

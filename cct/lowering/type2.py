@@ -53,8 +53,7 @@ class PartialLowering(GemmLoweringOps, LoweringStrategy):
     # -- helpers -----------------------------------------------------------------------------
     def _layout(self, geom: ConvGeometry):
         nd = geom.num_spatial
-        # an axis of kernel 1 and stride 1 lowers to the input itself: lifting it is the same GEMM without the copy
-        low = tuple(sorted(i for i in set(self.lowered_axes(geom)) if (geom.kernel[i], geom.stride[i]) != (1, 1)))
+        low = tuple(sorted(set(self.lowered_axes(geom))))
         lift = tuple(i for i in range(nd) if i not in low)
         return nd, low, lift, geom.used_extent
 
@@ -258,7 +257,10 @@ class Type2Lowering(PartialLowering):
     name = "type2"
 
     def lowered_axes(self, geom: ConvGeometry) -> tuple[int, ...]:
-        return (geom.num_spatial - 1,) if geom.num_spatial else ()
+        """The last spatial axis -- unless its kernel and stride are 1: lowering it would copy the input
+        unchanged, and lifting it is the same GEMM without the copy (type 3)."""
+        last = geom.num_spatial - 1
+        return (last,) if geom.num_spatial and (geom.kernel[last], geom.stride[last]) != (1, 1) else ()
 
 
 def _win(offset: int, stride: int, dilation: int, out: int) -> slice:
