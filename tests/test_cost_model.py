@@ -470,10 +470,38 @@ def test_cache_from_older_curves_is_remeasured(monkeypatch):
                         lambda sizes, repeats: seen.append(kernels.get_num_threads()) or real_lw(((16, 2),), 1))
     m = flat_machine(gflops=77.0)
     m.threads, m.backend, m.direct_gflops, m.call_overhead_s = 1, blas.get_backend(), 50.0, {"type1": {"fwd": 1e-5}}
-    m.info = {"rates_version": cal.RATES_VERSION}
+    m.info = {"rates_version": cal.RATES_VERSION, "grid_version": cal.GRID_VERSION}
     m.elem_curves = {"copy": [(1, 0.3)], "add": [(1, 0.8)], "zero": [(1, 0.1)]}
     blas.write_cache(cal._cache_name(1, m.backend), m.to_json())
     got = cal.load_machine(threads=1)
     assert set(got.elem_curves) == set(cal.ELEM_KINDS) and got.gemm_bign == m.gemm_bign
     assert got.info["curves_version"] == cal.CURVES_VERSION and seen == [1]
     assert set(cal.Machine.from_json(blas.read_cache(cal._cache_name(1, m.backend))).elem_curves) == set(cal.ELEM_KINDS)
+
+
+def test_grid_long_dimensions_do_not_alias():
+    """The GEMM grids' long dimension (a contiguous operand's row stride) is never a multiple of 1 KiB
+    of float32: such rows share cache sets and ran 1.5-2x slower than a conv layer's ``b * P`` columns."""
+    assert cal._unaliased(65536) == 65520 and cal._unaliased(4096) == 4080 and cal._unaliased(1525) == 1525
+    assert cal._unaliased(256) == 240 and cal._unaliased(16) == 16
+    for m in (4, 16, 64, 256, 1024, 4096):
+        for k in (4, 16, 64, 256, 1024, 4096):
+            big = cal._big(m, k, 2e8, 512, 65536)
+            assert (4 * big) % 1024 != 0 and 496 <= big <= 65536
+
+
+def test_cache_from_older_grids_is_calibrated_anew(monkeypatch):
+    """A Machine whose GEMM grids an older cct measured (no ``grid_version``) is calibrated anew when
+    load_machine may measure, and still returned as cached when it may not."""
+    from cct import blas
+
+    m = flat_machine(gflops=77.0)
+    m.threads, m.backend, m.direct_gflops, m.call_overhead_s = 1, blas.get_backend(), 50.0, {"type1": {"fwd": 1e-5}}
+    m.info = {"rates_version": cal.RATES_VERSION, "curves_version": cal.CURVES_VERSION}
+    blas.write_cache(cal._cache_name(1, m.backend), m.to_json())
+    assert cal.load_machine(measure_if_missing=False, threads=1).gemm_bign[0][0] == 77.0
+    cal._memo.clear()
+    calls, fresh = [], flat_machine(gflops=99.0)
+    fresh.info = {"seconds": 0.1}
+    monkeypatch.setattr(cal, "calibrate", lambda **kw: calls.append(kw) or fresh)
+    assert cal.load_machine(threads=1) is fresh and calls == [{"threads": 1, "level": "first"}]

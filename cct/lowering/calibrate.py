@@ -85,13 +85,24 @@ def _gemm_gflops(m: int, n: int, k: int, repeats: int, pool: blas.OperandPool | 
 
 
 def _big(m: int, k: int, budget: float, lo: int, hi: int) -> int:
-    return int(min(hi, max(lo, budget / (2.0 * m * k))))
+    return _unaliased(int(min(hi, max(lo, budget / (2.0 * m * k)))))
+
+
+def _unaliased(n: int) -> int:
+    """``n``, or 16 less when ``n`` float32 elements span a multiple of 1 KiB. The grids' operands are
+    contiguous, so their long dimension is their row stride, and rows a multiple of 1 KiB apart
+    share cache sets: OpenBLAS ran 16x64 @ 64xN at 157 GFLOPS for N = 65536 and 276 for N = 60000
+    (a 2-core Zen 5). A conv layer's ``b * P`` columns rarely alias so (P = 169, 729, 3025...)."""
+    return n - 16 if n > 16 and (4 * n) % 1024 == 0 else n
 
 
 #: bumped when the sweep or lowering curves change what they measure (2: the stream and sum sweeps, in
-#: passes; curves timed on the Machine's own kernel thread count); a cached Machine from before is
-#: re-measured on load
-CURVES_VERSION = 2
+#: passes; curves timed on the Machine's own kernel thread count; 3: the lowering curves in passes); a
+#: cached Machine from before is re-measured on load
+CURVES_VERSION = 3
+#: bumped when the GEMM grids change what they measure (2: long dimensions that do not alias, see
+#: :func:`_unaliased`); a cached Machine from before is calibrated anew on load
+GRID_VERSION = 2
 #: the element-wise sweep kinds :func:`measure_elementwise` measures (a cached Machine missing one is
 #: re-measured)
 ELEM_KINDS = ("copy", "stream", "add", "sum", "zero")
@@ -154,10 +165,17 @@ def _calib_geom(d: int, n: int = 13, k: int = 3, pad: int = 1):
 
 
 def measure_lowerings(sizes: tuple[tuple[int, int], ...] = ((32, 4), (256, 16), (512, 32)),
-                      repeats: int = 3) -> dict:
+                      repeats: int = 3, passes: int = 2) -> dict:
     """ns per lowered element of each lowering's own replication (``lower``) and its adjoint
     (``unlower``), timed on the real implementations at 13x13 / 3x3 / pad 1 for ``(d, batch)``
-    sizes. Returns ``{lowering: {"lower": [(elements, ns)], "unlower": [...]}}``."""
+    sizes, each point the best of ``passes`` passes over all of them (a first pass alone ran the
+    smallest point 1.3x slow). Returns ``{lowering: {"lower": [(elements, ns)], "unlower": [...]}}``."""
+    runs = [_measure_lowerings_once(sizes, repeats) for _ in range(max(1, passes))]
+    return {t: {k: [(e, min(r[t][k][i][1] for r in runs)) for i, (e, _) in enumerate(curve)]
+                for k, curve in kinds.items()} for t, kinds in runs[0].items()}
+
+
+def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) -> dict:
     from . import type1
     from .im2col import col2im
     from .type2 import Type2Lowering
@@ -232,7 +250,7 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
         ref_big = big(256, 256)
         ref = _gemm_gflops(256, ref_big, 256, repeats, pool)
         curve = []
-        for b in (*lv.bigs, ref_big):
+        for b in (*map(_unaliased, lv.bigs), ref_big):
             curve.append((int(b), min(1.0, _gemm_gflops(256, b, 256, repeats, pool) / ref)))
             tick()
         del pool
@@ -251,7 +269,8 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
                       backend=backend,
                       kernel=str(info.get("architecture") or ""), key=blas.machine_key(),
                       info={"quick": lv.name == "quick", "level": lv.name, "seconds": time.perf_counter() - t0,
-                            "measured_at": time.time(), "blas": info, "curves_version": CURVES_VERSION})
+                            "measured_at": time.time(), "blas": info, "curves_version": CURVES_VERSION,
+                            "grid_version": GRID_VERSION})
     _add_rates(machine)
     machine.info["seconds"] = time.perf_counter() - t0
     if verbose:
@@ -338,12 +357,14 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
     if name in _memo:
         return _memo[name]
     cached = blas.read_cache(name)
-    m = None
+    m, outdated = None, False
     if cached is not None:
         try:
             m = Machine.from_json(cached)
         except (TypeError, ValueError, KeyError, AttributeError):
             m = None
+        if m is not None and measure_if_missing and m.info.get("grid_version", 1) != GRID_VERSION:
+            m, outdated = None, True  # grids measured the way an older cct did: calibrated anew below
         if m is not None:
             stale = m.info.get("rates_version", 1) != RATES_VERSION  # cached by an older cct's kernels
             if measure_if_missing and (stale or not (m.direct_gflops and m.call_overhead_s)):
@@ -352,7 +373,7 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
                 return _store(_remeasure_curves(m), backend, True)
             _memo[name] = m
             return m
-    if (blas.cache_dir() / name).exists():
+    if not outdated and (blas.cache_dir() / name).exists():
         log.warning("The calibration cache %s is unreadable; %s", blas.cache_dir() / name,
                     "measuring again" if measure_if_missing else "using the nominal cost model")
     if not measure_if_missing:
