@@ -505,3 +505,19 @@ def test_cache_from_older_grids_is_calibrated_anew(monkeypatch):
     fresh.info = {"seconds": 0.1}
     monkeypatch.setattr(cal, "calibrate", lambda **kw: calls.append(kw) or fresh)
     assert cal.load_machine(threads=1) is fresh and calls == [{"threads": 1, "level": "first"}]
+
+
+def test_precompile_kernels_fills_numba_cache_in_worker_processes(tmp_path, monkeypatch):
+    """A first calibration compiles its kernels in worker processes, one per core: the workers write the
+    kernels' machine code into numba's on-disk cache, where the calibrating process loads it."""
+    from cct import kernels
+
+    if not kernels.enabled():
+        pytest.skip("compiled kernels unavailable")
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "_precompiled", False)
+    assert cal.precompile_kernels(("type1:unlower", "type1:unlower"), processes=2) > 0
+    assert any("col2im" in p.name for p in tmp_path.rglob("*.nbi"))
+    assert cal.precompile_kernels(("type1:unlower", "type1:unlower")) == 0.0  # once per process
+    with pytest.raises(cal.CctError, match="unknown kernel warm-up job 'nope'"):
+        cal.warm_kernel("nope")

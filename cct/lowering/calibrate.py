@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,8 @@ QUICK_DIMS = [8, 64, 512]
 # sweep sizes (elements) of the element-wise curves and (d, batch) points of the lowering curves
 FULL_ELEM_SIZES = (1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 25)
 FULL_LOWERING_SIZES = ((32, 4), (256, 16), (512, 32))
+# the first run drops the largest sweep (128 MB arrays, beyond every cache: its rate is the 32 MB one's)
+FIRST_ELEM_SIZES = FULL_ELEM_SIZES[:-1]
 
 
 @dataclass(frozen=True)
@@ -55,15 +58,16 @@ class CalibrationLevel:
     elem_sizes: tuple[int, ...]
     lowering_sizes: tuple[tuple[int, int], ...]
     cached: bool
+    curve_passes: int = 2  # passes over the lowering curves' points, each keeping its best
 
 
 LEVELS = {
     # coarse and sub-second, never cached: tests and `cct calibrate --quick`
     "quick": CalibrationLevel("quick", tuple(QUICK_DIMS), 1, 1, 2e7, 256, 8192, (32, 256),
-                              (1 << 14, 1 << 18), ((16, 2), (64, 8)), False),
+                              (1 << 14, 1 << 18), ((16, 2), (64, 8)), False, 1),
     # the first run on a new machine: the full grid once, with smaller products (a few seconds)
     "first": CalibrationLevel("first", tuple(FULL_DIMS), 1, 2, 1e8, 256, 32768, (16, 64, 256, 1024),
-                              FULL_ELEM_SIZES, FULL_LOWERING_SIZES, True),
+                              FIRST_ELEM_SIZES, FULL_LOWERING_SIZES, True, 1),
     # `cct calibrate`: three sweeps over the full grid at full size
     "full": CalibrationLevel("full", tuple(FULL_DIMS), 3, 2, 2e8, 512, 65536, (16, 64, 256, 1024, 4096),
                              FULL_ELEM_SIZES, FULL_LOWERING_SIZES, True),
@@ -120,12 +124,11 @@ def measure_elementwise(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24), re
     kinds, each point keeping its best (a burst of load spoils one pass, not the curve). Returns
     ``{kind: [(elements, ns), ...]}``.
     """
-    rng = np.random.default_rng(0)
-    cases = []
+    cases = []  # filled with ones, not random numbers: drawing them cost more than the sweeps
     for size in sizes:
         planes = max(4, size // 169)
         a, b = 4, max(1, planes // 4)
-        src = rng.standard_normal((a, b, 15, 15), dtype=np.float32)
+        src = np.ones((a, b, 15, 15), np.float32)
         dst = np.empty((b, a, 13, 13), np.float32).transpose(1, 0, 2, 3)
         acc = np.zeros((b, a, 13, 13), np.float32).transpose(1, 0, 2, 3)
         plane = src[:, :, 1:14, 1:14].copy()
@@ -180,17 +183,16 @@ def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) ->
     from .im2col import col2im
     from .type2 import Type2Lowering
 
-    rng = np.random.default_rng(0)
     out: dict[str, dict[str, list]] = {"type1": {"lower": [], "unlower": []}, "type2": {"lower": [], "unlower": []}}
     s2 = Type2Lowering()
     for d, b in sizes:
         g = _calib_geom(d)
-        x = rng.standard_normal((b, d) + g.in_shape, dtype=np.float32)
+        x = np.ones((b, d) + g.in_shape, np.float32)  # the values do not change a copy's speed
         # type 1 (im2col over the batch, col2im for the data gradient)
         elems = d * g.kernel_size * b * g.out_size
         out["type1"]["lower"].append((elems, _best_time(lambda g=g, x=x: type1.Type1Lowering.lower(x, g),
                                                         repeats) / elems * 1e9))
-        dcol = rng.standard_normal((d,) + g.kernel + (b,) + g.out_shape, dtype=np.float32)
+        dcol = np.ones((d,) + g.kernel + (b,) + g.out_shape, np.float32)
         view = type1._col_buffer_view(dcol, 2) if hasattr(type1, "_col_buffer_view") else dcol
         out["type1"]["unlower"].append((elems, _best_time(
             lambda g=g, v=view: col2im(v, g.in_shape, g.kernel, g.pad, g.stride, g.dilation), repeats) / elems * 1e9))
@@ -200,10 +202,75 @@ def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) ->
         e2 = d * g.kernel[1] * b * ext[0] * g.out_shape[1]
         out["type2"]["lower"].append((e2, _best_time(
             lambda g=g, x=x, ext=ext: s2._lower(s2._padded_input(x, g, ext), g), repeats) / e2 * 1e9))
-        dd = rng.standard_normal((d, g.kernel[1], b, ext[0], g.out_shape[1]), dtype=np.float32)
+        dd = np.ones((d, g.kernel[1], b, ext[0], g.out_shape[1]), np.float32)
         out["type2"]["unlower"].append((e2, _best_time(lambda g=g, dd=dd, b=b: s2._unlower(dd, g, b), repeats)
                                         / e2 * 1e9))
     return out
+
+
+#: what a calibration compiles, as jobs for :func:`precompile_kernels`: type 1's im2col and col2im
+#: (6.3 + 4.6 s of compiling on a 2-core Zen 3), and the direct kernels' three passes on the call-overhead
+#: layer, which compile every direct kernel variant the rates time too (10.9 s)
+WARM_JOBS = ("type1:lower", "direct:calls", "type1:unlower")
+_precompiled = False
+
+
+def warm_kernel(job: str) -> None:
+    """Run, once and on small inputs, the compiled kernels that calibration's ``job`` (one of
+    :data:`WARM_JOBS`) times, with the argument types it times them with: numba compiles them into its
+    on-disk cache, where the calibrating process finds them."""
+    from . import type1
+    from .direct import DirectConvolution
+    from .im2col import col2im
+
+    if job not in WARM_JOBS:
+        raise CctError(f"unknown kernel warm-up job {job!r} (one of {', '.join(WARM_JOBS)})")
+    if job.startswith("type1:"):
+        g = _calib_geom(16)
+        if job == "type1:lower":
+            type1.Type1Lowering.lower(np.ones((2, 16) + g.in_shape, np.float32), g)
+        else:
+            dcol = np.ones((16,) + g.kernel + (2,) + g.out_shape, np.float32)
+            col2im(type1._col_buffer_view(dcol, 2), g.in_shape, g.kernel, g.pad, g.stride, g.dilation)
+        return
+    from .rates import overhead_layer
+
+    x, w, b, dy, g = overhead_layer()  # the three passes as measure_call_overheads runs them
+    DirectConvolution().forward(x, w, b, g)
+    DirectConvolution().backward_data(dy, w, g)
+    DirectConvolution().backward_weights(dy, x, g)
+
+
+def precompile_kernels(jobs: Sequence[str] = WARM_JOBS, processes: int | None = None) -> float:
+    """Compile the kernels of ``jobs`` (:func:`warm_kernel`) in worker processes, one per core, dealt
+    out round-robin, and return the seconds it took. Compiling is single-threaded and most of a first
+    calibration (23 of 29 s on a 2-core Zen 3); the workers share it out. Nothing is done (0.0) on one
+    core, with the compiled kernels off, or when this process has done it already. The workers are
+    fresh interpreters running this module's :func:`warm_kernel` (not ``multiprocessing``, which would
+    re-run a calling script that lacks a ``__main__`` guard)."""
+    global _precompiled
+    n = min(len(jobs), processes or os.cpu_count() or 1)
+    if _precompiled or n < 2 or not kernels.enabled():
+        return 0.0
+    import subprocess
+    from pathlib import Path
+
+    _precompiled = True
+    t0 = time.perf_counter()
+    root = str(Path(__file__).resolve().parents[2])  # the directory that holds this cct package
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+    code = "import sys; from cct.lowering.calibrate import warm_kernel; [warm_kernel(j) for j in sys.argv[1:]]"
+    try:
+        workers = [subprocess.Popen([sys.executable, "-c", code, *jobs[i::n]], env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(n)]
+        for w in workers:
+            _, err = w.communicate()
+            if w.returncode:
+                log.debug("precompiling calibration kernels failed (they compile as they are timed): %s",
+                          err.decode(errors="replace")[-500:])
+    except OSError as e:
+        log.debug("precompiling calibration kernels failed (they compile as they are timed): %s", e)
+    return time.perf_counter() - t0
 
 
 def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True,
@@ -225,9 +292,10 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
     dims = list(lv.dims)
     repeats = repeats if repeats is not None else lv.repeats
     n_passes = passes if passes is not None else lv.passes
+    t0 = time.perf_counter()
+    compiled = precompile_kernels() if lv.cached else 0.0
     blas.limit_openblas_spin()  # measure as a net runs: idle GEMM workers must not spin into the sweeps
     pool = blas.OperandPool()
-    t0 = time.perf_counter()
     with blas.blas_threads(threads):
         nthreads = blas.get_num_threads()
         # Several passes over both grids, keeping each point's best: a load burst from another
@@ -259,7 +327,7 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
     with _threads(threads):
         ew = _sweeps_measured(lv, backend) or measure_elementwise(lv.elem_sizes, repeats, passes=min(2, n_passes))
         tick()
-        lw = measure_lowerings(lv.lowering_sizes, repeats)
+        lw = measure_lowerings(lv.lowering_sizes, repeats, lv.curve_passes)
         tick()
     info = blas.blas_info()
     machine = Machine(grid_dims=list(dims), gemm_bign=bign, gemm_bigk=bigk, big_curve=curve,
@@ -269,7 +337,8 @@ def calibrate(quick: bool = False, repeats: int | None = None, save: bool = True
                       backend=backend,
                       kernel=str(info.get("architecture") or ""), key=blas.machine_key(),
                       info={"quick": lv.name == "quick", "level": lv.name, "seconds": time.perf_counter() - t0,
-                            "measured_at": time.time(), "blas": info, "curves_version": CURVES_VERSION,
+                            "measured_at": time.time(), "blas": info, "precompile_seconds": compiled,
+                            "curves_version": CURVES_VERSION,
                             "grid_version": GRID_VERSION})
     _add_rates(machine)
     machine.info["seconds"] = time.perf_counter() - t0

@@ -41,6 +41,11 @@ from .geometry import ConvGeometry
 RATES_VERSION = 6
 
 
+#: ``(channels, size, kernel)`` of the layers the direct kernels' rates are timed on: 5x5 layers, the
+#: kernel variants most small nets use
+DIRECT_RATE_LAYERS = ((32, 16, 5), (64, 13, 5))
+
+
 def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
     o = n - k + 1 + 2 * (k // 2)
     return ConvGeometry(c, m, 1, (n, n), (k, k), (k // 2, k // 2), (1, 1), (1, 1), (o, o), False)
@@ -59,7 +64,7 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     direct_rates = []
     for pass_ in ("fwd", "bwd_weights"):
         seconds = flops = 0.0
-        for c, n, k in ((32, 16, 5), (64, 13, 5)):  # 5x5 layers: the kernel variants most small nets use
+        for c, n, k in DIRECT_RATE_LAYERS:
             g = _geom(c, c, n, k)
             x = rng.standard_normal((32, c, n, n), dtype=np.float32)
             w = rng.standard_normal(g.weight_shape, dtype=np.float32)
@@ -150,16 +155,20 @@ def loaded_best_time(make_call: Callable[[], Callable[[], Any]], repeats: int) -
     return min(max(ts) for ts in zip(mine, *(f.result() for f in others)))
 
 
+def overhead_layer() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, ConvGeometry]:
+    """``(x, w, b, dy, geometry)`` of the trivial layer the call overheads are timed on: one image, 8
+    channels, 4x4, 5x5 kernels (the kernel variants the rates compiled)."""
+    rng = np.random.default_rng(1)
+    g = _geom(8, 8, 4, 5)
+    return (rng.standard_normal((1, 8, 4, 4), dtype=np.float32), rng.standard_normal(g.weight_shape, dtype=np.float32),
+            np.zeros(8, np.float32), rng.standard_normal((1, 8) + g.out_shape, dtype=np.float32), g)
+
+
 def measure_call_overheads(repeats: int = 10) -> dict[str, dict[str, float]]:
     """``{strategy: {pass: seconds}}`` of one call of every registered strategy on a trivial layer."""
     from .base import get_strategy, strategy_names
 
-    rng = np.random.default_rng(1)
-    g = _geom(8, 8, 4, 5)  # 8 channels, 5x5: the kernel variants the rates compiled
-    x = rng.standard_normal((1, 8, 4, 4), dtype=np.float32)
-    w = rng.standard_normal(g.weight_shape, dtype=np.float32)
-    b = np.zeros(8, np.float32)
-    dy = rng.standard_normal((1, 8) + g.out_shape, dtype=np.float32)
+    x, w, b, dy, g = overhead_layer()
     out: dict[str, dict[str, float]] = {}
     for _ in range(2):  # two sweeps over the strategies, each call keeping its best
         for name in strategy_names():
