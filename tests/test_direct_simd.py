@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cct import kernels
+from cct.kernels import simd_tiles
 from cct.lowering import ConvGeometry, get_strategy
 from cct.lowering import direct_layout as dl
 
@@ -69,13 +70,22 @@ def test_layouts_and_blocks():
     assert dl.phase_geometry(CASES["strided and dilated (fallback forward and data)"]) is None
     # 32 channels over 16 rows: 8 x 3 tiles; 3 channels: one 4 x 6 tile; LeNet's conv2 (50 channels,
     # 6 vectors): 4 x 6 tiles (52 channels) beat 8 x 3 ones (56)
-    assert dl.forward_blocking(32, 16) == (8, pytest.approx(4 * (5 * 24 + 9) / (32 * 16)))
-    assert dl.forward_blocking(3, 32)[0] == 4 and dl.forward_blocking(50, 6)[0] == 4
-    assert dl.forward_blocking(1, 40)[0] == 2
+    # (AVX-512 tiles: 24 accumulators of 16 floats)
+    wide = simd_tiles.forward_rows(64)
+    assert dl.forward_blocking(32, 16, wide) == (8, pytest.approx(4 * (5 * 24 + 9) / (32 * 16)))
+    assert dl.forward_blocking(3, 32, wide)[0] == 4 and dl.forward_blocking(50, 6, wide)[0] == 4
+    assert dl.forward_blocking(1, 40, wide)[0] == 2
+    # AVX2 tiles: 12 accumulators of 8 floats; 32 channels over 16 rows in 4 x 3 tiles
+    narrow = simd_tiles.forward_rows(32)
+    assert max(j * r for j, r in narrow.items()) == 12
+    assert dl.forward_blocking(32, 16, narrow) == (4, pytest.approx(8 * (5 * 12 + 5) / (32 * 16)))
     km = kernels.get("conv_simd")
     assert km.FORWARD_ROWS == dl.FORWARD_TILES and km.WGRAD_CHANNELS == dl.WGRAD_CHANNELS
-    # 11 columns run as tiles of 5 and 6: priced with the 6-column tile's 2 input channels
-    assert [dl.wgrad_channels(k) for k in (1, 3, 5, 7, 11)] == [12, 4, 2, 3, 2]
+    assert km.lanes(np.float32) * 4 == simd_tiles.host_vector_bytes()
+    # 11 columns run as tiles of 5 and 6: priced with the 6-column tile's input channels
+    wide_w, narrow_w = simd_tiles.wgrad_channels(64), simd_tiles.wgrad_channels(32)
+    assert [dl.wgrad_channels(k, wide_w) for k in (1, 3, 5, 7, 11)] == [12, 4, 2, 3, 2]
+    assert [dl.wgrad_channels(k, narrow_w) for k in (1, 3, 5, 7, 11)] == [6, 2, 1, 1, 1]
 
 
 def test_fast_kernels_run_where_they_apply(monkeypatch):

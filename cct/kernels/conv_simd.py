@@ -2,8 +2,9 @@
 
 numba's own loops keep accumulators in memory (a load and a store per multiply-add), which caps
 a direct convolution far below the machine's peak. The micro-kernels here are written as LLVM IR
-(numba ``@intrinsic``) on native vectors of ``lanes`` = 64 bytes (16 float32 or 8 float64; LLVM
-splits them on narrower machines), so the accumulators live in registers for a whole reduction:
+(numba ``@intrinsic``) on native vectors of ``lanes`` = 64 bytes on AVX-512, 32 elsewhere (16 or 8
+float32), with tiles sized to the register file (:mod:`.simd_tiles`), so the accumulators live in
+registers for a whole reduction:
 
 * :func:`forward` -- a tile of ``J`` output channels x ``rows`` vectors of output
   positions; per kernel tap it loads one input vector per row and one weight per channel
@@ -31,10 +32,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import simd_tiles
+
 _OPTS = dict(nogil=True, cache=True, error_model="numpy")
-#: position vectors per forward tile, by its output channels (24 accumulators)
-FORWARD_ROWS = {8: 3, 4: 6, 2: 12}
-VECTOR_BYTES = 64
+VECTOR_BYTES = simd_tiles.host_vector_bytes()
+#: position vectors per forward tile, by its output channels (24 accumulators on AVX-512, 12 on AVX2)
+FORWARD_ROWS = simd_tiles.forward_rows(VECTOR_BYTES)
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
 
@@ -164,12 +167,13 @@ def _variant(template, name: str, **tiles):
 
 
 _tile_full = _tile_one = None  # bound per variant (_variant)
+_tile_rows = 1
 
 
 def _forward_template(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
                       od, nrow, ncol, vl, yms, yozs, yrs):  # pragma: no cover (compiled)
     """``y = conv(x, w)`` with tiles of ``jb`` output channels (see :func:`forward`)."""
-    rows = 24 // jb
+    rows = _tile_rows
     nblk = (mg + jb - 1) // jb
     nrt = (nrow + rows - 1) // rows
     tasks = n_img * group * nblk * od * nrt * ncol
@@ -190,7 +194,7 @@ def _forward_template(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd
 
 
 _FORWARD = {jb: _variant(_forward_template, f"forward_j{jb}", _tile_full=_conv_tile(jb, rows),
-                         _tile_one=_conv_tile(jb, 1)) for jb, rows in FORWARD_ROWS.items()}
+                         _tile_one=_conv_tile(jb, 1), _tile_rows=rows) for jb, rows in FORWARD_ROWS.items()}
 
 
 def forward(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
@@ -262,10 +266,10 @@ def _wgrad_tile(mv: int, ci: int, cols: int):
     return tile
 
 
-#: input channels per weight-gradient tile, by its kernel columns (2 x ci x cols <= 24 accumulators)
-WGRAD_CHANNELS = {1: 12, 2: 6, 3: 4, 4: 3, 5: 2, 6: 2}
-WGRAD_COLUMNS = max(WGRAD_CHANNELS)
-WGRAD_VECTORS = 2  # output-channel vectors per weight-gradient tile
+#: input channels per weight-gradient tile, by its kernel columns (2 x ci x cols accumulators)
+WGRAD_CHANNELS = simd_tiles.wgrad_channels(VECTOR_BYTES)
+WGRAD_COLUMNS = simd_tiles.WGRAD_COLUMNS
+WGRAD_VECTORS = simd_tiles.WGRAD_VECTORS  # output-channel vectors per weight-gradient tile
 #: images one weight-gradient tile sums before it adds into its chunk's partial gradient
 IMAGE_BLOCK = 8
 _wgrad_tile_fn = None  # bound per variant (_variant)

@@ -24,22 +24,24 @@ from typing import Any
 import numpy as np
 
 from ..backend import get_array_module
+from ..kernels import simd_tiles
 from .geometry import ConvGeometry
 
-#: forward tiles the kernels offer: output channels -> position rows
+#: forward tiles the kernels offer on this CPU: output channels -> position rows
 #: (:data:`cct.kernels.conv_simd.FORWARD_ROWS`)
-FORWARD_TILES = {8: 3, 4: 6, 2: 12}
+FORWARD_TILES = simd_tiles.forward_rows(simd_tiles.host_vector_bytes())
 
 
 #: weight-gradient tiles: kernel columns -> input channels (:data:`cct.kernels.conv_simd.WGRAD_CHANNELS`)
-WGRAD_CHANNELS = {1: 12, 2: 6, 3: 4, 4: 3, 5: 2, 6: 2}
+WGRAD_CHANNELS = simd_tiles.wgrad_channels(simd_tiles.host_vector_bytes())
 
 
-def wgrad_channels(kw: int) -> int:
-    """Input channels per weight-gradient tile of a kernel ``kw`` wide (its widest column chunk)."""
-    widest = max(WGRAD_CHANNELS)
-    tiles = -(-kw // widest)
-    return WGRAD_CHANNELS[-(-kw // tiles)]
+def wgrad_channels(kw: int, table: dict[int, int] | None = None) -> int:
+    """Input channels per weight-gradient tile of a kernel ``kw`` wide (its widest column chunk), from
+    ``table`` (default :data:`WGRAD_CHANNELS`)."""
+    table = table or WGRAD_CHANNELS
+    tiles = -(-kw // max(table))
+    return table[-(-kw // tiles)]
 
 
 def _tile_cycles(j: int, r: int) -> int:
@@ -47,12 +49,12 @@ def _tile_cycles(j: int, r: int) -> int:
     return max(j * r, j + r)
 
 
-def forward_blocking(mg: int, nrow: int) -> tuple[int, float]:
+def forward_blocking(mg: int, nrow: int, tiles: dict[int, int] | None = None) -> tuple[int, float]:
     """``(output channels per tile, cost factor)`` for ``mg`` channels per group over ``nrow``
-    position rows: the tile with the fewest relative cycles (whole tiles, then single-row tails), and
-    those cycles over ``mg * nrow`` (1.0: no channel or row waste)."""
+    position rows: the tile of ``tiles`` (default :data:`FORWARD_TILES`) with the fewest relative cycles
+    (whole tiles, then single-row tails), and those cycles over ``mg * nrow`` (1.0: no waste)."""
     best = None
-    for j, r in FORWARD_TILES.items():
+    for j, r in (tiles or FORWARD_TILES).items():
         cycles = -(-mg // j) * ((nrow // r) * _tile_cycles(j, r) + (nrow % r) * _tile_cycles(j, 1))
         if best is None or cycles < best[1]:
             best = (j, cycles)
