@@ -2,9 +2,11 @@
 import numpy as np
 import pytest
 
+from cct.kernels import simd_tiles
 from cct.lowering import ConvGeometry, get_strategy
 from cct.lowering import calibrate as cal
 from cct.lowering import cost_model as cm
+from cct.lowering import direct_layout as dl
 from cct.lowering import optimizer as opt
 
 
@@ -147,9 +149,13 @@ def test_strategies_declare_their_operations():
     f6 = cm.figure6("type3", g, 4)
     assert gemm == [("gemm", *f6["gemm_output"], f6["lowered_kernel"][1], 1)]
     direct = get_strategy("direct").pass_ops(g, 4, "fwd")
-    # 13 output columns are computed as one vector of 16; 13 rows as 4 tiles of 3 and one of 1
-    # (cct.lowering.direct_layout.forward_blocking)
-    assert ("direct", pytest.approx(4 * 64 * 64 * 9 * 13 * 13 * 16 / 13 * (4 * 24 + 9) / (8 * 13))) in direct
+    # every position the tiles compute counts (the layout's dropped ones and the blocking's idle ones,
+    # cct.lowering.direct_layout), with the kernel width for the per-row term
+    lay = dl.plan_layout(g, simd_tiles.host_vector_bytes() // 4)
+    macs = 4 * 64 * 64 * 9 * 13 * 13 / lay.efficiency * dl.forward_blocking(64, lay.nrow)[1]
+    assert ("direct", pytest.approx(macs), 3) in direct
+    if simd_tiles.host_vector_bytes() == 64:  # one vector of 16 per row; 13 rows as 4 tiles of 3 and 1 of 1
+        assert macs == pytest.approx(4 * 64 * 64 * 9 * 13 * 13 * 16 / 13 * (4 * 24 + 9) / (8 * 13))
     kinds = {op[0] for op in get_strategy("fft").pass_ops(g, 4, "bwd_weights")}
     assert {"fft", "cgemm"} <= kinds
     mach = flat_machine()
@@ -159,6 +165,13 @@ def test_strategies_declare_their_operations():
     assert cm.price([("direct", 1e9)], mach)["direct"] == pytest.approx(2.0 / (cm.DIRECT_SHARE * 100.0))
     mach.direct_gflops, mach.fft_gflops = 50.0, 5.0
     assert cm.price([("direct", 1e9), ("fft", 1e9)], mach)["total"] == pytest.approx(2.0 / 50 + 1.0 / 5)
+    # the kernel-width term: seconds per multiply-add a + b / width through the 5x5 and 3x3 rates
+    mach.direct_k3_gflops = 40.0
+    per = {k: cm.price([("direct", 1e9, k)], mach)["direct"] for k in (1, 3, 5, 11)}
+    assert per[5] == pytest.approx(2.0 / 50) and per[3] == pytest.approx(2.0 / 40)
+    b = (2.0 / 40 - 2.0 / 50) / (1 / 3 - 1 / 5)
+    assert per[1] == pytest.approx(2.0 / 50 + 0.8 * b) and per[11] == pytest.approx(2.0 / 50 + (1 / 11 - 0.2) * b)
+    assert cm.price([("direct", 1e9)], mach)["direct"] == per[5]  # no width given: the 5x5 rate
     unmeasured = cm.price([("cgemm", 10, 10, 10, 3)], mach)["gemm"]  # >= four real GEMMs each
     assert unmeasured >= 3 * 4 * cm.price([("gemm", 10, 10, 10, 1)], mach)["gemm"] * (1 - 1e-9)
 

@@ -80,7 +80,7 @@ def test_layouts_and_blocks():
     assert max(j * r for j, r in narrow.items()) == 12
     assert dl.forward_blocking(32, 16, narrow) == (4, pytest.approx(8 * (5 * 12 + 5) / (32 * 16)))
     km = kernels.get("conv_simd")
-    assert km.FORWARD_ROWS == dl.FORWARD_TILES and km.WGRAD_CHANNELS == dl.WGRAD_CHANNELS
+    assert km.FORWARD_ROWS == dl.forward_tiles() and km.WGRAD_CHANNELS == dl.wgrad_table()
     assert km.lanes(np.float32) * 4 == simd_tiles.host_vector_bytes()
     # 11 columns run as tiles of 5 and 6: priced with the 6-column tile's input channels
     wide_w, narrow_w = simd_tiles.wgrad_channels(64), simd_tiles.wgrad_channels(32)
@@ -119,9 +119,10 @@ def test_fallback_passes_are_priced_as_slow():
     macs = 4 * g.channels_out * g.channels_in * g.kernel_size * g.out_size
     for p in ("fwd", "bwd_data"):
         assert ("direct", macs * FALLBACK_SLOWDOWN) in d.pass_ops(g, 4, p)
-    # the weight gradient runs on the fast kernel: 6 output channels in a block of 32 lanes, 4 input
-    # channels in one tile of 4 (3 columns)
-    assert ("direct_wgrad", pytest.approx(macs * 32 / 6)) in d.pass_ops(g, 4, "bwd_weights")
+    # the weight gradient runs on the fast kernel: 6 output channels in a block of two vectors (32 lanes
+    # with AVX-512, 16 without), 4 input channels in whole tiles (3 columns: tiles of 4, or 2)
+    assert 4 % dl.wgrad_channels(3) == 0
+    assert ("direct_wgrad", pytest.approx(macs * 2 * dl.priced_lanes() / 6)) in d.pass_ops(g, 4, "bwd_weights")
     # a strided layer is priced as its stride-phase convolution
     s4 = CASES["k=11 stride 4 (stride phases)"]
     assert d.pass_ops(dl.phase_geometry(s4), 4, "fwd")[0] in d.pass_ops(s4, 4, "fwd")

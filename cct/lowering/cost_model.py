@@ -75,6 +75,7 @@ class Machine:
     cache_bytes: int = 0  # last-level cache; 0: detect (sysfs) when pricing
     stream_ns_per_byte: float = 0.0  # extra cost of a byte streamed from DRAM; 0: derive from the copy curve
     direct_gflops: float = 0.0  # direct-convolution kernel (2 flops per multiply-add); 0: DIRECT_SHARE of peak
+    direct_k3_gflops: float = 0.0  # the same kernel on 3x3 layers (direct_gflops: 5x5); 0: no kernel-width term
     direct_wgrad_gflops: float = 0.0  # its weight-gradient kernel; 0: as direct_gflops
     fft_gflops: float = 0.0  # FFT flops (2.5 n log2 n per complex line); 0: FFT_SHARE of peak
     ifft_gflops: float = 0.0  # the same for the (pruned) inverse transforms; 0: as fft_gflops
@@ -105,10 +106,19 @@ class Machine:
         """The best GEMM throughput of the grids."""
         return max(max(max(r) for r in self.gemm_bign), max(max(r) for r in self.gemm_bigk))
 
-    def direct_seconds(self, macs: float) -> float:
-        """Predicted seconds of ``macs`` multiply-adds of the direct-convolution kernels."""
+    def direct_seconds(self, macs: float, kernel_width: int | None = None) -> float:
+        """Predicted seconds of ``macs`` multiply-adds of the direct-convolution kernels, for a kernel
+        ``kernel_width`` taps wide when given: the forward tile's innermost loop runs over a kernel row,
+        so its per-row cost is spread over ``kernel_width`` taps. Seconds per multiply-add are
+        ``a + b / kernel_width``, fitted through the rates measured on 5x5 (``direct_gflops``) and 3x3
+        (``direct_k3_gflops``) layers (a 2-core Zen 3: 1x1 2.5-3.2x and 11x11 0.7x the 5x5 cost)."""
         rate = self.direct_gflops or DIRECT_SHARE * self.peak_gflops()
-        return 2.0 * float(macs) / (rate * 1e9) + (self.gemm_overhead_s if macs else 0.0)
+        per_mac = 2.0 / (rate * 1e9)
+        if kernel_width and self.direct_gflops and self.direct_k3_gflops:
+            k3 = 2.0 / (self.direct_k3_gflops * 1e9)
+            b = (k3 - per_mac) / (1.0 / 3.0 - 1.0 / 5.0)
+            per_mac = max(0.25 * per_mac, per_mac + b * (1.0 / min(16, max(1, kernel_width)) - 0.2))
+        return float(macs) * per_mac + (self.gemm_overhead_s if macs else 0.0)
 
     def fft_seconds(self, flops: float, inverse: bool = False) -> float:
         """Predicted seconds of FFT work of ``flops`` (nominal ``2.5 n log2 n`` per line); ``inverse``: of
@@ -341,8 +351,8 @@ def price(ops: list[tuple], machine: Machine, lowering: str | None = None) -> di
             out["gemm"] += machine.cgemm_seconds(m, n, k, count)
             if stream is not None:
                 out["gemm"] += stream(8.0 * count * (m * k + k * n + m * n))
-        elif kind == "direct":
-            out["direct"] += machine.direct_seconds(op[1])
+        elif kind == "direct":  # ("direct", multiply-adds[, kernel width])
+            out["direct"] += machine.direct_seconds(op[1], op[2] if len(op) > 2 else None)
         elif kind == "direct_wgrad":
             rate = machine.direct_wgrad_gflops
             out["direct"] += 2.0 * op[1] / (rate * 1e9) if rate else machine.direct_seconds(op[1])

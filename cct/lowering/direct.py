@@ -292,7 +292,7 @@ class DirectConvolution(LoweringStrategy):
             return self._forward_ops(geom, batch, macs)
         if pass_ == "bwd_data":
             tgeom = dl.transposed_geometry(geom)
-            if tgeom is not None and dl.plan_layout(tgeom, _PRICED_LANES) is not None:
+            if tgeom is not None and dl.plan_layout(tgeom, dl.priced_lanes()) is not None:
                 # the transposed forward computes every position of the padded input, the taps that
                 # fall in its zero border included
                 return self._forward_ops(tgeom, batch, _macs(tgeom, batch)) + [("copy", inp)]
@@ -301,7 +301,7 @@ class DirectConvolution(LoweringStrategy):
         if pass_ == "bwd_weights":
             g = geom.group
             mg, cg = geom.channels_out // g, geom.channels_in // g
-            mb = 2 * _PRICED_LANES
+            mb = 2 * dl.priced_lanes()
             ci = dl.wgrad_channels(geom.kernel[-1])
             waste = (-(-mg // mb) * mb / mg) * (-(-cg // ci) * ci / cg)
             padded = batch * geom.channels_in * math.prod(geom.used_extent)
@@ -313,12 +313,12 @@ class DirectConvolution(LoweringStrategy):
     @staticmethod
     def _forward_ops(geom: ConvGeometry, batch: int, macs: int) -> list[tuple]:
         inp = batch * geom.channels_in * geom.in_size
-        lay = dl.plan_layout(geom, _PRICED_LANES)
+        lay = dl.plan_layout(geom, dl.priced_lanes())
         if lay is None:
             return [("zero", batch * geom.channels_in * math.prod(geom.used_extent)), ("copy", inp),
                     ("direct", macs * FALLBACK_SLOWDOWN)]
         computed = macs / lay.efficiency * dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[1]
-        ops = [("copy", inp), ("direct", computed)]  # the padded copy into a reused buffer
+        ops = [("copy", inp), ("direct", computed, geom.kernel[-1])]  # the padded copy into a reused buffer
         if lay.efficiency < 1 or geom.bias_term:  # one pass: valid positions out of the buffer, bias added
             ops.append(("copy", batch * geom.channels_out * geom.out_size))
         return ops
@@ -360,7 +360,6 @@ def _macs(geom: ConvGeometry, batch: int) -> int:
 #: measured on cifar10_quick's conv2 (Zen 5: 147 against 2.8 ms forward, 64 against 2.7 ms data
 #: gradient); prices the passes only they can run so that the optimizer leaves them alone
 FALLBACK_SLOWDOWN = 25.0
-_PRICED_LANES = 16  # float32 vectors of 64 bytes: the dtype the optimizer plans for
 
 
 register_strategy("direct", DirectConvolution)

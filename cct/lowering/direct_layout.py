@@ -27,19 +27,28 @@ from ..backend import get_array_module
 from ..kernels import simd_tiles
 from .geometry import ConvGeometry
 
-#: forward tiles the kernels offer on this CPU: output channels -> position rows
-#: (:data:`cct.kernels.conv_simd.FORWARD_ROWS`)
-FORWARD_TILES = simd_tiles.forward_rows(simd_tiles.host_vector_bytes())
+
+def forward_tiles() -> dict[int, int]:
+    """The forward tiles the kernels offer on this CPU: output channels -> position rows
+    (:data:`cct.kernels.conv_simd.FORWARD_ROWS`)."""
+    return simd_tiles.forward_rows(simd_tiles.host_vector_bytes())
 
 
-#: weight-gradient tiles: kernel columns -> input channels (:data:`cct.kernels.conv_simd.WGRAD_CHANNELS`)
-WGRAD_CHANNELS = simd_tiles.wgrad_channels(simd_tiles.host_vector_bytes())
+def wgrad_table() -> dict[int, int]:
+    """The weight-gradient tiles on this CPU: kernel columns -> input channels
+    (:data:`cct.kernels.conv_simd.WGRAD_CHANNELS`)."""
+    return simd_tiles.wgrad_channels(simd_tiles.host_vector_bytes())
+
+
+def priced_lanes() -> int:
+    """float32 elements per micro-kernel vector on this CPU (the dtype the optimizer plans for)."""
+    return simd_tiles.host_vector_bytes() // 4
 
 
 def wgrad_channels(kw: int, table: dict[int, int] | None = None) -> int:
     """Input channels per weight-gradient tile of a kernel ``kw`` wide (its widest column chunk), from
-    ``table`` (default :data:`WGRAD_CHANNELS`)."""
-    table = table or WGRAD_CHANNELS
+    ``table`` (default: this CPU's, :func:`wgrad_table`)."""
+    table = table or wgrad_table()
     tiles = -(-kw // max(table))
     return table[-(-kw // tiles)]
 
@@ -51,10 +60,10 @@ def _tile_cycles(j: int, r: int) -> int:
 
 def forward_blocking(mg: int, nrow: int, tiles: dict[int, int] | None = None) -> tuple[int, float]:
     """``(output channels per tile, cost factor)`` for ``mg`` channels per group over ``nrow``
-    position rows: the tile of ``tiles`` (default :data:`FORWARD_TILES`) with the fewest relative cycles
+    position rows: the tile of ``tiles`` (default: this CPU's, :func:`forward_tiles`) with the fewest cycles
     (whole tiles, then single-row tails), and those cycles over ``mg * nrow`` (1.0: no waste)."""
     best = None
-    for j, r in (tiles or FORWARD_TILES).items():
+    for j, r in (tiles or forward_tiles()).items():
         cycles = -(-mg // j) * ((nrow // r) * _tile_cycles(j, r) + (nrow % r) * _tile_cycles(j, 1))
         if best is None or cycles < best[1]:
             best = (j, cycles)

@@ -9,7 +9,9 @@ second once numba's cached machine code is loaded):
   13x13 outputs together (2 flops per multiply-add the tiles compute, dropped positions
   included, as :meth:`~cct.lowering.direct.DirectConvolution.pass_ops` declares them; the buffer
   copies are priced as sweeps), the whole numpy-path forward when the kernels are off;
-  ``direct_wgrad_gflops`` the same for its weight-gradient kernel;
+  ``direct_k3_gflops`` its forward on the same layers with 3x3 kernels (the cost model's kernel-width
+  term, :meth:`~cct.lowering.cost_model.Machine.direct_seconds`); ``direct_wgrad_gflops`` the same
+  for its weight-gradient kernel;
 * ``fft_gflops`` / ``ifft_gflops`` -- real transforms of conv-sized planes, zero-padded as the FFT
   strategy's are (:func:`cct.lowering.fft.rfftn`), and their pruned inverses, in nominal FFT flops
   (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
@@ -38,8 +40,9 @@ from .geometry import ConvGeometry
 #: bumped when a measured kernel changes enough that cached rates mislead (2: register-blocked direct;
 #: 3: its weight gradient; 4: rates over the multiply-adds the tiles compute; 5: the FFT rate best of three passes;
 #: 6: direct kernels timed beside their twins, the per-chunk overhead and the inverse-FFT rate measured;
-#: 7: the direct kernels' vectors and tiles sized to the CPU's registers, 2-3x faster on AVX2)
-RATES_VERSION = 7
+#: 7: the direct kernels' vectors and tiles sized to the CPU's registers, 2-3x faster on AVX2;
+#: 8: the forward rate on 3x3 layers too, for its kernel-width term)
+RATES_VERSION = 8
 
 
 #: ``(channels, size, kernel)`` of the layers the direct kernels' rates are timed on: 5x5 layers, the
@@ -53,7 +56,7 @@ def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
 
 
 def measure_rates(repeats: int = 3) -> dict[str, float]:
-    """``{"direct_gflops", "direct_wgrad_gflops", "fft_gflops", "ifft_gflops", "call_overhead_s",
+    """``{"direct_gflops", "direct_k3_gflops", "direct_wgrad_gflops", "fft_gflops", "ifft_gflops", "call_overhead_s",
     "chunk_overhead_s", "partition_overhead_s"}`` of this machine (see
     the module docstring). Complex GEMMs are priced from the real GEMM grids (a complex multiply-add
     is four real ones)."""
@@ -62,10 +65,9 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
 
     blas.limit_openblas_spin()  # as in a net: GEMM workers spinning after the grids would slow the kernels
     rng = np.random.default_rng(0)
-    direct_rates = []
-    for pass_ in ("fwd", "bwd_weights"):
+    def direct_rate(pass_: str, layers: tuple[tuple[int, int, int], ...]) -> float:
         seconds = flops = 0.0
-        for c, n, k in DIRECT_RATE_LAYERS:
+        for c, n, k in layers:
             g = _geom(c, c, n, k)
             x = rng.standard_normal((32, c, n, n), dtype=np.float32)
             w = rng.standard_normal(g.weight_shape, dtype=np.float32)
@@ -74,7 +76,7 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
             # the multiply-adds the tiles compute (dropped positions and channels included), as priced
             flops += 2.0 * sum(op[1] for op in DirectConvolution().pass_ops(g, 32, pass_)
                                if op[0] in ("direct", "direct_wgrad"))
-        direct_rates.append(flops / seconds / 1e9)
+        return flops / seconds / 1e9
 
     # conv-like transforms: 14x14 planes zero-padded to 18x18, and back keeping 14x14 (flops counted
     # as FFTConvolution.pass_ops counts them) from a spectrum laid out frequency-major, as the
@@ -87,7 +89,9 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     t = min(blas.best_time(lambda: pruned_irfftn(spectrum, shape, keep), repeats) for _ in range(3))
     ifft_gflops = 64 * 16 * _fft_flops(shape, keep) / t / 1e9
 
-    return {"direct_gflops": direct_rates[0], "direct_wgrad_gflops": direct_rates[1], "fft_gflops": fft_gflops,
+    return {"direct_gflops": direct_rate("fwd", DIRECT_RATE_LAYERS),
+            "direct_k3_gflops": direct_rate("fwd", tuple((c, n, 3) for c, n, _ in DIRECT_RATE_LAYERS)),
+            "direct_wgrad_gflops": direct_rate("bwd_weights", DIRECT_RATE_LAYERS), "fft_gflops": fft_gflops,
             "ifft_gflops": ifft_gflops,
             "call_overhead_s": measure_call_overheads(), "chunk_overhead_s": measure_chunk_overhead(),
             "partition_overhead_s": measure_partition_overhead()}
