@@ -9,10 +9,12 @@ Usage::
 Each model trains from its upstream prototxts (``../shared/caffe-models``) with only the data
 paths, ``max_iter``, ``test_interval`` and ``snapshot`` changed: LeNet on generated digits
 (``cct make_digits``, 60000 + 10000 images in LMDB), cifar10_quick on synthetic 32x32 colour
-images in LMDB with their mean file (``compute_image_mean``). The loop tests twice and snapshots
-twice (at half the iterations and at the end), as upstream LeNet's 10000/5000 schedule scaled to
-the run: 1000 LeNet iterations match the issue's BVLC Caffe figure (19.5-20.5 s on the 2-core
-Zen 4 machine, Caffe 1.0, OpenBLAS).
+images in LMDB with their mean file (``compute_image_mean``). The loop tests three times (before
+the first iteration, as Caffe's default ``test_initialization`` does, at half the iterations and at
+the end) and snapshots twice, as upstream LeNet's 10000/5000 schedule scaled to the run (the
+PyTorch loop keeps the same schedule; before 2026-11-27 it skipped the first test): 1000 LeNet
+iterations match the issue's BVLC Caffe figure (19.5-20.5 s on the 2-core Zen 4 machine, Caffe 1.0,
+OpenBLAS).
 
 * **cct**: ``python -m cct train SOLVER --phase_times`` in a fresh process, as a user runs it. The
   loop time is the log's ``Starting Optimization`` -> ``Optimization Done.``; ``startup`` is the
@@ -126,7 +128,8 @@ def read_solver(path: Path) -> dict:
     p = read_solver_param(str(path))
     return {"base_lr": p.base_lr, "momentum": p.momentum, "weight_decay": p.weight_decay, "lr_policy": p.lr_policy,
             "gamma": p.gamma, "power": p.power, "max_iter": p.max_iter, "test_interval": p.test_interval,
-            "test_iter": p.test_iter[0], "snapshot": p.snapshot, "display": p.display}
+            "test_iter": p.test_iter[0], "test_initialization": p.test_initialization, "snapshot": p.snapshot,
+            "display": p.display}
 
 
 # -- cct ----------------------------------------------------------------------------------------
@@ -298,7 +301,8 @@ def run_torch(model: str, data: dict, solver: dict, work: Path) -> dict:
     t_start = clock()
     for it in range(s["max_iter"]):
         t0 = clock()
-        if s["test_interval"] and it % s["test_interval"] == 0 and it > 0:
+        # Caffe's schedule: a test before the first iteration too, unless test_initialization is false
+        if s["test_interval"] and it % s["test_interval"] == 0 and (it > 0 or s["test_initialization"]):
             accuracy = test_pass()
         t1 = clock()
         opt.zero_grad(set_to_none=False)
