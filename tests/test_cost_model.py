@@ -151,7 +151,7 @@ def test_strategies_declare_their_operations():
     direct = get_strategy("direct").pass_ops(g, 4, "fwd")
     # every position the tiles compute counts (the layout's dropped ones and the blocking's idle ones,
     # cct.lowering.direct_layout), with the kernel width for the per-row term
-    lay = dl.plan_layout(g, simd_tiles.host_vector_bytes() // 4)
+    lay = dl.plan_layout(g, dl.priced_lanes())
     macs = 4 * 64 * 64 * 9 * 13 * 13 / lay.efficiency * dl.forward_blocking(64, lay.nrow)[1]
     assert ("direct", pytest.approx(macs), 3) in direct
     if simd_tiles.host_vector_bytes() == 64:  # one vector of 16 per row; 13 rows as 4 tiles of 3 and 1 of 1
