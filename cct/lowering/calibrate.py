@@ -208,10 +208,11 @@ def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) ->
     return out
 
 
-#: what a calibration compiles, as jobs for :func:`precompile_kernels`: type 1's im2col and col2im
-#: (6.3 + 4.6 s of compiling on a 2-core Zen 3), and the direct kernels' three passes on the call-overhead
-#: layer, which compile every direct kernel variant the rates time too (10.9 s)
-WARM_JOBS = ("type1:lower", "direct:calls", "type1:unlower")
+#: what a calibration compiles, as jobs for :func:`precompile_kernels`, ordered so that dealing them out
+#: round-robin to two workers balances them: the direct kernels' forward and data-gradient passes on
+#: the call-overhead layer and a 3x3 one (the rates' kernel widths; 7.6 s of compiling on a 2-core Zen 3),
+#: type 1's im2col (5.2 s), the direct weight gradient (3.8 s) and type 1's col2im (5.1 s)
+WARM_JOBS = ("direct:fwd", "type1:lower", "direct:wgrad", "type1:unlower")
 _precompiled = False
 
 
@@ -233,12 +234,16 @@ def warm_kernel(job: str) -> None:
             dcol = np.ones((16,) + g.kernel + (2,) + g.out_shape, np.float32)
             col2im(type1._col_buffer_view(dcol, 2), g.in_shape, g.kernel, g.pad, g.stride, g.dilation)
         return
-    from .rates import overhead_layer
+    from .rates import overhead_layer, rate_geometry
 
-    x, w, b, dy, g = overhead_layer()  # the three passes as measure_call_overheads runs them
+    x, w, b, dy, g = overhead_layer()  # the passes as measure_call_overheads runs them
+    if job == "direct:wgrad":
+        DirectConvolution().backward_weights(dy, x, g)
+        return
     DirectConvolution().forward(x, w, b, g)
     DirectConvolution().backward_data(dy, w, g)
-    DirectConvolution().backward_weights(dy, x, g)
+    g3 = rate_geometry(8, 8, 4, 3)  # the forward kernel's 3x3 variant, which measure_rates times too
+    DirectConvolution().kernel_call(x, np.ones(g3.weight_shape, np.float32), g3)()
 
 
 def precompile_kernels(jobs: Sequence[str] = WARM_JOBS, processes: int | None = None) -> float:

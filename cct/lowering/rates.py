@@ -42,7 +42,7 @@ from .geometry import ConvGeometry
 #: 6: direct kernels timed beside their twins, the per-chunk overhead and the inverse-FFT rate measured;
 #: 7: the direct kernels' vectors and tiles sized to the CPU's registers, 2-3x faster on AVX2;
 #: 8: the forward rate on 3x3 layers too, for its kernel-width term)
-RATES_VERSION = 8
+RATES_VERSION = 9
 
 
 #: ``(channels, size, kernel)`` of the layers the direct kernels' rates are timed on: 5x5 layers, the
@@ -50,7 +50,9 @@ RATES_VERSION = 8
 DIRECT_RATE_LAYERS = ((32, 16, 5), (64, 13, 5))
 
 
-def _geom(c: int, m: int, n: int, k: int) -> ConvGeometry:
+def rate_geometry(c: int, m: int, n: int, k: int) -> ConvGeometry:
+    """The unbiased, same-padded ``k x k`` convolution of ``c`` to ``m`` channels on ``n x n`` images
+    that the rates are timed on."""
     o = n - k + 1 + 2 * (k // 2)
     return ConvGeometry(c, m, 1, (n, n), (k, k), (k // 2, k // 2), (1, 1), (1, 1), (o, o), False)
 
@@ -68,7 +70,7 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     def direct_rate(pass_: str, layers: tuple[tuple[int, int, int], ...]) -> float:
         seconds = flops = 0.0
         for c, n, k in layers:
-            g = _geom(c, c, n, k)
+            g = rate_geometry(c, c, n, k)
             x = rng.standard_normal((32, c, n, n), dtype=np.float32)
             w = rng.standard_normal(g.weight_shape, dtype=np.float32)
             seconds += loaded_best_time(lambda g=g, x=x, w=w, p=pass_: DirectConvolution().kernel_call(x, w, g, p),
@@ -107,7 +109,7 @@ def measure_partition_overhead(repeats: int = 20) -> float:
     p = os.cpu_count() or 1
     if p < 2:
         return 0.0
-    g = _geom(8, 8, 4, 5)
+    g = rate_geometry(8, 8, 4, 5)
     runner = BatchedLowering(get_strategy("type1"), batch_partition=1, partitions=p, threads=p)
     t = min(blas.best_time(lambda: runner._run(g, p, 4, lambda s, e: None, p), repeats) for _ in range(2))
     return t / p
@@ -121,7 +123,7 @@ def measure_chunk_overhead(repeats: int = 10, chunks: int = 4) -> float:
     from .partition import BatchedLowering
 
     rng = np.random.default_rng(2)
-    g = _geom(8, 8, 4, 5)
+    g = rate_geometry(8, 8, 4, 5)
     x = rng.standard_normal((chunks, 8, 4, 4), dtype=np.float32)
     w = rng.standard_normal(g.weight_shape, dtype=np.float32)
     alone, batched = get_strategy("type1"), BatchedLowering(get_strategy("type1"), batch_partition=1, partitions=1)
@@ -164,7 +166,7 @@ def overhead_layer() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Co
     """``(x, w, b, dy, geometry)`` of the trivial layer the call overheads are timed on: one image, 8
     channels, 4x4, 5x5 kernels (the kernel variants the rates compiled)."""
     rng = np.random.default_rng(1)
-    g = _geom(8, 8, 4, 5)
+    g = rate_geometry(8, 8, 4, 5)
     return (rng.standard_normal((1, 8, 4, 4), dtype=np.float32), rng.standard_normal(g.weight_shape, dtype=np.float32),
             np.zeros(8, np.float32), rng.standard_normal((1, 8) + g.out_shape, dtype=np.float32), g)
 
