@@ -92,6 +92,19 @@ def test_layouts_and_blocks():
     assert [dl.wgrad_channels(k, narrow_w) for k in (1, 3, 5, 7, 11)] == [6, 2, 1, 1, 1]
 
 
+@pytest.mark.parametrize("band", [0, 1 << 40])
+def test_forward_tile_orders_agree(monkeypatch, band):
+    """Channel blocks innermost (an image's input beyond BAND_BYTES) or rows innermost: the same output."""
+    km = kernels.get("conv_simd")
+    monkeypatch.setattr(km, "BAND_BYTES", band)
+    g = CASES["rows, wide output"]  # the input (3 x 36 x 44) outweighs the weights (32 x 3 x 25)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, g.channels_in) + g.in_shape).astype(np.float32)
+    w = rng.standard_normal(g.weight_shape).astype(np.float32)
+    got, want = get_strategy("direct").forward(x, w, None, g), get_strategy("type1").forward(x, w, None, g)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 def test_fast_kernels_run_where_they_apply(monkeypatch):
     """The register-blocked kernels take the unit-stride passes; the plain kernels the others."""
     km, plain = kernels.get("conv_simd"), kernels.get("direct")
