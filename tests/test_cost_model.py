@@ -1,4 +1,6 @@
 """Lowering cost model (Figure 6), calibration cache and the automatic optimizer."""
+import math
+
 import numpy as np
 import pytest
 
@@ -7,6 +9,7 @@ from cct.lowering import ConvGeometry, get_strategy
 from cct.lowering import calibrate as cal
 from cct.lowering import cost_model as cm
 from cct.lowering import direct_layout as dl
+from cct.lowering import fft as fft_mod
 from cct.lowering import optimizer as opt
 
 
@@ -172,6 +175,15 @@ def test_strategies_declare_their_operations():
     b = (2.0 / 40 - 2.0 / 50) / (1 / 3 - 1 / 5)
     assert per[1] == pytest.approx(2.0 / 50 + 0.8 * b) and per[11] == pytest.approx(2.0 / 50 + (1 / 11 - 0.2) * b)
     assert cm.price([("direct", 1e9)], mach)["direct"] == per[5]  # no width given: the 5x5 rate
+    # forward transforms: the rate interpolated in log(points) between the two measured sizes, held outside
+    mach.fft_large_gflops = 20.0
+    fft = {p: cm.price([("fft", 1e9, p)], mach)["fft"] for p in (8, 18, 25, 36, 128)}
+    assert fft[8] == fft[18] == pytest.approx(1.0 / 5) and fft[36] == fft[128] == pytest.approx(1.0 / 20)
+    t = math.log(25 / 18) / math.log(2)
+    assert fft[25] == pytest.approx(1.0 / (5 ** (1 - t) * 20 ** t))
+    assert cm.price([("ifft", 1e9, 36)], mach)["fft"] == pytest.approx(1.0 / 5)  # inverse: one rate
+    assert ("fft", pytest.approx(4 * 64 * fft_mod._fft_flops(fft_mod.fft_shape(g), fft_mod.fft_shape(g))),
+            max(fft_mod.fft_shape(g))) in get_strategy("fft").pass_ops(g, 4, "fwd")
     unmeasured = cm.price([("cgemm", 10, 10, 10, 3)], mach)["gemm"]  # >= four real GEMMs each
     assert unmeasured >= 3 * 4 * cm.price([("gemm", 10, 10, 10, 1)], mach)["gemm"] * (1 - 1e-9)
 

@@ -28,7 +28,7 @@ CASES = {
     "1x1 grouped": geom(16, 20, 4, (7, 7), (1, 1), (0, 0), (1, 1), (1, 1)),
     "two output channels": geom(5, 2, 1, (6, 6), (3, 3), (1, 1), (1, 1), (1, 1)),
     "k=7 (two column chunks)": geom(5, 6, 1, (10, 10), (7, 7), (3, 3), (1, 1), (1, 1)),
-    "k=9 (the generic tap loop)": geom(3, 5, 1, (12, 12), (9, 9), (4, 4), (1, 1), (1, 1)),
+    "k=13 (the generic tap loop)": geom(3, 5, 1, (12, 12), (13, 13), (6, 6), (1, 1), (1, 1)),
     "k=11 stride 4 (stride phases)": geom(3, 5, 1, (23, 23), (11, 11), (2, 2), (4, 4), (1, 1)),
     "3-D stride 2 grouped (stride phases)": geom(4, 6, 2, (7, 8, 9), (3, 3, 3), (1, 1, 1), (2, 1, 2), (1, 1, 1)),
     "strided and dilated (fallback forward and data)": geom(4, 6, 1, (11, 12), (3, 3), (1, 1), (2, 2), (2, 1)),

@@ -8,7 +8,8 @@ registers for a whole reduction:
 
 * :func:`forward` -- a tile of ``J`` output channels x ``rows`` vectors of output
   positions; per kernel tap it loads one input vector per row and one weight per channel
-  (broadcast) and issues ``J x rows`` fused multiply-adds. Weights come as
+  (broadcast) and issues ``J x rows`` fused multiply-adds; one driver per tile and kernel width, the
+  taps of a kernel row unrolled (:data:`UNROLLED_WIDTHS`; wider kernels loop). Weights come as
   ``(G, NB, Cg, KD, KH, KW, J)`` (:func:`blocked_weights`), so a tile walks them in order.
 * :func:`weight_grad` -- a tile of ``J`` output channels x ``T`` kernel columns accumulates
   ``dy[m] * x[c]`` products over one image's positions, vector by vector, into per-chunk vector
@@ -207,7 +208,7 @@ def _forward_template(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd
 
 
 #: kernel widths with their own forward drivers (taps unrolled); other widths take the generic ones
-UNROLLED_WIDTHS = (1, 2, 3, 4, 5, 6, 7)
+UNROLLED_WIDTHS = tuple(range(1, 12))
 _FORWARD: dict[tuple[int, int], Any] = {}
 
 

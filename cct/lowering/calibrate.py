@@ -479,8 +479,8 @@ def summary(machine: Machine) -> str:
         for kind, curve in sorted(curves.items()):
             lines.append(f"{name} {kind} ns/lowered elem: " + ", ".join(f"{n:.3g}:{v:.3f}" for n, v in curve))
     lines.append(f"direct kernels GFLOPS: forward {machine.direct_gflops:.0f} (3x3: {machine.direct_k3_gflops:.0f}), "
-                 f"weight gradient {machine.direct_wgrad_gflops:.0f}; FFT GFLOPS: forward {machine.fft_gflops:.1f}, "
-                 f"inverse {machine.ifft_gflops:.1f}")
+                 f"weight gradient {machine.direct_wgrad_gflops:.0f}; FFT GFLOPS: forward {machine.fft_gflops:.1f} "
+                 f"(36-point planes: {machine.fft_large_gflops:.1f}), inverse {machine.ifft_gflops:.1f}")
     lines.append(f"GEMM call overhead {machine.gemm_overhead_s * 1e6:.1f} us, per batch chunk "
                  f"{machine.chunk_overhead_s * 1e6:.1f} us, per batch partition "
                  f"{machine.partition_overhead_s * 1e6:.1f} us")

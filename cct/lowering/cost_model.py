@@ -36,6 +36,8 @@ from .geometry import ConvGeometry
 # GFLOPS per core).
 DIRECT_SHARE = 0.5
 FFT_SHARE = 0.03
+#: points per axis of the planes the two forward-transform rates are measured on (:mod:`.rates`)
+FFT_POINTS, FFT_LARGE_POINTS = 18, 36
 CGEMM_SHARE = 0.3  # complex GEMMs at most this share of the real peak
 #: contiguous run length of the calibrated ``copy`` curve's windows (:func:`cct.lowering.calibrate.
 #: measure_elementwise`)
@@ -79,6 +81,7 @@ class Machine:
     direct_wgrad_gflops: float = 0.0  # its weight-gradient kernel; 0: as direct_gflops
     fft_gflops: float = 0.0  # FFT flops (2.5 n log2 n per complex line); 0: FFT_SHARE of peak
     ifft_gflops: float = 0.0  # the same for the (pruned) inverse transforms; 0: as fft_gflops
+    fft_large_gflops: float = 0.0  # forward transforms of FFT_LARGE_POINTS-point planes; 0: as fft_gflops
     threads: int = 1
     backend: str = "openblas"
     kernel: str = ""
@@ -120,10 +123,16 @@ class Machine:
             per_mac = max(0.25 * per_mac, per_mac + b * (1.0 / min(16, max(1, kernel_width)) - 0.2))
         return float(macs) * per_mac + (self.gemm_overhead_s if macs else 0.0)
 
-    def fft_seconds(self, flops: float, inverse: bool = False) -> float:
+    def fft_seconds(self, flops: float, inverse: bool = False, points: int | None = None) -> float:
         """Predicted seconds of FFT work of ``flops`` (nominal ``2.5 n log2 n`` per line); ``inverse``: of
-        inverse transforms, at their own rate when measured."""
+        inverse transforms, at their own rate when measured. Forward transforms of ``points`` points per
+        axis run at a rate interpolated in ``log(points)`` between ``fft_gflops`` (FFT_POINTS) and
+        ``fft_large_gflops`` (FFT_LARGE_POINTS), held outside (a 2-core Zen 3: 2.9-3.1 GFLOPS at 18
+        points, 4.0-4.5 at 36 and 64: small transforms pay more per line)."""
         rate = (inverse and self.ifft_gflops) or self.fft_gflops or FFT_SHARE * self.peak_gflops()
+        if not inverse and points and self.fft_gflops and self.fft_large_gflops:
+            t = min(1.0, max(0.0, math.log(points / FFT_POINTS) / math.log(FFT_LARGE_POINTS / FFT_POINTS)))
+            rate = math.exp((1 - t) * math.log(self.fft_gflops) + t * math.log(self.fft_large_gflops))
         return float(flops) / (rate * 1e9) + (self.gemm_overhead_s if flops else 0.0)
 
     def cgemm_seconds(self, m: int, n: int, k: int, count: int) -> float:
@@ -357,7 +366,7 @@ def price(ops: list[tuple], machine: Machine, lowering: str | None = None) -> di
             rate = machine.direct_wgrad_gflops
             out["direct"] += 2.0 * op[1] / (rate * 1e9) if rate else machine.direct_seconds(op[1])
         elif kind in ("fft", "ifft"):
-            out["fft"] += machine.fft_seconds(op[1], inverse=kind == "ifft")
+            out["fft"] += machine.fft_seconds(op[1], inverse=kind == "ifft", points=op[2] if len(op) > 2 else None)
         else:
             out["elementwise"] += machine.elem_seconds(kind, op[1], lowering, *op[2:])
     out["total"] = sum(out.values())

@@ -225,8 +225,9 @@ class FFTConvolution(LoweringStrategy):
 
     # -- what the cost model prices (ZNNi Tables I and II) -----------------------------------------
     def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:
-        """Transform stages as ``("fft", flops)`` (``"ifft"`` for inverse ones), the per-frequency channel sums as
-        ``("cgemm", m, n, k, frequencies * groups)``, and the padding/spreading sweeps."""
+        """Transform stages as ``("fft", flops, points per axis)`` (``("ifft", flops)`` for inverse ones), the
+        per-frequency channel sums as ``("cgemm", m, n, k, frequencies * groups)``, and the padding/spreading
+        sweeps."""
         shape = fft_shape(geom)
         g, c, m = geom.group, geom.channels_in, geom.channels_out
         cg, mg = c // g, m // g
@@ -240,17 +241,18 @@ class FFTConvolution(LoweringStrategy):
         padded = batch * c * math.prod(geom.used_extent)
         spread = batch * m * math.prod(out_keep) if any(s > 1 for s in geom.stride) else 0
         cplx = batch * (c + m) * freq  # transposes of the transforms around the channel GEMMs
+        pts = max(shape)  # the transforms' rate depends on their size
         if pass_ == "fwd":
-            return [("zero", padded), ("copy", batch * c * geom.in_size), ("fft", batch * c * full),
-                    ("fft", m * cg * kern), ("copy", 2 * cplx), ("cgemm", batch, mg, cg, freq * g),
+            return [("zero", padded), ("copy", batch * c * geom.in_size), ("fft", batch * c * full, pts),
+                    ("fft", m * cg * kern, pts), ("copy", 2 * cplx), ("cgemm", batch, mg, cg, freq * g),
                     ("ifft", batch * m * inv_out), ("copy", batch * m * geom.out_size)]
         if pass_ == "bwd_data":
-            return [("zero", spread), ("fft", batch * m * full), ("copy", 2 * cplx),
+            return [("zero", spread), ("fft", batch * m * full, pts), ("copy", 2 * cplx),
                     ("cgemm", batch, cg, mg, freq * g), ("ifft", batch * c * inv_in),
                     ("zero", batch * c * geom.in_size), ("copy", batch * c * geom.in_size)]
         if pass_ == "bwd_weights":
-            return [("zero", padded + spread), ("copy", batch * c * geom.in_size), ("fft", batch * c * full),
-                    ("fft", batch * m * full), ("copy", 2 * cplx), ("cgemm", mg, cg, batch, freq * g),
+            return [("zero", padded + spread), ("copy", batch * c * geom.in_size), ("fft", batch * c * full, pts),
+                    ("fft", batch * m * full, pts), ("copy", 2 * cplx), ("cgemm", mg, cg, batch, freq * g),
                     ("ifft", m * cg * inv_kern), ("sum", batch * m * geom.out_size)]
         raise ValueError(f"unknown pass {pass_!r}")
 

@@ -15,8 +15,9 @@ The operation vocabulary every strategy declares (see :func:`cct.lowering.cost_m
   lowered element (priced from its calibrated curve when the machine has one);
 * ``("direct", multiply_adds)`` -- a direct convolution kernel's work (``"direct_wgrad"``: the
   weight-gradient kernel's, which has a rate of its own);
-* ``("fft", flops)`` -- FFT work (``2.5 n log2 n`` per complex line of ``n`` points); ``("ifft", flops)``
-  the same for inverse transforms.
+* ``("fft", flops[, points])`` -- FFT work (``2.5 n log2 n`` per complex line of ``n`` points; ``points``:
+  the transform's largest axis, whose size moves its rate); ``("ifft", flops)`` the same for inverse
+  transforms.
 
 :class:`GemmLoweringOps` is the mixin the GEMM lowerings use to declare theirs.
 """

@@ -14,7 +14,8 @@ second once numba's cached machine code is loaded):
   for its weight-gradient kernel;
 * ``fft_gflops`` / ``ifft_gflops`` -- real transforms of conv-sized planes, zero-padded as the FFT
   strategy's are (:func:`cct.lowering.fft.rfftn`), and their pruned inverses, in nominal FFT flops
-  (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`);
+  (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`), on 18-point planes;
+  ``fft_large_gflops`` the forward transforms on 36-point planes (the rate grows with the size);
 
 * ``call_overhead_s`` -- per strategy and pass, one call on a trivial layer (8 channels, 4x4 output,
   one image): the fixed cost a thin or tiny layer pays whatever its size;
@@ -35,14 +36,16 @@ from typing import Any
 import numpy as np
 
 from .. import blas, kernels
+from .cost_model import FFT_LARGE_POINTS, FFT_POINTS
 from .geometry import ConvGeometry
 
 #: bumped when a measured kernel changes enough that cached rates mislead (2: register-blocked direct;
 #: 3: its weight gradient; 4: rates over the multiply-adds the tiles compute; 5: the FFT rate best of three passes;
 #: 6: direct kernels timed beside their twins, the per-chunk overhead and the inverse-FFT rate measured;
 #: 7: the direct kernels' vectors and tiles sized to the CPU's registers, 2-3x faster on AVX2;
-#: 8: the forward rate on 3x3 layers too, for its kernel-width term)
-RATES_VERSION = 9
+#: 8: the forward rate on 3x3 layers too, for its kernel-width term; 9: forward drivers per kernel width,
+#: the taps of a kernel row unrolled, 1.3-1.4x faster on AVX2; 10: the forward FFT rate at two sizes)
+RATES_VERSION = 10
 
 
 #: ``(channels, size, kernel)`` of the layers the direct kernels' rates are timed on: 5x5 layers, the
@@ -58,7 +61,8 @@ def rate_geometry(c: int, m: int, n: int, k: int) -> ConvGeometry:
 
 
 def measure_rates(repeats: int = 3) -> dict[str, float]:
-    """``{"direct_gflops", "direct_k3_gflops", "direct_wgrad_gflops", "fft_gflops", "ifft_gflops", "call_overhead_s",
+    """``{"direct_gflops", "direct_k3_gflops", "direct_wgrad_gflops", "fft_gflops", "ifft_gflops", "fft_large_gflops",
+    "call_overhead_s",
     "chunk_overhead_s", "partition_overhead_s"}`` of this machine (see
     the module docstring). Complex GEMMs are priced from the real GEMM grids (a complex multiply-add
     is four real ones)."""
@@ -83,18 +87,23 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     # conv-like transforms: 14x14 planes zero-padded to 18x18, and back keeping 14x14 (flops counted
     # as FFTConvolution.pass_ops counts them) from a spectrum laid out frequency-major, as the
     # channel products leave it (the inverse reads it strided: 2.4x slower than a contiguous one)
-    shape, keep = (18, 18), (14, 14)
-    planes = rng.standard_normal((64, 16) + keep, dtype=np.float32)
-    spectrum = np.ascontiguousarray(rfftn(planes, shape).reshape(64 * 16, -1).T).T.reshape(64, 16, 18, 10)
-    t = min(blas.best_time(lambda: rfftn(planes, shape), repeats) for _ in range(3))
-    fft_gflops = 64 * 16 * _fft_flops(shape, shape) / t / 1e9
+    def forward_rate(points: int) -> tuple[float, np.ndarray, tuple[int, int], tuple[int, int]]:
+        shape, keep = (points, points), (points - 4, points - 4)
+        planes = rng.standard_normal((64, 16) + keep, dtype=np.float32)
+        t = min(blas.best_time(lambda: rfftn(planes, shape), repeats) for _ in range(3))
+        return 64 * 16 * _fft_flops(shape, shape) / t / 1e9, planes, shape, keep
+
+    fft_gflops, planes, shape, keep = forward_rate(FFT_POINTS)
+    fft_large_gflops = forward_rate(FFT_LARGE_POINTS)[0]
+    spectrum = np.ascontiguousarray(rfftn(planes, shape).reshape(64 * 16, -1).T).T.reshape(
+        (64, 16, shape[0], shape[1] // 2 + 1))
     t = min(blas.best_time(lambda: pruned_irfftn(spectrum, shape, keep), repeats) for _ in range(3))
     ifft_gflops = 64 * 16 * _fft_flops(shape, keep) / t / 1e9
 
     return {"direct_gflops": direct_rate("fwd", DIRECT_RATE_LAYERS),
             "direct_k3_gflops": direct_rate("fwd", tuple((c, n, 3) for c, n, _ in DIRECT_RATE_LAYERS)),
             "direct_wgrad_gflops": direct_rate("bwd_weights", DIRECT_RATE_LAYERS), "fft_gflops": fft_gflops,
-            "ifft_gflops": ifft_gflops,
+            "ifft_gflops": ifft_gflops, "fft_large_gflops": fft_large_gflops,
             "call_overhead_s": measure_call_overheads(), "chunk_overhead_s": measure_chunk_overhead(),
             "partition_overhead_s": measure_partition_overhead()}
 
