@@ -8,7 +8,8 @@ registers for a whole reduction:
 
 * :func:`forward` -- a tile of ``J`` output channels x ``rows`` vectors of output
   positions; per kernel tap it loads one input vector per row and one weight per channel
-  (broadcast) and issues ``J x rows`` fused multiply-adds; one driver per tile and kernel width, the
+  (broadcast) and issues ``J x rows`` fused multiply-adds into accumulators that start from the bias
+  (no pass over the output adds it afterwards); one driver per tile and kernel width, the
   taps of a kernel row unrolled (:data:`UNROLLED_WIDTHS`; wider kernels loop). Weights come as
   ``(G, NB, Cg, KD, KH, KW, J)`` (:func:`blocked_weights`), so a tile walks them in order.
 * :func:`weight_grad` -- a tile of ``J`` output channels x ``T`` kernel columns accumulates
@@ -106,15 +107,17 @@ def _conv_tile(J: int, rows: int, KW: int = 0):  # noqa: N803 (compile-time cons
     5-wide kernel otherwise costs a quarter of the kernel's time, of a 3-wide one a third)."""
 
     @intrinsic
-    def tile(typingctx, x, w, y, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw):
-        sig = types.void(x, w, y, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+    def tile(typingctx, x, w, y, bias, xo, xrs, xcs, xkd, xkh, xkw, wo, bo, yo, yms, yrs, jv, cg, kd, kh, kw):
+        sig = types.void(x, w, y, bias, xo, xrs, xcs, xkd, xkh, xkw, wo, bo, yo, yms, yrs, jv, cg, kd, kh, kw)
 
         def codegen(context, builder, signature, args):
             g = _IR(builder, signature.args[0].dtype)
-            xptr, wptr, yptr = (_data(context, builder, signature.args[i], args[i]) for i in range(3))
-            xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw = _ints(
-                context, builder, signature, args, 3)
-            accs = g.zeros(J * rows)
+            xptr, wptr, yptr, bptr = (_data(context, builder, signature.args[i], args[i]) for i in range(4))
+            xo, xrs, xcs, xkd, xkh, xkw, wo, bo, yo, yms, yrs, jv, cg, kd, kh, kw = _ints(
+                context, builder, signature, args, 4)
+            # the accumulators start from the bias (no pass over the output to add it afterwards)
+            accs = [cgutils.alloca_once_value(builder, g.splat(builder.load(builder.gep(bptr, [g.add(bo, g.c(j))]))))
+                    for j in range(J) for _ in range(rows)]
             taps = g.mul(kd, g.mul(kh, kw))
             with cgutils.for_range(builder, cg) as lc:
                 xc = g.add(xo, g.mul(lc.index, xcs))
@@ -181,7 +184,7 @@ _tile_full = _tile_one = None  # bound per variant (_variant)
 _tile_rows = 1
 
 
-def _forward_template(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
+def _forward_template(xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
                       od, nrow, ncol, vl, yms, yozs, yrs, blocks_inner):  # pragma: no cover (compiled)
     """``y = conv(x, w)`` with tiles of ``jb`` output channels (see :func:`forward`)."""
     rows = _tile_rows
@@ -196,14 +199,15 @@ def _forward_template(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd
             col, rt, oz, b, g, n = unravel_task(t, ncol, nrt, od, nblk, group)
         r0 = rt * rows
         jv = min(jb, mg - b * jb)
-        wo = (g * nblk + b) * taps * jb
+        bo = (g * nblk + b) * jb
+        wo = bo * taps
         xo = (n * group + g) * cg * xcs + oz * xozs + r0 * xrs + col * vl
         yo = ((n * group + g) * mg + b * jb) * yms + oz * yozs + r0 * yrs + col * vl
         if r0 + rows <= nrow:
-            _tile_full(xf, wf, yf, xo, xrs, xcs, xkd, xkh, xkw, wo, yo, yms, yrs, jv, cg, kd, kh, kw)
+            _tile_full(xf, wf, yf, bf, xo, xrs, xcs, xkd, xkh, xkw, wo, bo, yo, yms, yrs, jv, cg, kd, kh, kw)
         else:
             for r in range(nrow - r0):
-                _tile_one(xf, wf, yf, xo + r * xrs, xrs, xcs, xkd, xkh, xkw, wo, yo + r * yrs, yms, yrs,
+                _tile_one(xf, wf, yf, bf, xo + r * xrs, xrs, xcs, xkd, xkh, xkw, wo, bo, yo + r * yrs, yms, yrs,
                           jv, cg, kd, kh, kw)
 
 
@@ -228,11 +232,12 @@ def _forward_driver(jb: int, kw: int):
 BAND_BYTES = 256 * 1024
 
 
-def forward(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
+def forward(xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
             od, nrow, ncol, vl, yms, yozs, yrs) -> None:
-    """``y = conv(x, w)`` over flat arrays: ``nrow`` rows x ``ncol`` vectors of ``vl`` positions per
+    """``y = conv(x, w) + b`` over flat arrays: ``nrow`` rows x ``ncol`` vectors of ``vl`` positions per
     output depth slice; strides in elements (``x*``: input channel/tap/depth/row, ``y*``: output);
-    ``jb`` output channels per tile (``wf`` from :func:`blocked_weights` with the same ``jb``).
+    ``jb`` output channels per tile (``wf`` from :func:`blocked_weights` and ``bf`` from
+    :func:`blocked_bias` with the same ``jb``).
 
     Tiles sweep an image's positions once per channel block, re-reading its input each time; when one
     image's input outgrows the cache level closest to the cores (:data:`BAND_BYTES`) and the group's
@@ -241,8 +246,17 @@ def forward(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw
     (conv1's phases: 85 -> 98 GFLOPS on a 2-core Zen 3; on small inputs that order is up to 13% slower)."""
     image = cg * xcs * xf.itemsize
     blocks_inner = image > BAND_BYTES and cg * xcs > mg * cg * kd * kh * kw
-    _forward_driver(jb, kw)(xf, wf, yf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
+    _forward_driver(jb, kw)(xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
                             od, nrow, ncol, vl, yms, yozs, yrs, blocks_inner)
+
+
+def blocked_bias(b: np.ndarray | None, m: int, group: int, jb: int, dtype: np.dtype) -> np.ndarray:
+    """The bias (``(M,)``, or None: zeros) as ``(G, NB * jb)``, zero channels up to whole blocks."""
+    mg = m // group
+    out = np.zeros((group, -(-mg // jb) * jb), dtype=dtype)
+    if b is not None:
+        out[:, :mg] = b.reshape(group, mg)
+    return out
 
 
 def blocked_weights(w: np.ndarray, group: int, jb: int) -> np.ndarray:
@@ -432,32 +446,19 @@ def phase_merge(src, x, pd, ph, pw):  # pragma: no cover (compiled)
 
 
 @nb.njit(parallel=True, **_OPTS)
-def gather_output(yb, out, bias, width, has_bias):  # pragma: no cover (compiled)
-    """``out[n, m, z, y, x] = yb[n, m, z, y * width + x] (+ bias[m])``: the valid positions of a
-    forward buffer (``yb`` ``(N, M, OD, y_plane)``, ``out`` ``(N, M, OD, OH, OW)``), bias added."""
+def gather_output(yb, out, width):  # pragma: no cover (compiled)
+    """``out[n, m, z, y, x] = yb[n, m, z, y * width + x]``: the valid positions of a forward buffer
+    (``yb`` ``(N, M, OD, y_plane)``, ``out`` ``(N, M, OD, OH, OW)``)."""
     n_img, m_all, od, oh, ow = out.shape
     for t in nb.prange(n_img * m_all):
         n = t // m_all
         m = t % m_all
-        bv = bias[m] if has_bias else out.dtype.type(0)
         for z in range(od):
             src = yb[n, m, z]
             for y in range(oh):
                 dst = out[n, m, z, y]
                 for x in range(ow):
-                    dst[x] = src[y * width + x] + bv
-
-
-@nb.njit(parallel=True, **_OPTS)
-def add_bias(out, bias):  # pragma: no cover (compiled)
-    """``out[n, m, :] += bias[m]`` for ``out`` ``(N, M, P)``."""
-    n_img, m_all, npos = out.shape
-    for t in nb.prange(n_img * m_all):
-        m = t % m_all
-        row = out[t // m_all, m]
-        bv = bias[m]
-        for p in range(npos):
-            row[p] += bv
+                    dst[x] = src[y * width + x]
 
 
 @nb.njit(parallel=True, **_OPTS)

@@ -86,9 +86,10 @@ class DirectConvolution(LoweringStrategy):
         if simd is not None:
             km, lay = simd
             wb = self._blocked_weights(km, w, geom, lay)
-            yb = dl.run_forward(km, dl.padded_input(x, geom, lay, self._scratch, km), wb, geom, lay, out, self._scratch)
-            if yb is not None or b is not None:  # one parallel pass: the valid positions, the bias
-                dl.finish_output(km, yb, out, b, geom, lay)
+            yb = dl.run_forward(km, dl.padded_input(x, geom, lay, self._scratch, km), wb, geom, lay, out, self._scratch,
+                                b)
+            if yb is not None:  # one parallel pass: the valid positions (the kernel added the bias)
+                dl.finish_output(km, yb, out, geom, lay)
             return out
         if n and x.size:
             y = xp.zeros((n, geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
@@ -319,7 +320,7 @@ class DirectConvolution(LoweringStrategy):
                     ("direct", macs * FALLBACK_SLOWDOWN)]
         computed = macs / lay.efficiency * dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[1]
         ops = [("copy", inp), ("direct", computed, geom.kernel[-1])]  # the padded copy into a reused buffer
-        if lay.efficiency < 1 or geom.bias_term:  # one pass: valid positions out of the buffer, bias added
+        if lay.flat or lay.efficiency < 1:  # one pass: the valid positions out of the buffer (the tiles add the bias)
             ops.append(("copy", batch * geom.channels_out * geom.out_size))
         return ops
 

@@ -189,30 +189,22 @@ def _tap_strides(geom: ConvGeometry, lay: SimdLayout) -> tuple[int, int, int, in
     return dd * plane, dh * lay.wp, dw, sd * plane, (lay.lanes if lay.flat else sh * lay.wp)
 
 
-def finish_output(km: Any, yb: Any, out: Any, b: Any, geom: ConvGeometry, lay: SimdLayout) -> None:
-    """``out`` from the forward buffer ``yb`` (its valid positions; None: the kernel wrote ``out``
-    itself) plus the bias ``b`` (or None), in one compiled pass when ``out`` is C-contiguous."""
+def finish_output(km: Any, yb: Any, out: Any, geom: ConvGeometry, lay: SimdLayout) -> None:
+    """``out`` = the valid positions of the forward buffer ``yb``, in one compiled pass when ``out`` is
+    C-contiguous."""
+    if not out.flags.c_contiguous:
+        out[...] = output_positions(yb, geom, lay)
+        return
     n, m = out.shape[:2]
     od, oh, ow = as3(geom.out_shape, 1)
-    if not out.flags.c_contiguous:
-        if yb is not None:
-            out[...] = output_positions(yb, geom, lay)
-        if b is not None:
-            out += b.reshape((1, -1) + (1,) * geom.num_spatial)
-        return
-    if yb is None:
-        km.add_bias(out.reshape(n, m, -1), b)
-        return
-    width = lay.wp if lay.flat else lay.ncol * lay.lanes
-    bias = b if b is not None else np.zeros(m, dtype=out.dtype)
-    km.gather_output(yb, out.reshape(n, m, od, oh, ow), bias, width, b is not None)
+    km.gather_output(yb, out.reshape(n, m, od, oh, ow), lay.wp if lay.flat else lay.ncol * lay.lanes)
 
 
 def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayout, out: Any = None,
-                scratch: Scratch | None = None) -> Any:
-    """The forward kernel on a padded input: written straight into ``out`` (``(N, M, *out_shape)``,
-    returns None) when that is C-contiguous and the layout drops no positions, else into a new
-    ``(N, M, OD, y_plane)`` buffer that is returned (:func:`output_positions` reads it)."""
+                scratch: Scratch | None = None, bias: Any = None) -> Any:
+    """The forward kernel (plus ``bias``, or None) on a padded input: written straight into ``out``
+    (``(N, M, *out_shape)``, returns None) when that is C-contiguous and the layout drops no positions,
+    else into a new ``(N, M, OD, y_plane)`` buffer that is returned (:func:`output_positions` reads it)."""
     n = xbuf.shape[0]
     g = geom.group
     od = as3(geom.out_shape, 1)[0]
@@ -221,7 +213,8 @@ def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayo
               and lay.y_plane * od == math.prod(geom.out_shape))
     yb = out if direct else _zeros(scratch, "y", (n, geom.channels_out, od, lay.y_plane), xbuf.dtype)
     xkd, xkh, xkw, xozs, xrs = _tap_strides(geom, lay)
-    km.forward(xbuf.reshape(-1), wblk.reshape(-1), yb.reshape(-1), n, g, geom.channels_in // g,
+    bblk = km.blocked_bias(bias, geom.channels_out, g, wblk.shape[-1], xbuf.dtype)
+    km.forward(xbuf.reshape(-1), wblk.reshape(-1), yb.reshape(-1), bblk.reshape(-1), n, g, geom.channels_in // g,
                geom.channels_out // g, wblk.shape[-1], kd, kh, kw, lay.x_cs, xkd, xkh, xkw, xozs, xrs,
                od, lay.nrow, lay.ncol, lay.lanes, od * lay.y_plane, lay.y_plane, lay.y_rs)
     return None if direct else yb
