@@ -161,3 +161,25 @@ def test_stride_phase_split_and_merge(key):
         np.testing.assert_array_equal(back, x)
     w = np.random.default_rng(4).standard_normal(g.weight_shape).astype(np.float32)
     np.testing.assert_array_equal(dl.unphase_weights(dl.phase_weights(w, g, p), g, p), w)
+
+
+def test_forward_driver_made_once_under_concurrent_first_use(monkeypatch):
+    """Batch partitions that reach a new kernel width together share one driver (one compile)."""
+    import threading
+
+    km = kernels.get("conv_simd")
+    monkeypatch.setattr(km, "_FORWARD", {})
+    jb = next(iter(km.FORWARD_ROWS))
+    got, start = [], threading.Barrier(4)
+
+    def first_use():
+        start.wait()
+        got.append(km._forward_driver(jb, 9))
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 4 and all(d is got[0] for d in got) and list(km._FORWARD) == [(jb, 9)]
+    assert km._forward_driver(jb, 13) is km._FORWARD[(jb, 0)]  # wider than UNROLLED_WIDTHS: the generic loop

@@ -25,6 +25,7 @@ GEMM lowerings (results agree to rounding).
 """
 from __future__ import annotations
 
+import threading
 import types as pytypes
 from typing import Any
 
@@ -214,17 +215,22 @@ def _forward_template(xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs,
 #: kernel widths with their own forward drivers (taps unrolled); other widths take the generic ones
 UNROLLED_WIDTHS = tuple(range(1, 12))
 _FORWARD: dict[tuple[int, int], Any] = {}
+_FORWARD_LOCK = threading.Lock()
 
 
 def _forward_driver(jb: int, kw: int):
-    """The forward driver for tiles of ``jb`` channels and kernels ``kw`` wide, made on first use."""
+    """The forward driver for tiles of ``jb`` channels and kernels ``kw`` wide, made on first use (once,
+    when a net's batch partitions ask for it at the same time)."""
     key = (jb, kw if kw in UNROLLED_WIDTHS else 0)
     fn = _FORWARD.get(key)
     if fn is None:
-        rows = FORWARD_ROWS[jb]
-        fn = _FORWARD[key] = _variant(_forward_template, f"forward_j{jb}_k{key[1]}",
-                                      _tile_full=_conv_tile(jb, rows, key[1]), _tile_one=_conv_tile(jb, 1, key[1]),
-                                      _tile_rows=rows)
+        with _FORWARD_LOCK:
+            fn = _FORWARD.get(key)
+            if fn is None:
+                rows = FORWARD_ROWS[jb]
+                fn = _FORWARD[key] = _variant(_forward_template, f"forward_j{jb}_k{key[1]}",
+                                              _tile_full=_conv_tile(jb, rows, key[1]),
+                                              _tile_one=_conv_tile(jb, 1, key[1]), _tile_rows=rows)
     return fn
 
 
