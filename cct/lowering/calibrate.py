@@ -208,10 +208,11 @@ def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) ->
     return out
 
 
-#: what a calibration compiles, as jobs for :func:`precompile_kernels`, ordered so that dealing them out
-#: round-robin to two workers balances them: the direct kernels' forward and data-gradient passes on
-#: the call-overhead layer and a 3x3 one (the rates' kernel widths; 7.6 s of compiling on a 2-core Zen 3),
-#: type 1's im2col (5.2 s), the direct weight gradient (3.8 s) and type 1's col2im (5.1 s)
+#: what a calibration compiles, as jobs for :func:`precompile_kernels`, dealt out round-robin: with two
+#: workers, the direct kernels' forward and data-gradient passes on the call-overhead layer plus their 3x3
+#: variant (the rates' kernel widths) and the direct weight gradient in one, type 1's im2col and col2im in
+#: the other. On a 2-core Zen 3 this split compiled in 14.9-15.9 s; the 3x3 variant beside im2col and
+#: col2im instead took 17.4-20.1 s (measured alternately)
 WARM_JOBS = ("direct:fwd", "type1:lower", "direct:wgrad", "type1:unlower")
 _precompiled = False
 

@@ -320,7 +320,7 @@ class DirectConvolution(LoweringStrategy):
                     ("direct", macs * FALLBACK_SLOWDOWN)]
         computed = macs / lay.efficiency * dl.forward_blocking(geom.channels_out // geom.group, lay.nrow)[1]
         ops = [("copy", inp), ("direct", computed, geom.kernel[-1])]  # the padded copy into a reused buffer
-        if lay.flat or lay.efficiency < 1:  # one pass: the valid positions out of the buffer (the tiles add the bias)
+        if lay.drops_positions:  # one pass: the valid positions out of the buffer (the tiles add the bias)
             ops.append(("copy", batch * geom.channels_out * geom.out_size))
         return ops
 

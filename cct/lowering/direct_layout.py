@@ -119,6 +119,12 @@ class SimdLayout:
     efficiency: float  # useful share of the computed positions
 
     @property
+    def drops_positions(self) -> bool:
+        """Whether the kernel computes positions the output does not have (the flat layout's row ends,
+        the rows layout's padded width): it then writes a buffer whose valid positions are gathered."""
+        return self.flat or self.efficiency < 1
+
+    @property
     def y_rs(self) -> int:
         return self.lanes if self.flat else self.ncol * self.lanes
 
@@ -209,8 +215,7 @@ def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayo
     g = geom.group
     od = as3(geom.out_shape, 1)[0]
     kd, kh, kw = as3(geom.kernel, 1)
-    direct = (out is not None and out.flags.c_contiguous and not lay.flat
-              and lay.y_plane * od == math.prod(geom.out_shape))
+    direct = out is not None and out.flags.c_contiguous and not lay.drops_positions
     yb = out if direct else _zeros(scratch, "y", (n, geom.channels_out, od, lay.y_plane), xbuf.dtype)
     xkd, xkh, xkw, xozs, xrs = _tap_strides(geom, lay)
     bblk = km.blocked_bias(bias, geom.channels_out, g, wblk.shape[-1], xbuf.dtype)
