@@ -1,22 +1,44 @@
 """FFT convolution's pruned transforms and weight-transform cache; the direct kernels' blocking edges."""
 import numpy as np
+import pytest
 import scipy.fft as sfft
 
 from cct.lowering import ConvGeometry, get_strategy
-from cct.lowering.fft import FFTConvolution, fft_shape, pruned_irfftn, pruned_rfftn, rfftn
+from cct.lowering.fft import FFTConvolution, fft_shape, half_shape, inverse_spectrum, spectrum
+
+
+def _extended(a, points):
+    """``a`` zero-extended along its last axis to ``points`` (how :func:`spectrum` takes it)."""
+    out = np.zeros(a.shape[:-1] + (points,), dtype=a.dtype)
+    out[..., :a.shape[-1]] = a
+    return out
 
 
 def test_pruned_transforms_equal_the_full_ones():
+    """Stage by stage over only the non-zero lines, into a strided (frequency-major) destination, and
+    back keeping a corner: the same as scipy's full transforms; the conjugate flag gives the conjugate
+    spectrum and inverts one."""
     rng = np.random.default_rng(0)
     for shape, small in (((12,), (3,)), ((9, 10), (3, 2)), ((6, 8, 10), (3, 3, 3))):
+        nd = len(shape)
+        axes = tuple(range(2, 2 + nd))
         k = rng.standard_normal((2, 3) + small)
-        np.testing.assert_allclose(pruned_rfftn(k, shape), sfft.rfftn(k, s=shape, axes=tuple(range(2, 2 + len(shape)))),
-                                   rtol=1e-12, atol=1e-12)
-        spec = sfft.rfftn(rng.standard_normal((2,) + shape), axes=tuple(range(1, 1 + len(shape))))
-        full = sfft.irfftn(spec, s=shape, axes=tuple(range(1, 1 + len(shape))))
-        keep = tuple(max(1, s - 2) for s in shape)
-        want = full[(slice(None),) + tuple(slice(0, q) for q in keep)]
-        np.testing.assert_allclose(pruned_irfftn(spec, shape, keep), want, rtol=1e-12, atol=1e-12)
+        want = sfft.rfftn(k, s=shape, axes=axes)
+        for conjugate in (False, True):
+            buf = np.empty(half_shape(shape) + (2, 3), dtype=np.complex128)
+            out = buf.transpose((nd, nd + 1) + tuple(range(nd)))
+            assert spectrum(_extended(k, shape[-1]), shape, out, conjugate=conjugate) is out
+            np.testing.assert_allclose(out, np.conj(want) if conjugate else want, rtol=1e-12, atol=1e-12)
+            keep = tuple(max(1, s - 2) for s in shape)
+            back = inverse_spectrum(out, shape, keep, conjugate=conjugate)
+            full = sfft.irfftn(want, s=shape, axes=axes)
+            np.testing.assert_allclose(back, full[(slice(None),) * 2 + tuple(slice(0, q) for q in keep)],
+                                       rtol=1e-12, atol=1e-12)
+
+
+def test_spectrum_takes_the_last_axis_extended():
+    with pytest.raises(ValueError, match="zero-extended to 12 points"):
+        spectrum(np.zeros((2, 3, 5)), (12,), np.zeros((2, 3, 7), dtype=np.complex128))
 
 
 def test_weight_transform_reused_from_forward_and_invalidated_by_an_update():
@@ -28,12 +50,38 @@ def test_weight_transform_reused_from_forward_and_invalidated_by_an_update():
     s = FFTConvolution()
     s.forward(x, w, None, g)
     first = s.kernel_transform(w, g)
+    before = first.copy()
     assert s.kernel_transform(w, g) is first  # the backward pass of the same iteration reuses it
     w += 0.25  # the solver updates the weights in place
-    assert s.kernel_transform(w, g) is not first
+    again = s.kernel_transform(w, g)
+    np.testing.assert_allclose(again, FFTConvolution().kernel_transform(w, g), rtol=1e-12, atol=1e-12)
+    assert not np.allclose(again, before)
     np.testing.assert_allclose(s.backward_data(dy, w, g), get_strategy("type1").backward_data(dy, w, g),
                                rtol=1e-10, atol=1e-10)
     assert all(f >= e for f, e in zip(fft_shape(g), g.used_extent))  # no wrap-around on used positions
+
+
+def test_fft_buffers_are_reused_and_results_stay_correct():
+    """A second call with other data reuses every buffer (no buffer grows the scratch) and still
+    matches type 1: what the first call left in the buffers never leaks into the second."""
+    g = ConvGeometry(4, 6, 2, (9, 8), (3, 3), (1, 2), (2, 1), (1, 1), (5, 10), True)
+    rng = np.random.default_rng(3)
+    s, t = FFTConvolution(), get_strategy("type1")
+    sizes = []
+    for _ in range(2):
+        x = rng.standard_normal((3, 4, 9, 8)).astype(np.float32)
+        w = rng.standard_normal(g.weight_shape).astype(np.float32)
+        b = rng.standard_normal(6).astype(np.float32)
+        dy = rng.standard_normal((3, 6, 5, 10)).astype(np.float32)
+        np.testing.assert_allclose(s.forward(x, w, b, g), t.forward(x, w, b, g), rtol=1e-4, atol=1e-4)
+        dw, db = np.zeros(g.weight_shape, np.float32), np.zeros(6, np.float32)
+        dx = np.full(x.shape, np.nan, np.float32)
+        s.backward_into(dy, x, w, g, dw=dw, db=db, dx=dx)
+        np.testing.assert_allclose(dx, t.backward_data(dy, w, g), rtol=1e-4, atol=1e-4)
+        for a, r in zip((dw, db), t.backward_weights(dy, x, g)):
+            np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4)
+        sizes.append(len(s._scratch._bufs))
+    assert sizes[0] == sizes[1] > 0
 
 
 def test_direct_output_channel_blocks_with_a_tail():
@@ -62,9 +110,9 @@ def test_transforms_on_several_threads_equal_one_call():
     a = rng.standard_normal((5, 3, 9, 10)).astype(np.float32)
     want = sfft.rfftn(a, s=(12, 12), axes=(2, 3))
     with blas.blas_threads(2):
-        np.testing.assert_allclose(rfftn(a, (12, 12)), want, rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(pruned_rfftn(a, (12, 12)), want, rtol=1e-5, atol=1e-4)
-        back = pruned_irfftn(want, (12, 12), (9, 10))
+        out = np.empty((5, 3, 12, 7), dtype=np.complex64)
+        np.testing.assert_allclose(spectrum(_extended(a, 12), (12, 12), out), want, rtol=1e-5, atol=1e-4)
+        back = inverse_spectrum(want, (12, 12), (9, 10))
     np.testing.assert_allclose(back, a, rtol=1e-4, atol=1e-4)
 
 

@@ -81,21 +81,23 @@ class Scratch:
         self._bufs: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
-    def zeros(self, tag: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-        """The buffer for ``tag`` (include what fixes the untouched elements, e.g. the geometry)."""
-        key = (tag, tuple(shape), np.dtype(dtype), threading.get_ident())
+    def zeros(self, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
+        """The buffer for ``tag`` (include what fixes the untouched elements, e.g. the geometry), an
+        array of the array module ``xp``."""
+        key = (tag, tuple(shape), np.dtype(dtype), xp.__name__, threading.get_ident())
         with self._lock:
             buf = self._bufs.pop(key, None)
             if buf is None:
-                buf = np.zeros(shape, dtype=dtype)
+                buf = xp.zeros(shape, dtype=dtype)
             self._bufs[key] = buf
             while len(self._bufs) > self.capacity:
                 self._bufs.popitem(last=False)
         return buf
 
 
-def _zeros(scratch: Scratch | None, tag: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-    return np.zeros(shape, dtype=dtype) if scratch is None else scratch.zeros(tag, shape, dtype)
+def scratch_zeros(scratch: Scratch | None, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
+    """``scratch``'s buffer for ``tag`` (zeroed when created), or a fresh zeroed array without one."""
+    return xp.zeros(shape, dtype=dtype) if scratch is None else scratch.zeros(tag, shape, dtype, xp)
 
 
 def as3(values: tuple[int, ...], fill: int) -> tuple[int, ...]:
@@ -160,7 +162,7 @@ def padded_input(x: Any, geom: ConvGeometry, lay: SimdLayout, scratch: Scratch |
                  km: Any = None) -> Any:
     """``x`` copied into a zeroed ``(N, C, x_cs)`` buffer of the layout (by ``km.copy_into`` in
     parallel when the kernels are given)."""
-    buf = _zeros(scratch, ("xpad", geom, lay), x.shape[:2] + (lay.x_cs,), x.dtype)
+    buf = scratch_zeros(scratch, ("xpad", geom, lay), x.shape[:2] + (lay.x_cs,), x.dtype)
     view = _spatial_view(buf, lay, geom.num_spatial)
     _copy_interior(km, x, view, geom)
     return buf
@@ -216,7 +218,7 @@ def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayo
     od = as3(geom.out_shape, 1)[0]
     kd, kh, kw = as3(geom.kernel, 1)
     direct = out is not None and out.flags.c_contiguous and not lay.drops_positions
-    yb = out if direct else _zeros(scratch, "y", (n, geom.channels_out, od, lay.y_plane), xbuf.dtype)
+    yb = out if direct else scratch_zeros(scratch, "y", (n, geom.channels_out, od, lay.y_plane), xbuf.dtype)
     xkd, xkh, xkw, xozs, xrs = _tap_strides(geom, lay)
     bblk = km.blocked_bias(bias, geom.channels_out, g, wblk.shape[-1], xbuf.dtype)
     km.forward(xbuf.reshape(-1), wblk.reshape(-1), yb.reshape(-1), bblk.reshape(-1), n, g, geom.channels_in // g,
@@ -233,7 +235,7 @@ def pad_input(x: Any, geom: ConvGeometry, scratch: Scratch | None = None, km: An
     dst, _ = geom.interior(ext)
     full = all(d.start == 0 and d.stop == e for d, e in zip(dst, ext))
     if scratch is not None:
-        buf = scratch.zeros(("pad", geom), x.shape[:2] + tuple(ext), x.dtype)
+        buf = scratch.zeros(("pad", geom), x.shape[:2] + tuple(ext), x.dtype, xp)
     else:
         buf = (xp.empty if full else xp.zeros)(x.shape[:2] + tuple(ext), dtype=x.dtype)
     _copy_interior(km, x, buf, geom)
@@ -251,10 +253,10 @@ def weight_grad_buffers(km: Any, dy: Any, x: Any, geom: ConvGeometry, chunks: in
     kd, kh, kw = as3(geom.kernel, 1)
     mb = km.WGRAD_VECTORS * km.lanes(x.dtype)
     mgp = -(-mg // mb) * mb
-    dyt = _zeros(scratch, ("dyt", geom), (n, g, mgp // mb, geom.out_size, mb), dy.dtype)
+    dyt = scratch_zeros(scratch, ("dyt", geom), (n, g, mgp // mb, geom.out_size, mb), dy.dtype)
     km.position_major(np.ascontiguousarray(dy).reshape(n, geom.channels_out, -1), dyt, g)
     xpad = pad_input(x, geom, scratch, km)
-    part = _zeros(scratch, "part", (max(1, min(chunks, n)), g, mgp // mb, cg, kd, kh, kw, mb), x.dtype)
+    part = scratch_zeros(scratch, "part", (max(1, min(chunks, n)), g, mgp // mb, cg, kd, kh, kw, mb), x.dtype)
     part[...] = 0  # sums: cleared every call
     return dyt, xpad, part
 
@@ -340,7 +342,7 @@ def phase_input(x: Any, geom: ConvGeometry, pgeom: ConvGeometry, km: Any = None,
     nd = geom.num_spatial
     if km is not None:
         strides, ext, pads = as3(geom.stride, 1), as3(pgeom.in_shape, 1), as3(geom.pad, 0)
-        out = _zeros(scratch, ("phase", geom), x.shape[:2] + strides + ext, x.dtype)
+        out = scratch_zeros(scratch, ("phase", geom), x.shape[:2] + strides + ext, x.dtype)
         km.phase_split(np.ascontiguousarray(x).reshape(x.shape[:2] + as3(geom.in_shape, 1)), out, *pads)
         return out.reshape((x.shape[0], pgeom.channels_in) + tuple(pgeom.in_shape))
     ext = tuple(e * s for e, s in zip(pgeom.in_shape, geom.stride))

@@ -10,20 +10,29 @@ linear ones on every position used. Per group and frequency the channel sums are
 * weight gradient: ``dW[m, c] = sum_n conj(DY[n, m]) * X[n, c]``, the first kernel-extent
   positions of its inverse taken every ``d`` (dilation).
 
+The weights and the output gradient are kept as conjugate spectra (a real signal's transform with
+the exponent's sign flipped is the conjugate of its transform): the forward pass and the weight
+gradient then multiply spectra as they are, and the data gradient, ``conj(dX) = sum_m conj(DY) *
+conj(W)``, is inverted with the sign flipped back. No pass conjugates an array.
+
 Pruned transforms (ZNNi Figure 2): a kernel only fills ``k`` of the ``F`` points per axis, so it is
 transformed one axis at a time (real FFT of the last axis first), each stage only over the lines
 that are not all zero; inverse transforms keep, axis by axis, only the lines whose outputs are
 used. The kernel's transform is cached from the forward pass for the data gradient of the same
 iteration (reused while the weights are unchanged: they are compared with a kept copy).
 
-Transforms run through the array module: ``scipy.fft`` for numpy (``workers`` = the BLAS thread
-count), ``cupy.fft`` for cupy. Operations declared to the cost model follow ZNNi Table I
-(``("fft", flops)`` per transform stage and complex GEMMs ``("cgemm", m, n, k, count)``); the
-workspace follows Table II (input, kernel and output transforms of one chunk).
+Spectra are laid out frequency-major, ``(G, *freq, rows, channels)``, so that the channel sums are
+one stacked GEMM per group with no transposes: the last stage of each forward transform writes that
+layout directly and the first inverse stage reads it in place. Every buffer is reused from call to
+call (:class:`.direct_layout.Scratch`): fresh arrays of this size cost page faults comparable to the
+transforms themselves. With numpy the stages run on scipy's pocketfft binding, which writes into
+given arrays (``workers`` = the BLAS thread count); cupy (and numpy without that binding) runs the
+same stages through ``xp.fft`` and copies each result into place. Operations declared to the cost
+model follow ZNNi Table I (``("fft", flops, points)`` per transform stage and complex GEMMs
+``("cgemm", m, n, k, count)``); the workspace follows Table II.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 from typing import Any
@@ -32,23 +41,63 @@ import numpy as np
 
 from .. import blas
 from ..backend import get_array_module
-from .base import LoweringStrategy, register_strategy
-from .direct import pad_input
+from . import direct_layout as dl
+from .base import IntoLowering, register_strategy
 from .geometry import ConvGeometry
 
 
-def _fft_module(xp: Any) -> tuple[Any, dict]:
-    if xp is np:
-        import scipy.fft as sfft
+def _pocketfft() -> Any:
+    """scipy's pocketfft binding (transforms into given arrays), or None where it is missing."""
+    try:
+        from scipy.fft._pocketfft import pypocketfft
+    except ImportError:  # a scipy without it: the public API, results copied into place
+        return None
+    return pypocketfft if all(hasattr(pypocketfft, f) for f in ("r2c", "c2c", "c2r")) else None
 
-        return sfft, {"workers": max(1, blas.get_num_threads())}
-    return xp.fft, {}
+
+_POCKETFFT = _pocketfft()
 
 
-def rfftn(a: Any, shape: tuple[int, ...]) -> Any:
-    """``rfftn(a, s=shape)`` over the trailing ``len(shape)`` axes (no pruning)."""
-    f, kw = _fft_module(get_array_module(a))
-    return f.rfftn(a, s=shape, axes=tuple(range(a.ndim - len(shape), a.ndim)), **kw)
+def _native(xp: Any) -> bool:
+    return xp is np and _POCKETFFT is not None
+
+
+def _workers() -> int:
+    return max(1, blas.get_num_threads())
+
+
+def _r2c(a: Any, axis: int, conjugate: bool, out: Any) -> Any:
+    """``out[...]`` = the half spectrum of real ``a`` along ``axis`` (its whole length); its conjugate
+    with ``conjugate``."""
+    xp = get_array_module(a)
+    if _native(xp):
+        return _POCKETFFT.r2c(a, (axis,), not conjugate, 0, out, _workers())
+    r = xp.fft.rfft(a, axis=axis)
+    out[...] = xp.conj(r) if conjugate else r
+    return out
+
+
+def _c2c(a: Any, axis: int, negative: bool, scale: bool, out: Any) -> Any:
+    """``out[...]`` (``out`` may be ``a``) = the complex transform of ``a`` along ``axis`` with a
+    negative (``negative``) or positive exponent, divided by the length with ``scale``."""
+    xp = get_array_module(a)
+    if _native(xp):
+        return _POCKETFFT.c2c(a, (axis,), negative, 2 if scale else 0, out, _workers())
+    if negative:
+        out[...] = xp.fft.fft(a, axis=axis, norm="forward" if scale else "backward")
+    else:
+        out[...] = xp.fft.ifft(a, axis=axis, norm="backward" if scale else "forward")
+    return out
+
+
+def _c2r(a: Any, axis: int, points: int, conjugate: bool, out: Any) -> Any:
+    """``out[...]`` = the real inverse (divided by ``points``) along ``axis`` of the half spectrum
+    ``a``, or of the spectrum whose conjugate ``a`` is (``conjugate``)."""
+    xp = get_array_module(a)
+    if _native(xp):
+        return _POCKETFFT.c2r(a, (axis,), points, conjugate, 2, out, _workers())
+    out[...] = xp.fft.irfft(xp.conj(a) if conjugate else a, n=points, axis=axis)
+    return out
 
 
 def fft_shape(geom: ConvGeometry) -> tuple[int, ...]:
@@ -62,208 +111,269 @@ def _complex(dtype: Any) -> Any:
     return np.complex64 if np.dtype(dtype) == np.float32 else np.complex128
 
 
-def pruned_rfftn(a: Any, shape: tuple[int, ...]) -> Any:
-    """``rfftn(a, s=shape)`` over the trailing ``len(shape)`` axes, one axis at a time, each stage
-    over only the lines the zero padding leaves non-zero (ZNNi Figure 2)."""
-    f, kw = _fft_module(get_array_module(a))
+def _real(dtype: Any) -> Any:
+    return np.float32 if np.dtype(dtype) == np.complex64 else np.float64
+
+
+def half_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The frequencies a real transform of ``shape`` points keeps per axis."""
+    return tuple(shape[:-1]) + (shape[-1] // 2 + 1,)
+
+
+def spectrum(a: Any, shape: tuple[int, ...], out: Any, conjugate: bool = False,
+             scratch: dl.Scratch | None = None, tag: Any = None, axes: tuple[int, ...] | None = None) -> Any:
+    """``out[...]`` = the half spectrum over the spatial ``axes`` of ``a`` (default: the trailing
+    ``len(shape)``) zero-extended to ``shape`` (its conjugate with ``conjugate``). ``a`` comes
+    zero-extended along the last spatial axis (``shape[-1]`` points); the others may be shorter. One
+    axis at a time, the last one first, each stage over only the lines the zero extension leaves
+    non-zero (ZNNi Figure 2), writing the head of the next stage's zero-extended buffer (from
+    ``scratch``; fresh without one), so that no stage copies or zeroes anything. ``out`` may be any
+    strided view."""
+    xp = get_array_module(a)
     nd = len(shape)
-    out = f.rfft(a, n=shape[-1], axis=-1, **kw)
+    axes = tuple(range(a.ndim - nd, a.ndim)) if axes is None else tuple(axes)
+    if a.shape[axes[-1]] != shape[-1]:
+        raise ValueError(f"spectrum: the last axis must come zero-extended to {shape[-1]} points, "
+                         f"not {a.shape[axes[-1]]}")
+    cdt = _complex(a.dtype)
+
+    def stage(i: int, have: tuple[int, ...]) -> tuple[Any, Any]:
+        """(buffer, head): where the transform before axis ``i``'s writes (``have`` its shape): the head
+        of a buffer ``shape[i]`` long on axis ``i``, zero beyond ``have`` there (never written)."""
+        if i < 0:
+            return out, out
+        ax = axes[i]
+        full = dl.scratch_zeros(scratch, (tag, "stage", i), have[:ax] + (shape[i],) + have[ax + 1:], cdt, xp)
+        return full, full[(slice(None),) * ax + (slice(0, have[ax]),)]
+
+    last = axes[-1]
+    cur, head = stage(nd - 2, a.shape[:last] + (shape[-1] // 2 + 1,) + a.shape[last + 1:])
+    _r2c(a, last, conjugate, head)
     for i in range(nd - 2, -1, -1):
-        out = f.fft(out, n=shape[i], axis=a.ndim - nd + i, **kw)
+        nxt, head = stage(i - 1, cur.shape)
+        _c2c(cur, axes[i], not conjugate, False, head)  # conj(transform) of a real signal: the sign flipped
+        cur = nxt
     return out
 
 
-def pruned_irfftn(a: Any, shape: tuple[int, ...], keep: tuple[int, ...]) -> Any:
-    """The first ``keep[i]`` positions per axis of ``irfftn(a, s=shape)``: each inverse stage runs on
-    the lines later stages need, and keeps only ``keep[i]`` of its outputs."""
-    f, kw = _fft_module(get_array_module(a))
+def inverse_spectrum(a: Any, shape: tuple[int, ...], keep: tuple[int, ...], conjugate: bool = False,
+                     scratch: dl.Scratch | None = None, tag: Any = None) -> Any:
+    """The first ``keep[i]`` positions per axis of the real inverse transform (``s=shape``) of the
+    half spectrum ``a`` over its trailing axes (any strides), or of the spectrum ``a`` is the
+    conjugate of (``conjugate``). Each stage runs on the lines later stages need and keeps only
+    ``keep[i]`` of its outputs. The result is a view of a ``scratch`` buffer."""
+    xp = get_array_module(a)
     nd = len(shape)
     lead = a.ndim - nd
-    out = a
+    cur = a
     for i in range(nd - 1):
-        out = f.ifft(out, n=shape[i], axis=lead + i, **kw)
-        out = out[(slice(None),) * (lead + i) + (slice(0, keep[i]),)]
-    return f.irfft(out, n=shape[-1], axis=-1, **kw)[..., : keep[-1]]
+        ax = lead + i
+        buf = dl.scratch_zeros(scratch, (tag, "i", i), cur.shape, a.dtype, xp)
+        cur = _c2c(cur, ax, conjugate, True, buf)[(slice(None),) * ax + (slice(0, keep[i]),)]
+    real = dl.scratch_zeros(scratch, (tag, "o"), cur.shape[:-1] + (shape[-1],), _real(a.dtype), xp)
+    return _c2r(cur, -1, shape[-1], conjugate, real)[..., : keep[-1]]
 
 
-def _dilated(w: Any, geom: ConvGeometry) -> Any:
-    """Weights spread ``dilation`` apart: ``(M, Cg, *kernel_extent)``."""
-    if all(d == 1 for d in geom.dilation):
-        return w
-    xp = get_array_module(w)
-    out = xp.zeros(w.shape[:2] + tuple(geom.kernel_extent), dtype=w.dtype)
-    out[(slice(None), slice(None)) + tuple(slice(None, None, d) for d in geom.dilation)] = w
-    return out
+def _last_extended(extent: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``extent`` with its last axis zero-extended to the transform's points (how :func:`spectrum` takes it)."""
+    return tuple(extent[:-1]) + (shape[-1],)
 
 
-def _channel_products(a: Any, b: Any, conj_b: bool, xp: Any) -> Any:
-    """Per frequency ``sum_j a[.., j, f] * op(b)[j, .., f]`` for each group: ``a`` ``(G, P, J, F)``,
-    ``b`` ``(G, J, Q, F)`` -> ``(G, P, Q, F)`` (one stacked complex GEMM per group)."""
-    at = xp.ascontiguousarray(a.transpose(0, 3, 1, 2))  # (G, F, P, J)
-    bt = b.transpose(0, 3, 1, 2)  # (G, F, J, Q)
-    bt = xp.conj(bt) if conj_b else xp.ascontiguousarray(bt)  # never conjugates the caller's (cached) array
-    return xp.matmul(at, bt).transpose(0, 2, 3, 1)  # (G, P, Q, F)
+def _rows_major(buf: Any, nd: int) -> Any:
+    """``(G, *freq, P, Q)`` viewed as ``(P, G, Q, *freq)``."""
+    return buf.transpose((nd + 1, 0, nd + 2) + tuple(range(1, nd + 1)))
 
 
-class FFTConvolution(LoweringStrategy):
+def _groups_major(buf: Any, nd: int) -> Any:
+    """``(G, *freq, P, Q)`` viewed as ``(G, P, Q, *freq)``."""
+    return buf.transpose((0, nd + 1, nd + 2) + tuple(range(1, nd + 1)))
+
+
+def _merge_groups(a: Any) -> Any:
+    """``(P, G, Q, *spatial)`` as ``(P, G * Q, *spatial)``: a view for the results of
+    :func:`inverse_spectrum` (group and channel strides are nested there)."""
+    return a.reshape(a.shape[:1] + (a.shape[1] * a.shape[2],) + a.shape[3:])
+
+
+class FFTConvolution(IntoLowering):
     """FFT convolution (see module docstring)."""
 
     name = "fft"
 
     def __init__(self) -> None:
         self._tls = threading.local()
+        self._scratch = dl.Scratch(capacity=96)
 
     def supports(self, geom: ConvGeometry) -> bool:
         """1-, 2- and 3-D convolutions with a non-empty output."""
         return 1 <= geom.num_spatial <= 3 and geom.out_size > 0
 
-    # -- kernel transform, cached while the weights are unchanged ------------------------------
+    def _buffer(self, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any) -> Any:
+        return self._scratch.zeros(tag, shape, dtype, xp)
+
+    # -- spectra -------------------------------------------------------------------------------
     def kernel_transform(self, w: Any, geom: ConvGeometry) -> Any:
-        """``(G, Mg, Cg, *freq)``: the pruned transform of the (dilated) weights."""
+        """``(G, F, Cg, Mg)`` (``F`` the frequencies, flattened; a strided view): the conjugate of the
+        pruned transform of the (dilated) weights. Cached per thread while the weights are unchanged.
+
+        The weights are transformed spatial axes first, ``(*kernel, G, Mg, Cg)``: every transform line
+        then has its neighbours next to it in memory and the spectrum comes out frequency-major and
+        contiguous (on the channel-major layout the last stage's writes land ``Mg * Cg`` elements apart,
+        several times slower)."""
         xp = get_array_module(w)
         shape = fft_shape(geom)
+        nd, g = geom.num_spatial, geom.group
+        mg, cg = geom.channels_out // g, geom.channels_in // g
+        half = half_shape(shape)
         hit = getattr(self._tls, "wcache", None)
-        if hit is not None and hit[0] == (geom, shape) and hit[1].shape == w.shape and \
-                get_array_module(hit[1]) is xp and bool(xp.array_equal(hit[1], w)):
-            return hit[2]
-        wt = pruned_rfftn(_dilated(w, geom), shape)
-        g = geom.group
-        wt = wt.reshape((g, geom.channels_out // g) + wt.shape[1:])
-        self._tls.wcache = ((geom, shape), w.copy(), wt)
-        return wt
+        if hit is not None and hit[0] == geom and hit[1].shape == w.shape and hit[1].dtype == w.dtype and \
+                get_array_module(hit[1]) is xp:
+            if bool(xp.array_equal(hit[1], w)):
+                return hit[2]
+            kept, spec = hit[1], hit[3]
+            kept[...] = w
+        else:
+            kept, spec = w.copy(), xp.empty(half + (g, mg, cg), dtype=_complex(w.dtype))
+        wsp = self._buffer(("wsp", geom), _last_extended(geom.kernel_extent, shape) + (g, mg, cg), w.dtype, xp)
+        taps = tuple(slice(None, e, d) for e, d in zip(geom.kernel_extent, geom.dilation))
+        wsp[taps] = w.reshape((g, mg, cg) + w.shape[2:]).transpose(tuple(range(3, 3 + nd)) + (0, 1, 2))
+        spectrum(wsp, shape, spec, conjugate=True, scratch=self._scratch, tag=("w", geom), axes=tuple(range(nd)))
+        ws = spec.reshape(-1, g, mg, cg).transpose(1, 0, 3, 2)
+        self._tls.wcache = (geom, kept, ws, spec)
+        return ws
 
-    # -- the three passes -------------------------------------------------------------------
-    def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
+    def _input_spectrum(self, x: Any, geom: ConvGeometry) -> Any:
+        """``(G, F, N, Cg)``: the transform of the padded input."""
         xp = get_array_module(x)
         n, nd, g = x.shape[0], geom.num_spatial, geom.group
-        if n == 0 or x.size == 0:
-            y = xp.zeros((n, geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
-            return y if b is None else y + b.reshape((1, -1) + (1,) * nd)
+        cg = geom.channels_in // g
         shape = fft_shape(geom)
-        xt = rfftn(pad_input(x, geom), shape)
-        fp = math.prod(xt.shape[2:])
-        xg = xt.reshape(n, g, geom.channels_in // g, fp).transpose(1, 0, 2, 3)  # (G, N, Cg, F)
-        wt = self.kernel_transform(w, geom).reshape(g, geom.channels_out // g, -1, fp).transpose(0, 2, 1, 3)
-        yt = _channel_products(xg, wt, True, xp)  # (G, N, Mg, F)
-        yt = yt.transpose(1, 0, 2, 3).reshape((n, geom.channels_out) + xt.shape[2:])
-        keep = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
-        full = pruned_irfftn(yt, shape, keep)
-        y = xp.ascontiguousarray(full[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in geom.stride)],
-                                 dtype=x.dtype)
-        if b is not None:
-            y += b.reshape((1, -1) + (1,) * nd)
-        return y
-
-    def _dy_transform(self, dy: Any, geom: ConvGeometry, shape: tuple[int, ...]) -> Any:
-        """``rfftn`` of ``dy`` spread ``stride`` apart on the stride-1 output grid."""
-        xp = get_array_module(dy)
-        if any(s > 1 for s in geom.stride):
-            full = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
-            up = xp.zeros(dy.shape[:2] + full, dtype=dy.dtype)
-            up[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in geom.stride)] = dy
-            dy = up
-        return rfftn(dy, shape)
-
-    def backward_data(self, dy: Any, w: Any, geom: ConvGeometry, dyt: Any = None) -> Any:
-        xp = get_array_module(dy)
-        n, g = dy.shape[0], geom.group
-        dx = xp.zeros((n, geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
-        if n == 0 or dy.size == 0:
-            return dx
-        shape = fft_shape(geom)
-        if dyt is None:
-            dyt = self._dy_transform(dy, geom, shape)
-        fp = math.prod(dyt.shape[2:])
-        dyg = dyt.reshape(n, g, geom.channels_out // g, fp).transpose(1, 0, 2, 3)  # (G, N, Mg, F)
-        wt = self.kernel_transform(w, geom).reshape(g, geom.channels_out // g, -1, fp)  # (G, Mg, Cg, F)
-        dxt = _channel_products(dyg, wt, False, xp)  # (G, N, Cg, F)
-        dxt = dxt.transpose(1, 0, 2, 3).reshape((n, geom.channels_in) + dyt.shape[2:])
-        dxp = pruned_irfftn(dxt, shape, tuple(geom.used_extent))
+        xpad = self._buffer(("xpad", geom), x.shape[:2] + _last_extended(geom.used_extent, shape), x.dtype, xp)
         dst, src = geom.interior()
-        dx[(slice(None), slice(None)) + src] = dxp[(slice(None), slice(None)) + dst]
-        return dx
+        xpad[(slice(None), slice(None)) + dst] = x[(slice(None), slice(None)) + src]  # the zero border stays
+        xs = self._buffer(("xs", geom), (g,) + half_shape(shape) + (n, cg), _complex(x.dtype), xp)
+        spectrum(xpad.reshape((n, g, cg) + xpad.shape[2:]), shape, _rows_major(xs, nd), scratch=self._scratch,
+                 tag=("x", geom))
+        return xs.reshape(g, -1, n, cg)
 
-    def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry, dyt: Any = None) -> tuple[Any, Any]:
+    def _gradient_spectrum(self, dy: Any, geom: ConvGeometry) -> Any:
+        """``(G, F, N, Mg)``: the conjugate transform of ``dy`` spread ``stride`` apart."""
         xp = get_array_module(dy)
         n, nd, g = dy.shape[0], geom.num_spatial, geom.group
-        db = dy.sum(axis=(0,) + tuple(range(2, 2 + nd))) if geom.bias_term else None
-        if n == 0 or dy.size == 0:
-            return xp.zeros(geom.weight_shape, dtype=dy.dtype), db
+        mg = geom.channels_out // g
         shape = fft_shape(geom)
-        xt = rfftn(pad_input(x, geom), shape)
-        if dyt is None:
-            dyt = self._dy_transform(dy, geom, shape)
-        fp = math.prod(xt.shape[2:])
-        cg, mg = geom.channels_in // g, geom.channels_out // g
-        dyg = dyt.reshape(n, g, mg, fp).transpose(1, 2, 0, 3)  # (G, Mg, N, F)
-        xg = xt.reshape(n, g, cg, fp).transpose(1, 0, 2, 3)  # (G, N, Cg, F)
-        dyg = xp.conj(dyg)
-        dwt = _channel_products(dyg, xg, False, xp)  # (G, Mg, Cg, F)
-        dwt = dwt.reshape((geom.channels_out, cg) + xt.shape[2:])
-        dwd = pruned_irfftn(dwt, shape, tuple(geom.kernel_extent))
-        dw = xp.ascontiguousarray(dwd[(slice(None), slice(None)) + tuple(slice(None, None, d) for d in geom.dilation)],
-                                  dtype=dy.dtype)
-        return dw, db
+        full = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
+        spread = self._buffer(("spread", geom), dy.shape[:2] + _last_extended(full, shape), dy.dtype, xp)
+        spread[(slice(None), slice(None)) + tuple(slice(None, e, s) for e, s in zip(full, geom.stride))] = dy
+        ds = self._buffer(("ds", geom), (g,) + half_shape(shape) + (n, mg), _complex(dy.dtype), xp)
+        spectrum(spread.reshape((n, g, mg) + spread.shape[2:]), shape, _rows_major(ds, nd), conjugate=True,
+                 scratch=self._scratch, tag=("dy", geom))
+        return ds.reshape(g, -1, n, mg)
+
+    # -- the three passes -------------------------------------------------------------------
+    def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
+        """``out[...] = conv(x, w) + b``."""
+        xp = get_array_module(x)
+        n, nd, g = x.shape[0], geom.num_spatial, geom.group
+        mg = geom.channels_out // g
+        bias = None if b is None else b.reshape((1, -1) + (1,) * nd)
+        if n == 0 or x.size == 0:
+            out[...] = 0 if bias is None else bias
+            return out
+        shape = fft_shape(geom)
+        xs = self._input_spectrum(x, geom)
+        ys = self._buffer(("ys", geom), (g,) + half_shape(shape) + (n, mg), xs.dtype, xp)
+        xp.matmul(xs, self.kernel_transform(w, geom), out=ys.reshape(g, -1, n, mg))
+        keep = tuple((q - 1) * s + 1 for q, s in zip(geom.out_shape, geom.stride))
+        y = inverse_spectrum(_rows_major(ys, nd), shape, keep, scratch=self._scratch, tag=("y", geom))
+        y = _merge_groups(y[(slice(None),) * 3 + tuple(slice(None, None, s) for s in geom.stride)])
+        if bias is None:
+            out[...] = y
+        else:
+            xp.add(y, bias, out=out)
+        return out
 
     def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
                       dx: Any = None) -> None:
         """Both gradients of a chunk from one transform of ``dy``: ``dw += ...``, ``db += ...``,
         ``dx[...] = ...`` (each None to skip)."""
-        n, nd = dy.shape[0], geom.num_spatial
+        xp = get_array_module(dy)
+        n, nd, g = dy.shape[0], geom.num_spatial, geom.group
+        cg, mg = geom.channels_in // g, geom.channels_out // g
         if db is not None:
             db += dy.sum(axis=(0,) + tuple(range(2, 2 + nd)))
+        if n == 0 or dy.size == 0:
+            if dx is not None:
+                dx[...] = 0
+            return
         if dw is None and dx is None:
             return
-        dyt = None
-        if n and dy.size:
-            dyt = self._dy_transform(dy, geom, fft_shape(geom))
+        shape = fft_shape(geom)
+        ds = self._gradient_spectrum(dy, geom)
         if dw is not None:
-            gw, _ = self.backward_weights(dy, x, dataclasses.replace(geom, bias_term=False), dyt=dyt)
-            dw += gw.reshape(dw.shape)
+            ws = self._buffer(("dws", geom), (g,) + half_shape(shape) + (mg, cg), ds.dtype, xp)
+            xp.matmul(ds.swapaxes(-1, -2), self._input_spectrum(x, geom), out=ws.reshape(g, -1, mg, cg))
+            wd = inverse_spectrum(_groups_major(ws, nd), shape, tuple(geom.kernel_extent), scratch=self._scratch,
+                                  tag=("dw", geom))
+            dw += _merge_groups(wd[(slice(None),) * 3 + tuple(slice(None, None, d) for d in geom.dilation)]).reshape(
+                dw.shape)
         if dx is not None:
-            dx[...] = self.backward_data(dy, w, geom, dyt=dyt)
+            xs = self._buffer(("dxs", geom), (g,) + half_shape(shape) + (n, cg), ds.dtype, xp)
+            xp.matmul(ds, self.kernel_transform(w, geom).swapaxes(-1, -2), out=xs.reshape(g, -1, n, cg))
+            used = inverse_spectrum(_rows_major(xs, nd), shape, tuple(geom.used_extent), conjugate=True,
+                                    scratch=self._scratch, tag=("dx", geom))
+            dst, src = geom.interior()
+            if any(s.stop - s.start != i for s, i in zip(src, geom.in_shape)):
+                dx[...] = 0  # input positions no window touches
+            dx[(slice(None), slice(None)) + src] = _merge_groups(used)[(slice(None), slice(None)) + dst]
 
     # -- what the cost model prices (ZNNi Tables I and II) -----------------------------------------
     def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:
-        """Transform stages as ``("fft", flops, points per axis)`` (``("ifft", flops)`` for inverse ones), the
-        per-frequency channel sums as ``("cgemm", m, n, k, frequencies * groups)``, and the padding/spreading
-        sweeps."""
+        """Transform stages as ``("fft", flops, points per axis)`` (``("ifft", flops)`` for inverse ones),
+        pruned to the lines that are not all zero; the per-frequency channel sums as ``("cgemm", m, n,
+        k, frequencies * groups)``; the copies into and out of the zero-extended buffers. The
+        frequency-major writes and reads of the transforms are in their calibrated rates."""
         shape = fft_shape(geom)
         g, c, m = geom.group, geom.channels_in, geom.channels_out
         cg, mg = c // g, m // g
-        freq = math.prod(shape[:-1]) * (shape[-1] // 2 + 1)
-        full = _fft_flops(shape, shape)  # an input-sized transform (nothing to prune)
-        kern = _fft_flops(shape, geom.kernel_extent)  # pruned kernel transform
-        out_keep = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
-        inv_out = _fft_flops(shape, out_keep)
-        inv_in = _fft_flops(shape, geom.used_extent)
-        inv_kern = _fft_flops(shape, geom.kernel_extent)
-        padded = batch * c * math.prod(geom.used_extent)
-        spread = batch * m * math.prod(out_keep) if any(s > 1 for s in geom.stride) else 0
-        cplx = batch * (c + m) * freq  # transposes of the transforms around the channel GEMMs
+        freq = math.prod(half_shape(shape))
+        spread = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
+        fwd_in = _fft_flops(shape, geom.used_extent)  # the padded input's transform
+        fwd_dy = _fft_flops(shape, spread)  # the output gradient's
         pts = max(shape)  # the transforms' rate depends on their size
         if pass_ == "fwd":
-            return [("zero", padded), ("copy", batch * c * geom.in_size), ("fft", batch * c * full, pts),
-                    ("fft", m * cg * kern, pts), ("copy", 2 * cplx), ("cgemm", batch, mg, cg, freq * g),
-                    ("ifft", batch * m * inv_out), ("copy", batch * m * geom.out_size)]
+            return [("copy", batch * c * geom.in_size), ("fft", batch * c * fwd_in, pts),
+                    ("fft", m * cg * _fft_flops(shape, geom.kernel_extent), pts), ("cgemm", batch, mg, cg, freq * g),
+                    ("ifft", batch * m * _fft_flops(shape, spread)), ("copy", batch * m * geom.out_size)]
         if pass_ == "bwd_data":
-            return [("zero", spread), ("fft", batch * m * full, pts), ("copy", 2 * cplx),
-                    ("cgemm", batch, cg, mg, freq * g), ("ifft", batch * c * inv_in),
-                    ("zero", batch * c * geom.in_size), ("copy", batch * c * geom.in_size)]
+            dst, src = geom.interior()
+            uncovered = any(s.stop - s.start != i for s, i in zip(src, geom.in_shape))
+            return [("copy", batch * m * geom.out_size), ("fft", batch * m * fwd_dy, pts),
+                    ("cgemm", batch, cg, mg, freq * g), ("ifft", batch * c * _fft_flops(shape, geom.used_extent)),
+                    ("zero", batch * c * geom.in_size if uncovered else 0), ("copy", batch * c * geom.in_size)]
         if pass_ == "bwd_weights":
-            return [("zero", padded + spread), ("copy", batch * c * geom.in_size), ("fft", batch * c * full, pts),
-                    ("fft", batch * m * full, pts), ("copy", 2 * cplx), ("cgemm", mg, cg, batch, freq * g),
-                    ("ifft", m * cg * inv_kern), ("sum", batch * m * geom.out_size)]
+            return [("copy", batch * c * geom.in_size), ("fft", batch * c * fwd_in, pts),
+                    ("copy", batch * m * geom.out_size), ("fft", batch * m * fwd_dy, pts),
+                    ("cgemm", mg, cg, batch, freq * g), ("ifft", m * cg * _fft_flops(shape, geom.kernel_extent)),
+                    ("sum", batch * m * geom.out_size)]
         raise ValueError(f"unknown pass {pass_!r}")
 
     def workspace_bytes(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
-        """ZNNi Table II: the input, kernel and output transforms of a chunk (complex, each with its
-        transposed copy for the channel GEMMs) plus the padded input."""
+        """ZNNi Table II, as this implementation keeps it (every buffer is kept between calls): the
+        zero-extended input, output gradient and kernel; the stage buffers of their transforms; the
+        spectra of the input, kernel, output, output gradient and both gradients; the inverse stages."""
         shape = fft_shape(geom)
-        freq = math.prod(shape[:-1]) * (shape[-1] // 2 + 1)
+        freq = math.prod(half_shape(shape))
         c, m, cg = geom.channels_in, geom.channels_out, geom.channels_in // geom.group
-        transforms = freq * (batch * c + m * cg + batch * m)
-        return int(itemsize * (2 * 2 * transforms + batch * c * math.prod(geom.used_extent)))
+        spread = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
+
+        def extended(extent: tuple[int, ...]) -> int:
+            return math.prod(_last_extended(extent, shape))
+
+        real = (batch * c * (extended(geom.used_extent) + extended(geom.used_extent))
+                + batch * m * (extended(spread) + extended(spread)) + m * cg * 2 * extended(geom.kernel_extent))
+        spectra = (batch * c + m * cg + batch * m) * freq * 2 + (batch * c + batch * m + m * cg) * freq * 2
+        return int(itemsize * (real + 2 * spectra))
 
 
 def _fft_flops(shape: tuple[int, ...], nonzero: tuple[int, ...]) -> float:

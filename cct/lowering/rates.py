@@ -12,8 +12,9 @@ second once numba's cached machine code is loaded):
   ``direct_k3_gflops`` its forward on the same layers with 3x3 kernels (the cost model's kernel-width
   term, :meth:`~cct.lowering.cost_model.Machine.direct_seconds`); ``direct_wgrad_gflops`` the same
   for its weight-gradient kernel;
-* ``fft_gflops`` / ``ifft_gflops`` -- real transforms of conv-sized planes, zero-padded as the FFT
-  strategy's are (:func:`cct.lowering.fft.rfftn`), and their pruned inverses, in nominal FFT flops
+* ``fft_gflops`` / ``ifft_gflops`` -- real transforms of conv-sized planes, zero-extended and
+  written frequency-major as the FFT strategy's are (:func:`cct.lowering.fft.spectrum`), and their
+  pruned inverses from that layout, in nominal FFT flops
   (``2.5 n log2 n`` per complex line, :func:`cct.lowering.fft._fft_flops`), on 18-point planes;
   ``fft_large_gflops`` the forward transforms on 36-point planes (the rate grows with the size);
 
@@ -45,7 +46,7 @@ from .geometry import ConvGeometry
 #: 7: the direct kernels' vectors and tiles sized to the CPU's registers, 2-3x faster on AVX2;
 #: 8: the forward rate on 3x3 layers too, for its kernel-width term; 9: forward drivers per kernel width,
 #: the taps of a kernel row unrolled, 1.3-1.4x faster on AVX2; 10: the forward FFT rate at two sizes)
-RATES_VERSION = 10
+RATES_VERSION = 11
 
 
 #: ``(channels, size, kernel)`` of the layers the direct kernels' rates are timed on: 5x5 layers, the
@@ -67,7 +68,8 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
     the module docstring). Complex GEMMs are priced from the real GEMM grids (a complex multiply-add
     is four real ones)."""
     from .direct import DirectConvolution
-    from .fft import _fft_flops, pruned_irfftn, rfftn
+    from .direct_layout import Scratch
+    from .fft import _fft_flops, half_shape, inverse_spectrum, spectrum
 
     blas.limit_openblas_spin()  # as in a net: GEMM workers spinning after the grids would slow the kernels
     rng = np.random.default_rng(0)
@@ -84,20 +86,24 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
                                if op[0] in ("direct", "direct_wgrad"))
         return flops / seconds / 1e9
 
-    # conv-like transforms: 14x14 planes zero-padded to 18x18, and back keeping 14x14 (flops counted
-    # as FFTConvolution.pass_ops counts them) from a spectrum laid out frequency-major, as the
-    # channel products leave it (the inverse reads it strided: 2.4x slower than a contiguous one)
+    # conv-like transforms as FFTConvolution runs them: 14x14 planes zero-extended to 18x18 written
+    # frequency-major (the layout of the channel products), and back from that layout keeping 14x14,
+    # buffers reused (flops counted as FFTConvolution.pass_ops counts them)
+    scratch = Scratch()
+
     def forward_rate(points: int) -> tuple[float, np.ndarray, tuple[int, int], tuple[int, int]]:
         shape, keep = (points, points), (points - 4, points - 4)
-        planes = rng.standard_normal((64, 16) + keep, dtype=np.float32)
-        t = min(blas.best_time(lambda: rfftn(planes, shape), repeats) for _ in range(3))
-        return 64 * 16 * _fft_flops(shape, shape) / t / 1e9, planes, shape, keep
+        planes = np.zeros((64, 16, keep[0], points), dtype=np.float32)
+        planes[..., :keep[1]] = rng.standard_normal((64, 16) + keep, dtype=np.float32)
+        out = np.empty(half_shape(shape) + (64, 16), dtype=np.complex64).transpose(2, 3, 0, 1)
+        t = min(blas.best_time(lambda: spectrum(planes, shape, out, scratch=scratch, tag="rate"), repeats)
+                for _ in range(3))
+        return 64 * 16 * _fft_flops(shape, keep) / t / 1e9, out, shape, keep
 
-    fft_gflops, planes, shape, keep = forward_rate(FFT_POINTS)
+    fft_gflops, spec, shape, keep = forward_rate(FFT_POINTS)
     fft_large_gflops = forward_rate(FFT_LARGE_POINTS)[0]
-    spectrum = np.ascontiguousarray(rfftn(planes, shape).reshape(64 * 16, -1).T).T.reshape(
-        (64, 16, shape[0], shape[1] // 2 + 1))
-    t = min(blas.best_time(lambda: pruned_irfftn(spectrum, shape, keep), repeats) for _ in range(3))
+    t = min(blas.best_time(lambda: inverse_spectrum(spec, shape, keep, scratch=scratch, tag="rate"), repeats)
+            for _ in range(3))
     ifft_gflops = 64 * 16 * _fft_flops(shape, keep) / t / 1e9
 
     return {"direct_gflops": direct_rate("fwd", DIRECT_RATE_LAYERS),
