@@ -129,3 +129,30 @@ def test_type2_on_a_1x1_convolution_runs_type3():
     rng = np.random.default_rng(3)
     x, w = rng.standard_normal((3, 8, 5, 6)), rng.standard_normal(g.weight_shape)
     np.testing.assert_allclose(t2.forward(x, w, None, g), get_strategy("type1").forward(x, w, None, g), rtol=1e-12)
+
+
+def test_weight_spectrum_computed_once_per_pass_for_all_partitions(monkeypatch):
+    """BatchedLowering prepares the weights' spectrum once, before its chunks and partitions; every
+    chunk (on every partition thread) reuses it, and an update of the weights computes it once more."""
+    from cct.lowering import fft as fft_mod
+    from cct.lowering.partition import BatchedLowering
+
+    calls = []
+    real = fft_mod.spectrum
+    monkeypatch.setattr(fft_mod, "spectrum", lambda *a, **k: calls.append(k.get("tag")) or real(*a, **k))
+    g = ConvGeometry(4, 6, 1, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1), (8, 8), True)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 4, 8, 8)).astype(np.float32)
+    w = rng.standard_normal(g.weight_shape).astype(np.float32)
+    dy = rng.standard_normal((6, 6, 8, 8)).astype(np.float32)
+    run = BatchedLowering(FFTConvolution(), batch_partition=1, partitions=2)
+    want = get_strategy("type1")
+    np.testing.assert_allclose(run.forward(x, w, None, g), want.forward(x, w, None, g), rtol=1e-4, atol=1e-4)
+    dx = np.empty_like(x)
+    run.backward_into(dy, x, w, g, dx=dx)
+    np.testing.assert_allclose(dx, want.backward_data(dy, w, g), rtol=1e-4, atol=1e-4)
+    weight_calls = [t for t in calls if t[0] == "w"]
+    assert len(weight_calls) == 1 and len(calls) == 1 + 2 * 6  # one per chunk for x and dy
+    w += 1.0
+    run.forward(x, w, None, g)
+    assert len([t for t in calls if t[0] == "w"]) == 2

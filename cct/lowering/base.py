@@ -44,6 +44,11 @@ class LoweringStrategy:
         """Whether this lowering can compute ``geom`` (the optimizer never picks one that cannot)."""
         return True
 
+    def prepare(self, w: Any, geom: ConvGeometry, pass_: str) -> None:
+        """Work on the weights that every batch chunk of ``pass_`` (``fwd`` or ``bwd_data``) shares,
+        done once before the chunks with all of the caller's threads
+        (:class:`~cct.lowering.partition.BatchedLowering` calls it); nothing by default."""
+
     def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:
         """The operations one pass (``fwd``, ``bwd_data``, ``bwd_weights``) runs on a chunk of ``batch``
         images, in the vocabulary of :mod:`cct.lowering.gemm_ops`; the cost model prices them. A

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -157,21 +158,24 @@ def spectrum(a: Any, shape: tuple[int, ...], out: Any, conjugate: bool = False,
 
 
 def inverse_spectrum(a: Any, shape: tuple[int, ...], keep: tuple[int, ...], conjugate: bool = False,
-                     scratch: dl.Scratch | None = None, tag: Any = None) -> Any:
+                     scratch: dl.Scratch | None = None, tag: Any = None, axes: tuple[int, ...] | None = None) -> Any:
     """The first ``keep[i]`` positions per axis of the real inverse transform (``s=shape``) of the
-    half spectrum ``a`` over its trailing axes (any strides), or of the spectrum ``a`` is the
-    conjugate of (``conjugate``). Each stage runs on the lines later stages need and keeps only
-    ``keep[i]`` of its outputs. The result is a view of a ``scratch`` buffer."""
+    half spectrum ``a`` over its spatial ``axes`` (default: the trailing ``len(shape)``; any strides),
+    or of the spectrum ``a`` is the conjugate of (``conjugate``). Each stage runs on the lines later
+    stages need and keeps only ``keep[i]`` of its outputs. The result is a view of a ``scratch``
+    buffer."""
     xp = get_array_module(a)
     nd = len(shape)
-    lead = a.ndim - nd
+    axes = tuple(range(a.ndim - nd, a.ndim)) if axes is None else tuple(axes)
     cur = a
     for i in range(nd - 1):
-        ax = lead + i
+        ax = axes[i]
         buf = dl.scratch_zeros(scratch, (tag, "i", i), cur.shape, a.dtype, xp)
         cur = _c2c(cur, ax, conjugate, True, buf)[(slice(None),) * ax + (slice(0, keep[i]),)]
-    real = dl.scratch_zeros(scratch, (tag, "o"), cur.shape[:-1] + (shape[-1],), _real(a.dtype), xp)
-    return _c2r(cur, -1, shape[-1], conjugate, real)[..., : keep[-1]]
+    last = axes[-1]
+    real = dl.scratch_zeros(scratch, (tag, "o"), cur.shape[:last] + (shape[-1],) + cur.shape[last + 1:],
+                            _real(a.dtype), xp)
+    return _c2r(cur, last, shape[-1], conjugate, real)[(slice(None),) * last + (slice(0, keep[-1]),)]
 
 
 def _last_extended(extent: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -182,11 +186,6 @@ def _last_extended(extent: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int
 def _rows_major(buf: Any, nd: int) -> Any:
     """``(G, *freq, P, Q)`` viewed as ``(P, G, Q, *freq)``."""
     return buf.transpose((nd + 1, 0, nd + 2) + tuple(range(1, nd + 1)))
-
-
-def _groups_major(buf: Any, nd: int) -> Any:
-    """``(G, *freq, P, Q)`` viewed as ``(G, P, Q, *freq)``."""
-    return buf.transpose((0, nd + 1, nd + 2) + tuple(range(1, nd + 1)))
 
 
 def _merge_groups(a: Any) -> Any:
@@ -200,8 +199,12 @@ class FFTConvolution(IntoLowering):
 
     name = "fft"
 
+    #: weight spectra kept (the newest): a net's FFT layers each keep theirs from forward to backward
+    KERNEL_CACHE = 8
+
     def __init__(self) -> None:
-        self._tls = threading.local()
+        self._wcache: OrderedDict = OrderedDict()
+        self._wlock = threading.Lock()
         self._scratch = dl.Scratch(capacity=96)
 
     def supports(self, geom: ConvGeometry) -> bool:
@@ -212,35 +215,43 @@ class FFTConvolution(IntoLowering):
         return self._scratch.zeros(tag, shape, dtype, xp)
 
     # -- spectra -------------------------------------------------------------------------------
+    def prepare(self, w: Any, geom: ConvGeometry, pass_: str) -> None:
+        """The weights' spectrum, once for all chunks of a pass (with every transform worker)."""
+        self.kernel_transform(w, geom)
+
     def kernel_transform(self, w: Any, geom: ConvGeometry) -> Any:
         """``(G, F, Cg, Mg)`` (``F`` the frequencies, flattened; a strided view): the conjugate of the
-        pruned transform of the (dilated) weights. Cached per thread while the weights are unchanged.
+        pruned transform of the (dilated) weights. Shared by every thread and cached while the
+        weights are unchanged (per weight array: the forward's transform serves the data gradient).
 
         The weights are transformed spatial axes first, ``(*kernel, G, Mg, Cg)``: every transform line
         then has its neighbours next to it in memory and the spectrum comes out frequency-major and
         contiguous (on the channel-major layout the last stage's writes land ``Mg * Cg`` elements apart,
         several times slower)."""
         xp = get_array_module(w)
-        shape = fft_shape(geom)
-        nd, g = geom.num_spatial, geom.group
-        mg, cg = geom.channels_out // g, geom.channels_in // g
-        half = half_shape(shape)
-        hit = getattr(self._tls, "wcache", None)
-        if hit is not None and hit[0] == geom and hit[1].shape == w.shape and hit[1].dtype == w.dtype and \
-                get_array_module(hit[1]) is xp:
-            if bool(xp.array_equal(hit[1], w)):
-                return hit[2]
-            kept, spec = hit[1], hit[3]
-            kept[...] = w
-        else:
-            kept, spec = w.copy(), xp.empty(half + (g, mg, cg), dtype=_complex(w.dtype))
-        wsp = self._buffer(("wsp", geom), _last_extended(geom.kernel_extent, shape) + (g, mg, cg), w.dtype, xp)
-        taps = tuple(slice(None, e, d) for e, d in zip(geom.kernel_extent, geom.dilation))
-        wsp[taps] = w.reshape((g, mg, cg) + w.shape[2:]).transpose(tuple(range(3, 3 + nd)) + (0, 1, 2))
-        spectrum(wsp, shape, spec, conjugate=True, scratch=self._scratch, tag=("w", geom), axes=tuple(range(nd)))
-        ws = spec.reshape(-1, g, mg, cg).transpose(1, 0, 3, 2)
-        self._tls.wcache = (geom, kept, ws, spec)
-        return ws
+        key = (geom, id(w), xp.__name__, w.shape, np.dtype(w.dtype))
+        with self._wlock:  # one thread computes, the others wait for it instead of computing it again
+            hit = self._wcache.pop(key, None)
+            if hit is not None and bool(xp.array_equal(hit[0], w)):
+                self._wcache[key] = hit
+                return hit[1]
+            shape = fft_shape(geom)
+            nd, g = geom.num_spatial, geom.group
+            mg, cg = geom.channels_out // g, geom.channels_in // g
+            if hit is None:
+                hit = (w.copy(), None, xp.empty(half_shape(shape) + (g, mg, cg), dtype=_complex(w.dtype)))
+            else:
+                hit[0][...] = w
+            kept, _, spec = hit
+            wsp = self._buffer(("wsp", geom), _last_extended(geom.kernel_extent, shape) + (g, mg, cg), w.dtype, xp)
+            taps = tuple(slice(None, e, d) for e, d in zip(geom.kernel_extent, geom.dilation))
+            wsp[taps] = w.reshape((g, mg, cg) + w.shape[2:]).transpose(tuple(range(3, 3 + nd)) + (0, 1, 2))
+            spectrum(wsp, shape, spec, conjugate=True, scratch=self._scratch, tag=("w", geom), axes=tuple(range(nd)))
+            ws = spec.reshape(-1, g, mg, cg).transpose(1, 0, 3, 2)
+            self._wcache[key] = (kept, ws, spec)
+            while len(self._wcache) > self.KERNEL_CACHE:
+                self._wcache.popitem(last=False)
+            return ws
 
     def _input_spectrum(self, x: Any, geom: ConvGeometry) -> Any:
         """``(G, F, N, Cg)``: the transform of the padded input."""
@@ -313,10 +324,11 @@ class FFTConvolution(IntoLowering):
         if dw is not None:
             ws = self._buffer(("dws", geom), (g,) + half_shape(shape) + (mg, cg), ds.dtype, xp)
             xp.matmul(ds.swapaxes(-1, -2), self._input_spectrum(x, geom), out=ws.reshape(g, -1, mg, cg))
-            wd = inverse_spectrum(_groups_major(ws, nd), shape, tuple(geom.kernel_extent), scratch=self._scratch,
-                                  tag=("dw", geom))
-            dw += _merge_groups(wd[(slice(None),) * 3 + tuple(slice(None, None, d) for d in geom.dilation)]).reshape(
-                dw.shape)
+            # inverted spatial axes first (as the weights' transform): (G, *kernel_extent, Mg, Cg)
+            wd = inverse_spectrum(ws, shape, tuple(geom.kernel_extent), scratch=self._scratch, tag=("dw", geom),
+                                  axes=tuple(range(1, 1 + nd)))
+            taps = wd[(slice(None),) + tuple(slice(None, None, d) for d in geom.dilation)]
+            dw += taps.transpose((0, nd + 1, nd + 2) + tuple(range(1, nd + 1))).reshape(dw.shape)
         if dx is not None:
             xs = self._buffer(("dxs", geom), (g,) + half_shape(shape) + (n, cg), ds.dtype, xp)
             xp.matmul(ds, self.kernel_transform(w, geom).swapaxes(-1, -2), out=xs.reshape(g, -1, n, cg))

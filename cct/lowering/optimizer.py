@@ -322,6 +322,10 @@ class PerPassLowering(LoweringStrategy):
             else:
                 dx[...] = self.bwd_data.backward_data(dy, w, geom)
 
+    def prepare(self, w: Any, geom: ConvGeometry, pass_: str) -> None:
+        """The shared weight work of ``pass_``'s delegate."""
+        getattr(self, pass_).prepare(w, geom, pass_)
+
     def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:
         """The operations of ``pass_`` as its delegate declares them."""
         return getattr(self, pass_).pass_ops(geom, batch, pass_)

@@ -347,6 +347,7 @@ class BatchedLowering(IntoLowering):
             self._run(geom, n, x.itemsize, work, p)
             return time.perf_counter() - t0
 
+        self.inner.prepare(w, geom, "fwd")
         if _in_device_memory(x):
             work(0, n)
             return out
@@ -390,6 +391,8 @@ class BatchedLowering(IntoLowering):
             for s, _ in ranges:
                 owner[s] = i
         wgeom = geom if db is not None else dataclasses.replace(geom, bias_term=False)
+        if dx is not None:
+            self.inner.prepare(w, geom, "bwd_data")
 
         def work(s, e):
             adw, adb = accs[owner[s]]
