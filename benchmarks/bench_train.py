@@ -83,10 +83,10 @@ def make_data(model: str, work: Path) -> dict:
 
     train, test, mean = work / "cifar_train_lmdb", work / "cifar_test_lmdb", work / "cifar_mean.binaryproto"
     if not (train.exists() and test.exists() and mean.exists()):
+        colour = np.random.default_rng(0).integers(0, 256, (10, 3, 1, 1))  # one colour per class, in both sets
         for path, n, seed in ((train, 20000, 1), (test, 10000, 2)):
             rng = np.random.default_rng(seed)
-            labels = rng.integers(0, 10, n)
-            colour = rng.integers(0, 256, (10, 3, 1, 1))  # one colour per class, plus noise and a gradient
+            labels = rng.integers(0, 10, n)  # plus noise and a gradient per image
             images = np.empty((n, 3, 32, 32), np.uint8)
             ramp = np.linspace(-40, 40, 32)[None, None, :]
             for s in range(0, n, 2000):
