@@ -183,6 +183,18 @@ def _last_extended(extent: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int
     return tuple(extent[:-1]) + (shape[-1],)
 
 
+def _spread_extent(geom: ConvGeometry) -> tuple[int, ...]:
+    """The output grid spread ``stride`` apart: ``(out - 1) * stride + 1`` per axis (the forward's kept
+    positions, the extent of the spread output gradient)."""
+    return tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
+
+
+def _uncovered(geom: ConvGeometry) -> bool:
+    """Whether some input positions lie outside every window (their data gradient is zero)."""
+    _, src = geom.interior()
+    return any(s.stop - s.start != i for s, i in zip(src, geom.in_shape))
+
+
 def _rows_major(buf: Any, nd: int) -> Any:
     """``(G, *freq, P, Q)`` viewed as ``(P, G, Q, *freq)``."""
     return buf.transpose((nd + 1, 0, nd + 2) + tuple(range(1, nd + 1)))
@@ -253,33 +265,30 @@ class FFTConvolution(IntoLowering):
                 self._wcache.popitem(last=False)
             return ws
 
+    def _batch_spectrum(self, a: Any, geom: ConvGeometry, extent: tuple[int, ...], place: tuple[slice, ...],
+                        src: tuple[slice, ...], tag: str, conjugate: bool) -> Any:
+        """``(G, F, N, channels / G)``: the transform (its conjugate with ``conjugate``) of ``a[..., src]``
+        written at ``place`` into a kept, zero-extended ``extent`` buffer (what is never written stays zero)."""
+        xp = get_array_module(a)
+        n, c, nd, g = a.shape[0], a.shape[1], geom.num_spatial, geom.group
+        shape = fft_shape(geom)
+        buf = self._buffer((tag + "pad", geom), a.shape[:2] + _last_extended(extent, shape), a.dtype, xp)
+        buf[(slice(None), slice(None)) + place] = a[(slice(None), slice(None)) + src]
+        spec = self._buffer((tag + "s", geom), (g,) + half_shape(shape) + (n, c // g), _complex(a.dtype), xp)
+        spectrum(buf.reshape((n, g, c // g) + buf.shape[2:]), shape, _rows_major(spec, nd), conjugate=conjugate,
+                 scratch=self._scratch, tag=(tag, geom))
+        return spec.reshape(g, -1, n, c // g)
+
     def _input_spectrum(self, x: Any, geom: ConvGeometry) -> Any:
         """``(G, F, N, Cg)``: the transform of the padded input."""
-        xp = get_array_module(x)
-        n, nd, g = x.shape[0], geom.num_spatial, geom.group
-        cg = geom.channels_in // g
-        shape = fft_shape(geom)
-        xpad = self._buffer(("xpad", geom), x.shape[:2] + _last_extended(geom.used_extent, shape), x.dtype, xp)
         dst, src = geom.interior()
-        xpad[(slice(None), slice(None)) + dst] = x[(slice(None), slice(None)) + src]  # the zero border stays
-        xs = self._buffer(("xs", geom), (g,) + half_shape(shape) + (n, cg), _complex(x.dtype), xp)
-        spectrum(xpad.reshape((n, g, cg) + xpad.shape[2:]), shape, _rows_major(xs, nd), scratch=self._scratch,
-                 tag=("x", geom))
-        return xs.reshape(g, -1, n, cg)
+        return self._batch_spectrum(x, geom, geom.used_extent, dst, src, "x", False)
 
     def _gradient_spectrum(self, dy: Any, geom: ConvGeometry) -> Any:
         """``(G, F, N, Mg)``: the conjugate transform of ``dy`` spread ``stride`` apart."""
-        xp = get_array_module(dy)
-        n, nd, g = dy.shape[0], geom.num_spatial, geom.group
-        mg = geom.channels_out // g
-        shape = fft_shape(geom)
-        full = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
-        spread = self._buffer(("spread", geom), dy.shape[:2] + _last_extended(full, shape), dy.dtype, xp)
-        spread[(slice(None), slice(None)) + tuple(slice(None, e, s) for e, s in zip(full, geom.stride))] = dy
-        ds = self._buffer(("ds", geom), (g,) + half_shape(shape) + (n, mg), _complex(dy.dtype), xp)
-        spectrum(spread.reshape((n, g, mg) + spread.shape[2:]), shape, _rows_major(ds, nd), conjugate=True,
-                 scratch=self._scratch, tag=("dy", geom))
-        return ds.reshape(g, -1, n, mg)
+        full = _spread_extent(geom)
+        place = tuple(slice(None, e, s) for e, s in zip(full, geom.stride))
+        return self._batch_spectrum(dy, geom, full, place, (slice(None),) * geom.num_spatial, "dy", True)
 
     # -- the three passes -------------------------------------------------------------------
     def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
@@ -295,8 +304,7 @@ class FFTConvolution(IntoLowering):
         xs = self._input_spectrum(x, geom)
         ys = self._buffer(("ys", geom), (g,) + half_shape(shape) + (n, mg), xs.dtype, xp)
         xp.matmul(xs, self.kernel_transform(w, geom), out=ys.reshape(g, -1, n, mg))
-        keep = tuple((q - 1) * s + 1 for q, s in zip(geom.out_shape, geom.stride))
-        y = inverse_spectrum(_rows_major(ys, nd), shape, keep, scratch=self._scratch, tag=("y", geom))
+        y = inverse_spectrum(_rows_major(ys, nd), shape, _spread_extent(geom), scratch=self._scratch, tag=("y", geom))
         y = _merge_groups(y[(slice(None),) * 3 + tuple(slice(None, None, s) for s in geom.stride)])
         if bias is None:
             out[...] = y
@@ -335,7 +343,7 @@ class FFTConvolution(IntoLowering):
             used = inverse_spectrum(_rows_major(xs, nd), shape, tuple(geom.used_extent), conjugate=True,
                                     scratch=self._scratch, tag=("dx", geom))
             dst, src = geom.interior()
-            if any(s.stop - s.start != i for s, i in zip(src, geom.in_shape)):
+            if _uncovered(geom):
                 dx[...] = 0  # input positions no window touches
             dx[(slice(None), slice(None)) + src] = _merge_groups(used)[(slice(None), slice(None)) + dst]
 
@@ -349,7 +357,7 @@ class FFTConvolution(IntoLowering):
         g, c, m = geom.group, geom.channels_in, geom.channels_out
         cg, mg = c // g, m // g
         freq = math.prod(half_shape(shape))
-        spread = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
+        spread = _spread_extent(geom)
         fwd_in = _fft_flops(shape, geom.used_extent)  # the padded input's transform
         fwd_dy = _fft_flops(shape, spread)  # the output gradient's
         pts = max(shape)  # the transforms' rate depends on their size
@@ -358,8 +366,7 @@ class FFTConvolution(IntoLowering):
                     ("fft", m * cg * _fft_flops(shape, geom.kernel_extent), pts), ("cgemm", batch, mg, cg, freq * g),
                     ("ifft", batch * m * _fft_flops(shape, spread)), ("copy", batch * m * geom.out_size)]
         if pass_ == "bwd_data":
-            dst, src = geom.interior()
-            uncovered = any(s.stop - s.start != i for s, i in zip(src, geom.in_shape))
+            uncovered = _uncovered(geom)
             return [("copy", batch * m * geom.out_size), ("fft", batch * m * fwd_dy, pts),
                     ("cgemm", batch, cg, mg, freq * g), ("ifft", batch * c * _fft_flops(shape, geom.used_extent)),
                     ("zero", batch * c * geom.in_size if uncovered else 0), ("copy", batch * c * geom.in_size)]
@@ -377,7 +384,7 @@ class FFTConvolution(IntoLowering):
         shape = fft_shape(geom)
         freq = math.prod(half_shape(shape))
         c, m, cg = geom.channels_in, geom.channels_out, geom.channels_in // geom.group
-        spread = tuple((o - 1) * s + 1 for o, s in zip(geom.out_shape, geom.stride))
+        spread = _spread_extent(geom)
 
         def extended(extent: tuple[int, ...]) -> int:
             return math.prod(_last_extended(extent, shape))
