@@ -543,8 +543,11 @@ def test_precompile_kernels_fills_numba_cache_in_worker_processes(tmp_path, monk
         pytest.skip("compiled kernels unavailable")
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cal, "_precompiled", False)
-    assert cal.precompile_kernels(("type1:unlower", "type1:unlower"), processes=2) > 0
-    assert any("col2im" in p.name for p in tmp_path.rglob("*.nbi"))
+    assert cal.precompile_kernels(("train:elementwise", "train:pool"), processes=2) > 0
+    cached = {p.name.split("-")[0] for p in tmp_path.rglob("*.nbi")}
+    # what a net's first iteration would otherwise compile: in-place ReLU, SGD, MAX pooling 2x2/2 and its backward
+    assert {"elementwise._relu_fwd", "elementwise._relu_bwd_inplace", "update._sgd_l2", "pooling._max_bwd",
+            "pooling._make_max_fwd_fixed.locals.kernel"} <= cached
     assert cal.precompile_kernels(("type1:unlower", "type1:unlower")) == 0.0  # once per process
     with pytest.raises(cal.CctError, match="unknown kernel warm-up job 'nope'"):
         cal.warm_kernel("nope")

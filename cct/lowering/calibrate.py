@@ -216,8 +216,10 @@ def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) ->
 #: workers, the direct kernels' forward and data-gradient passes on the call-overhead layer plus their 3x3
 #: variant (the rates' kernel widths) and the direct weight gradient in one, type 1's im2col and col2im in
 #: the other. On a 2-core Zen 3 this split compiled in 14.9-15.9 s; the 3x3 variant beside im2col and
-#: col2im instead took 17.4-20.1 s (measured alternately)
-WARM_JOBS = ("direct:fwd", "type1:lower", "direct:wgrad", "type1:unlower")
+#: col2im instead took 17.4-20.1 s (measured alternately). Then the kernels nearly every net trains with,
+#: which would otherwise compile one after another on the first iteration: the in-place ReLU and the
+#: SGD update, and MAX pooling's 2x2/2 forward and its backward (~9 s of compiling on that machine).
+WARM_JOBS = ("direct:fwd", "type1:lower", "direct:wgrad", "type1:unlower", "train:elementwise", "train:pool")
 _precompiled = False
 
 
@@ -231,6 +233,9 @@ def warm_kernel(job: str) -> None:
 
     if job not in WARM_JOBS:
         raise CctError(f"unknown kernel warm-up job {job!r} (one of {', '.join(WARM_JOBS)})")
+    if job.startswith("train:"):
+        _warm_training_kernels(job)
+        return
     if job.startswith("type1:"):
         g = _calib_geom(16)
         if job == "type1:lower":
@@ -249,6 +254,23 @@ def warm_kernel(job: str) -> None:
     DirectConvolution().backward_data(dy, w, g)
     g3 = rate_geometry(8, 8, 4, 3)  # the forward kernel's 3x3 variant, which measure_rates times too
     DirectConvolution().kernel_call(x, np.ones(g3.weight_shape, np.float32), g3)()
+
+
+def _warm_training_kernels(job: str) -> None:
+    """The layer and solver kernels of ``job`` called as the layers and the SGD solver call them
+    (C-contiguous float32 blobs, int32 argmax indices)."""
+    x = np.ones((2, 2, 4, 4), np.float32)
+    if job == "train:elementwise":
+        ke, ku = kernels.get("elementwise"), kernels.get("update")
+        g = np.ones_like(x)
+        ke.relu_forward(x, g)
+        ke.relu_backward(x, g, g)  # an in-place ReLU: dx is dy
+        ku.sgd_l2(x, g, np.zeros_like(x), 5e-4, 0.01, 0.9)
+        return
+    kp = kernels.get("pooling")
+    best, arg = np.empty((2, 2, 2, 2), np.float32), np.empty((2, 2, 2, 2), np.int32)
+    kp.max_forward(x, best, arg, (2, 2), (0, 0), (2, 2))
+    kp.max_backward(best, arg, np.empty_like(x), (2, 2), (0, 0), (2, 2))
 
 
 def precompile_kernels(jobs: Sequence[str] = WARM_JOBS, processes: int | None = None) -> float:
