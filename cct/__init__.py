@@ -14,7 +14,7 @@ The Python API in one screen::
 # ruff: noqa: E402 (the OpenMP spin defaults must be set before any import can load a runtime)
 from .blas.spin import set_openmp_spin_defaults
 
-set_openmp_spin_defaults()  # before numba's OpenMP pool or MKL load: they read it once
+set_openmp_spin_defaults()  # before MKL's OpenMP runtime loads: it reads them once
 
 from .blob import Blob
 from .errors import CctError, LayerError, NetError, ProtoParseError, SolverError

@@ -224,23 +224,3 @@ def test_cblas_operand_of_empty_and_strided_views():
     out2 = np.ones((2, 2), np.float32)
     blas.gemm(view, view, out=out2, beta=1.0)
     np.testing.assert_allclose(out2, view @ view + 1)
-
-
-def test_numba_threads_start_before_mkl_loads():
-    """Loading MKL (which brings Intel's OpenMP runtime) first starts numba's threading layer, so that
-    numba's ``omp`` layer keeps its own runtime: bound to libiomp5 instead, every kernel call paid a
-    3-4x wake-up cost. Checked in a fresh process: ``numba.threading_layer()`` only answers once the
-    layer has been launched."""
-    import os
-    import subprocess
-    import sys
-
-    from cct import kernels
-
-    if not (blas.mkl_available() and kernels.enabled()):
-        pytest.skip("needs MKL and numba")
-    code = "from cct import blas; blas.load_mkl(); import numba; print(numba.threading_layer())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() in (["omp"], ["tbb"], ["workqueue"])

@@ -381,7 +381,6 @@ def test_numba_import_failure_falls_back(monkeypatch, caplog):
         assert not kernels.numba_available()
     assert any("numba unavailable" in r.getMessage() for r in caplog.records)
     assert kernels.get("pooling") is None and not kernels.enabled()
-    assert kernels.set_num_threads(2) == 1
     with kernels.forced_mode("auto"):
         x = _pool_input((1, 2, 5, 5), np.float32, 0)
         y = run_layer('type: "Pooling" pooling_param { pool: MAX kernel_size: 2 stride: 2 }', x)
@@ -416,7 +415,7 @@ def test_thread_budget():
 
 
 @needs_numba
-def test_concurrent_calls_and_workqueue_guard(monkeypatch):
+def test_concurrent_calls_from_several_threads():
     x = np.random.default_rng(13).standard_normal((4, 6, 11, 11)).astype(np.float32)
     text = 'type: "Pooling" pooling_param { pool: MAX kernel_size: 3 stride: 2 }'
     with kernels.forced_mode("numpy"):
@@ -439,14 +438,13 @@ def test_concurrent_calls_and_workqueue_guard(monkeypatch):
     for res in got:
         for u, v in zip(ref, res):
             assert_bits(u, v)
-    # Without a thread-safe numba threading layer, only the main thread uses the kernels.
-    monkeypatch.setattr(kernels, "_threadsafe", False)
+    # every thread may use the kernels (their pieces run on cct's own threads, not numba's threading layer)
     seen = []
     with kernels.forced_mode("auto"):
         t = threading.Thread(target=lambda: seen.append(kernels.usable(x)))
         t.start()
         t.join()
-        assert seen == [False] and kernels.usable(x)
+        assert seen == [True] and kernels.usable(x)
 
 
 @needs_numba
@@ -553,21 +551,64 @@ def test_sgd_solver_fused_and_numpy_updates_agree(monkeypatch):
         assert_bits(a, b)
 
 
-def test_serial_if_small_runs_below_its_limit_on_one_thread():
-    """Work under the limit runs on one kernel thread (the caller's count restored after); work at or
-    over it keeps the caller's threads. The lowering kernels use a larger limit than the others."""
+def test_launch_runs_one_piece_per_kernel_thread_and_small_work_on_the_caller():
+    """``launch`` runs ``kernel(piece, pieces, ...)`` once per kernel thread of the caller, piece 0 on the
+    calling thread and the others on the kernel team at the same time; work under the limit is one
+    piece. The lowering kernels use a larger limit than the others."""
+    import threading
+
     from cct import kernels as km
 
-    if not km.enabled():
-        pytest.skip("numba kernels off")
-    import numba
+    seen, meet = [], threading.Barrier(2, timeout=30)
 
-    seen = []
-    with km.num_threads(2):
-        km.serial_if_small(10, lambda: seen.append(numba.get_num_threads()))
-        km.serial_if_small(km.SMALL_WORK, lambda: seen.append(numba.get_num_threads()))
-        km.serial_if_small(km.SMALL_WORK, lambda: seen.append(numba.get_num_threads()), limit=km.LOWERING_SMALL_WORK)
-        seen.append(numba.get_num_threads())
-    expected_top = min(2, numba.config.NUMBA_NUM_THREADS)
-    assert seen == [1, expected_top, 1, expected_top]
+    def kernel(piece, pieces, tag):
+        seen.append((tag, piece, pieces, threading.current_thread() is threading.main_thread()))
+        if pieces == 2:
+            meet.wait()  # both pieces run at once (a serial run would time out here)
+
+    with km.num_threads(2) as k:
+        km.launch(kernel, "big", work=km.SMALL_WORK)
+        km.launch(kernel, "small", work=10)
+        km.launch(kernel, "lowering", work=km.SMALL_WORK, limit=km.LOWERING_SMALL_WORK)
+    if k < 2:
+        pytest.skip("one core")
+    assert sorted(seen) == [("big", 0, 2, True), ("big", 1, 2, False), ("lowering", 0, 1, True), ("small", 0, 1, True)]
     assert km.LOWERING_SMALL_WORK > km.SMALL_WORK
+
+
+def test_launch_raises_a_pieces_error_after_every_piece_ended():
+    import threading
+    import time
+
+    from cct import kernels as km
+
+    ended = threading.Event()
+
+    def kernel(piece, pieces):
+        if piece == 0:
+            raise ZeroDivisionError("piece 0")
+        time.sleep(0.05)
+        ended.set()
+
+    with km.num_threads(2) as k:
+        if k < 2:
+            pytest.skip("one core")
+        with pytest.raises(ZeroDivisionError, match="piece 0"):
+            km.launch(kernel)
+    assert ended.is_set()
+
+
+def test_kernel_thread_counts_are_per_thread_and_restored():
+    import threading
+
+    from cct import kernels as km
+
+    with km.num_threads(1):
+        assert km.get_num_threads() == 1
+        other = []
+        t = threading.Thread(target=lambda: other.append(km.get_num_threads()))
+        t.start()
+        t.join()
+        assert other == [km.max_threads()]  # another thread keeps its own (default) count
+    assert km.get_num_threads() == km.max_threads()
+    assert km.set_num_threads(10 ** 6) == km.max_threads() and km.set_num_threads(None) == km.max_threads()

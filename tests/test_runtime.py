@@ -246,16 +246,13 @@ def test_small_kernel_calls_run_serially_and_restore_the_thread_count():
 
     if not kernels.numba_available():
         pytest.skip("numba not installed")
-    import numba
-
     seen = []
-    before = numba.get_num_threads()
-    assert kernels.serial_if_small(10, lambda a: seen.append(numba.get_num_threads()) or a, 7) == 7
-    assert kernels.serial_if_small(kernels.SMALL_WORK, lambda: seen.append(numba.get_num_threads())) is None
-    assert seen == [1, before] and numba.get_num_threads() == before
+    before = kernels.get_num_threads()
+    kernels.launch(lambda piece, pieces, a: seen.append((pieces, a)), 7, work=10)
+    assert seen == [(1, 7)] and kernels.get_num_threads() == before
     with pytest.raises(ZeroDivisionError):
-        kernels.serial_if_small(1, lambda: 1 / 0)
-    assert numba.get_num_threads() == before
+        kernels.launch(lambda piece, pieces: 1 / 0, work=1)
+    assert kernels.get_num_threads() == before
     # the serial and the threaded runs of a kernel give the same bits (the update of a bias and of a weight)
     ku = kernels.get("update")
     rng = np.random.default_rng(0)

@@ -92,9 +92,6 @@ def load_mkl() -> MKL:
             _mkl_error = ("MKL backend requested but libmkl_rt was not found under sys.prefix/lib or on the "
                           "library path; install it with `pip install mkl` or use CCT_BLAS=openblas")
             raise BlasUnavailable(_mkl_error)
-        from .. import kernels
-
-        kernels.start_threads()  # before libiomp5 loads (see there)
         try:
             _mkl = MKL(path)
         except (OSError, AttributeError) as e:

@@ -21,7 +21,7 @@ def limit_openblas_spin(exponent: int | None = None) -> bool:
     OpenBLAS (pthreads build) keeps its worker threads spinning for ``2**28`` cycles (~0.1 s)
     after every multi-threaded GEMM unless ``OPENBLAS_THREAD_TIMEOUT`` was set before it loaded.
     On a machine with few cores that spinning steals the cores from everything that runs next
-    (numba kernels, concurrent batch partitions, other processes): measured on a 2-core box, cct's
+    (compiled kernels, concurrent batch partitions, other processes): measured on a 2-core box, cct's
     cifar10_quick iteration ran ~1.3-1.5x faster with a short timeout. The timeout is only read when
     the thread pool starts, so this sets the variable, re-reads OpenBLAS's environment and restarts
     its (idle) pool. Call it when no GEMM is running (cct does at conv-layer setup).
@@ -72,16 +72,17 @@ _OFF = ("off", "no", "false", "default")
 
 
 def set_openmp_spin_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Short idle spinning for the OpenMP runtimes under numba's kernels and MKL; returns what was set.
+    """Short idle spinning for the OpenMP runtimes under MKL (and any library that loads libgomp);
+    returns what was set.
 
-    numba's ``omp`` threading layer and MKL's GNU threading run on libgomp, whose idle workers spin
+    MKL's GNU threading runs on libgomp, whose idle workers spin
     for ``GOMP_SPINCOUNT`` (300000 by default, ~0.1-1 ms) after every parallel region; Intel's
     OpenMP (MKL's ``intel_thread``) spins for ``KMP_BLOCKTIME`` (200 ms). A training iteration of a
     small net runs dozens of short regions from the main thread, the batch-partition threads and
     OpenBLAS's own pool, and the data prefetch thread runs beside them: on a machine with few cores
     the spinners take the cores the next region or the prefetch thread needs. Both runtimes read
-    these variables once, when they are loaded, so cct sets them at import (before it loads numba's
-    pool or MKL): ``GOMP_SPINCOUNT = $CCT_OMP_SPINCOUNT`` (default 1000) and ``KMP_BLOCKTIME = 0``.
+    these variables once, when they are loaded, so cct sets them at import (before it loads MKL):
+    ``GOMP_SPINCOUNT = $CCT_OMP_SPINCOUNT`` (default 1000) and ``KMP_BLOCKTIME = 0``.
 
     Nothing is changed where the user set ``GOMP_SPINCOUNT``, ``OMP_WAIT_POLICY`` or
     ``KMP_BLOCKTIME`` already, or with ``CCT_OMP_SPINCOUNT=off``. A runtime that another library

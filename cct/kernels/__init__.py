@@ -19,12 +19,13 @@ computed by numpy itself, so LRN is bitwise as well). tests/test_kernels.py chec
   ~5 s on its first iteration on this 2-core box). ``cache=True``: once per machine; later
   processes load the machine code from ``cct/kernels/__pycache__`` (or ``NUMBA_CACHE_DIR``) in
   a few ms per kernel.
-* Threads: the kernels are parallel over batch x channels (numba ``prange``). The count is
-  numba's, which is per calling thread: :func:`set_num_threads` / :func:`num_threads` (a
-  context manager) set it for the calling thread (default: all cores, ``NUMBA_NUM_THREADS``).
-  Several Python threads may call kernels at once with numba's tbb or omp threading layer; with
-  only ``workqueue`` available (it aborts on concurrent launches) calls from threads other than
-  the main thread take the numpy path.
+* Threads: each kernel is compiled serial (numba's ``parallel=True`` compiled the same kernel about 3x
+  slower, most of a first run on a new machine) and takes ``(piece, pieces, ...)``: it runs the
+  ``piece``-th of ``pieces`` equal shares of its tasks (batch x channel planes, runs of elements).
+  :func:`launch` runs the pieces, one per kernel thread of the calling thread, on a team of
+  ``cct-kernels`` threads (the kernels release the GIL). The count is per calling thread:
+  :func:`set_num_threads` / :func:`num_threads` (a context manager) (default: all cores, or
+  ``NUMBA_NUM_THREADS``); the team's own threads count one, so a piece never launches more.
 """
 from __future__ import annotations
 
@@ -95,58 +96,6 @@ def numba_available() -> bool:
     return _numba_state
 
 
-_threadsafe: bool | None = None
-
-
-def _threadsafe_layer() -> bool:
-    """Whether numba's threading layer will be one that allows concurrent parallel launches (tbb, omp).
-
-    numba's ``workqueue`` layer aborts the process when two threads launch parallel kernels at
-    once; it is only chosen when neither TBB nor OpenMP loads (or when asked for).
-    """
-    global _threadsafe
-    if _threadsafe is None:
-        import numba
-
-        cfg = str(numba.config.THREADING_LAYER).lower()
-        if cfg == "workqueue":
-            ok = False
-        elif cfg in ("safe", "threadsafe", "tbb", "omp"):
-            ok = True
-        else:
-            ok = False
-            for pool in ("tbbpool", "omppool"):
-                try:
-                    importlib.import_module(f"numba.np.ufunc.{pool}")
-                    ok = True
-                    break
-                except Exception:  # noqa: BLE001 - any failure means the layer is unusable
-                    continue
-        _threadsafe = ok
-        if not ok:
-            log.debug("cct.kernels: numba has no thread-safe threading layer; kernels run on the main thread only")
-    return _threadsafe
-
-
-def start_threads() -> None:
-    """Start numba's threading layer now, before a library that brings its own OpenMP runtime loads.
-
-    MKL loads Intel's ``libiomp5``; numba's ``omp`` layer started after it binds to that runtime, and
-    each parallel region then paid a wake-up that made kernel calls 3-4x slower (measured on a
-    2-core Zen 5: a direct convolution call on a trivial layer 140 us against 35 us, an im2col-based
-    one 58 against 19). Started first, the layer keeps its own runtime. Does nothing when the kernels
-    are off; a failure to start is logged at debug level.
-    """
-    if not enabled():
-        return
-    try:
-        from numba.np.ufunc import parallel
-
-        parallel._launch_threads()
-    except Exception as e:  # noqa: BLE001 - the kernels still run, only the order is not ensured
-        log.debug("cct.kernels: could not start numba's threading layer early: %s", e)
-
-
 def enabled() -> bool:
     """Whether the compiled kernels are in use (mode ``auto`` and numba importable)."""
     return mode() != "numpy" and numba_available()
@@ -157,8 +106,6 @@ def usable(*arrays: Any, contiguous: bool = False) -> bool:
     (and, with ``contiguous``, C-contiguous: the layers' blobs are; anything else takes the numpy path
     rather than compiling another variant)."""
     if not arrays or not enabled():
-        return False
-    if threading.current_thread() is not threading.main_thread() and not _threadsafe_layer():
         return False
     dt = None
     for a in arrays:
@@ -191,31 +138,38 @@ def get(name: str) -> ModuleType | None:
     return mod
 
 
+_local = threading.local()
+
+
+_max_threads: int | None = None
+
+
+def max_threads() -> int:
+    """Kernel threads a caller may use: ``NUMBA_NUM_THREADS`` when set (read once, as numba does), else
+    the cores."""
+    global _max_threads
+    if _max_threads is None:
+        env = os.environ.get("NUMBA_NUM_THREADS", "").strip()
+        _max_threads = max(1, int(env) if env.isdigit() else (os.cpu_count() or 1))
+    return _max_threads
+
+
 def set_num_threads(n: int | None) -> int:
-    """Set the calling thread's kernel thread count (clipped to [1, NUMBA_NUM_THREADS]); returns it.
-
-    ``None`` or ``0`` means all of numba's threads. Without numba this is a no-op returning 1.
-    """
-    if not numba_available():
-        return 1
-    import numba
-
-    top = int(numba.config.NUMBA_NUM_THREADS)
+    """Set the calling thread's kernel thread count (clipped to [1, :func:`max_threads`]); returns it.
+    ``None`` or ``0`` means all of them."""
+    top = max_threads()
     k = top if not n else max(1, min(int(n), top))
-    numba.set_num_threads(k)
+    _local.threads = k
     return k
 
 
 def get_num_threads() -> int:
-    """The calling thread's kernel thread count (1 without numba)."""
-    if not numba_available():
-        return 1
-    import numba
-
-    return int(numba.get_num_threads())
+    """The calling thread's kernel thread count."""
+    k = getattr(_local, "threads", None)
+    return max_threads() if k is None else k
 
 
-#: elements below which a kernel runs on the calling thread alone: waking the OpenMP team costs more
+#: elements below which a kernel runs on the calling thread alone: handing pieces to the team costs more
 #: than it saves (an SGD update of 500 parameters: ~4 us serial, 30-70 us as a 2-thread region; a
 #: net's biases and small layers make several such calls per iteration)
 SMALL_WORK = 1 << 15
@@ -227,36 +181,107 @@ SMALL_WORK = 1 << 15
 #: read of the result, 373 us on two threads against 95 us on one)
 LOWERING_SMALL_WORK = 1 << 20
 
+class _Helper:
+    """One thread of the kernel team: runs each piece it is handed, then waits for the next. A pair of
+    plain locks hands pieces over and back (a thread-pool future and its condition cost ~85 us a call
+    on a 2-core Zen 3 VM, these ~15 us)."""
 
-def serial_if_small(n: int, fn, *args, limit: int = SMALL_WORK):
-    """``fn(*args)``, on one kernel thread when ``n`` (the elements it touches) is below ``limit``;
-    the calling thread's thread count is restored afterwards."""
-    if n >= limit:
-        return fn(*args)
-    import numba
+    def __init__(self, name: str) -> None:
+        self._go, self._done = threading.Lock(), threading.Lock()
+        self._go.acquire()
+        self._done.acquire()
+        self._task: tuple | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
 
-    old = numba.get_num_threads()
-    if old == 1:
-        return fn(*args)
-    numba.set_num_threads(1)
+    def _serve(self) -> None:
+        set_num_threads(1)  # a piece never launches more pieces
+        while True:
+            self._go.acquire()
+            kernel, args = self._task
+            try:
+                kernel(*args)
+            except BaseException as e:  # noqa: BLE001 - handed back to the launching thread
+                self._error = e
+            self._task = None
+            self._done.release()
+
+    def start(self, kernel: Any, args: tuple) -> None:
+        self._task, self._error = (kernel, args), None
+        self._go.release()
+
+    def join(self) -> BaseException | None:
+        """Wait for the piece to end; its error, if it raised one."""
+        self._done.acquire()
+        return self._error
+
+
+_idle: list[_Helper] = []
+_helpers = 0
+
+
+def _take_helpers(k: int) -> list[_Helper]:
+    """Up to ``k`` idle team threads (started on first use, :func:`max_threads` - 1 in all)."""
+    global _helpers
+    with _lock:
+        while len(_idle) < k and _helpers < max_threads() - 1:
+            _helpers += 1
+            _idle.append(_Helper(f"cct-kernels-{_helpers}"))
+        if k == 1:  # the common case (two cores)
+            return [_idle.pop()] if _idle else []
+        taken = _idle[len(_idle) - min(k, len(_idle)):]
+        del _idle[len(_idle) - len(taken):]
+    return taken
+
+
+def _forget_helpers() -> None:  # in a forked child: the parent's team threads do not exist there
+    global _helpers
+    _idle.clear()
+    _helpers = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helpers)
+
+
+def launch(kernel: Any, *args: Any, work: int | None = None, limit: int = SMALL_WORK) -> None:
+    """``kernel(piece, pieces, *args)`` for every piece, ``pieces`` being the calling thread's kernel
+    thread count (1 when ``work``, the elements the call touches, is below ``limit``): the caller runs
+    piece 0, idle team threads the others (the caller runs those no team thread is free for, as when
+    several threads launch at once). Returns when every piece has; the first error raised by a piece
+    is raised again."""
+    pieces = get_num_threads() if work is None or work >= limit else 1
+    if pieces <= 1:
+        kernel(0, 1, *args)
+        return
+    helpers = _take_helpers(pieces - 1)
+    for i, h in enumerate(helpers, 1):
+        h.start(kernel, (i, pieces) + args)
+    error: BaseException | None = None
     try:
-        return fn(*args)
-    finally:
-        numba.set_num_threads(old)
+        kernel(0, pieces, *args)
+        for i in range(len(helpers) + 1, pieces):
+            kernel(i, pieces, *args)
+    except BaseException as e:  # noqa: BLE001 - raised below, once every piece has ended
+        error = e
+    for h in helpers:  # every piece must end before the caller reuses the arrays
+        e = h.join()
+        error = error or e
+    with _lock:
+        _idle.extend(helpers)
+    if error is not None:
+        raise error
 
 
 @contextlib.contextmanager
 def num_threads(n: int | None) -> Iterator[int]:
     """Context manager: run the kernels of the calling thread on ``n`` threads, then restore."""
-    if not numba_available():
-        yield 1
-        return
-    old = get_num_threads()
+    old = getattr(_local, "threads", None)
     k = set_num_threads(n)
     try:
         yield k
     finally:
-        set_num_threads(old)
+        _local.threads = old
 
 
 def info() -> dict:
@@ -267,10 +292,6 @@ def info() -> dict:
 
         d["numba"] = numba.__version__
         d["threads"] = get_num_threads()
-        try:
-            d["threading_layer"] = numba.threading_layer()
-        except ValueError:  # no parallel function has run yet
-            d["threading_layer"] = None
     else:
         d["error"] = _numba_error
     return d

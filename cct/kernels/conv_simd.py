@@ -36,7 +36,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import simd_tiles
+from . import launch, simd_tiles
 
 _OPTS = dict(nogil=True, cache=True, error_model="numpy")
 VECTOR_BYTES = simd_tiles.host_vector_bytes()
@@ -178,22 +178,22 @@ def _variant(template, name: str, **tiles):
     fn = pytypes.FunctionType(template.__code__, {**template.__globals__, **tiles}, name)
     fn.__qualname__ = name
     fn.__doc__ = template.__doc__
-    return nb.njit(parallel=True, **_OPTS)(fn)
+    return nb.njit(**_OPTS)(fn)
 
 
 _tile_full = _tile_one = None  # bound per variant (_variant)
 _tile_rows = 1
 
 
-def _forward_template(xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
-                      od, nrow, ncol, vl, yms, yozs, yrs, blocks_inner):  # pragma: no cover (compiled)
+def _forward_template(piece, pieces, xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs,
+                      xrs, od, nrow, ncol, vl, yms, yozs, yrs, blocks_inner):  # pragma: no cover (compiled)
     """``y = conv(x, w)`` with tiles of ``jb`` output channels (see :func:`forward`)."""
     rows = _tile_rows
     nblk = (mg + jb - 1) // jb
     nrt = (nrow + rows - 1) // rows
     tasks = n_img * group * nblk * od * nrt * ncol
     taps = cg * kd * kh * kw
-    for t in nb.prange(tasks):
+    for t in range(tasks * piece // pieces, tasks * (piece + 1) // pieces):
         if blocks_inner:
             col, b, oz, rt, g, n = unravel_task(t, ncol, nblk, od, nrt, group)
         else:
@@ -252,8 +252,8 @@ def forward(xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh,
     (conv1's phases: 85 -> 98 GFLOPS on a 2-core Zen 3; on small inputs that order is up to 13% slower)."""
     image = cg * xcs * xf.itemsize
     blocks_inner = image > BAND_BYTES and cg * xcs > mg * cg * kd * kh * kw
-    _forward_driver(jb, kw)(xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs, xrs,
-                            od, nrow, ncol, vl, yms, yozs, yrs, blocks_inner)
+    launch(_forward_driver(jb, kw), xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs,
+           xrs, od, nrow, ncol, vl, yms, yozs, yrs, blocks_inner)
 
 
 def blocked_bias(b: np.ndarray | None, m: int, group: int, jb: int, dtype: np.dtype) -> np.ndarray:
@@ -334,8 +334,8 @@ IMAGE_BLOCK = 8
 _wgrad_tile_fn = None  # bound per variant (_variant)
 
 
-def _weight_grad_template(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, ci, od, oh, ow, xcs, xdep, xrow,
-                          sz, sy, sx, dd, dh, dw):  # pragma: no cover (compiled)
+def _weight_grad_template(piece, pieces, dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, ci, od, oh, ow, xcs,
+                          xdep, xrow, sz, sy, sx, dd, dh, dw):  # pragma: no cover (compiled)
     """Kernel columns from ``k0`` of the weight gradient in tiles of ``ci`` input channels (see
     :func:`weight_grad`)."""
     chunks = part.shape[0]
@@ -347,7 +347,7 @@ def _weight_grad_template(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, 
     dyns = group * nbm * dyblk
     xns = group * cg * xcs
     pcs = kd * kh * kw * mb
-    for ch in nb.prange(chunks):
+    for ch in range(chunks * piece // pieces, chunks * (piece + 1) // pieces):
         c0 = ch * n_img // chunks
         c1 = (ch + 1) * n_img // chunks
         for n0 in range(c0, c1, IMAGE_BLOCK):
@@ -384,18 +384,18 @@ def weight_grad(dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, od, oh, ow, xc
     for q in range(tiles):
         k0 = q * kw // tiles
         cols = (q + 1) * kw // tiles - k0
-        _WEIGHT_GRAD[cols](dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, WGRAD_CHANNELS[cols], od, oh, ow,
-                           xcs, xdep, xrow, sz, sy, sx, dd, dh, dw)
+        launch(_WEIGHT_GRAD[cols], dyt, xf, part, n_img, group, cg, mgp, kd, kh, kw, k0, WGRAD_CHANNELS[cols], od, oh,
+               ow, xcs, xdep, xrow, sz, sy, sx, dd, dh, dw)
 
 
-@nb.njit(parallel=True, **_OPTS)
-def position_major(dy, out, group):  # pragma: no cover (compiled)
+@nb.njit(**_OPTS)
+def _position_major(piece, pieces, dy, out, group):  # pragma: no cover (compiled)
     """``out[n, g, b, p, j] = dy[n, g * mg + b * MB + j, p]`` for ``dy`` ``(N, M, P)``, ``out``
     ``(N, G, NB, P, MB)`` (zeroed past ``mg`` by the caller): each block's positions contiguous."""
     n_img, m_all, npos = dy.shape
     mg = m_all // group
     mb = out.shape[4]
-    for t in nb.prange(n_img * m_all):
+    for t in range(n_img * m_all * piece // pieces, n_img * m_all * (piece + 1) // pieces):
         n = t // m_all
         m = t % m_all
         g = m // mg
@@ -406,14 +406,14 @@ def position_major(dy, out, group):  # pragma: no cover (compiled)
             out[n, g, b, p, jj] = dy[n, m, p]
 
 
-@nb.njit(parallel=True, **_OPTS)
-def phase_split(x, out, pd, ph, pw):  # pragma: no cover (compiled)
+@nb.njit(**_OPTS)
+def _phase_split(piece, pieces, x, out, pd, ph, pw):  # pragma: no cover (compiled)
     """``out[n, c, rd, rh, rw, i, j, k] = x[n, c, i*sd + rd - pd, j*sh + rh - ph, k*sw + rw - pw]`` for
     ``x`` ``(N, C, D, H, W)`` and a zeroed ``out`` ``(N, C, sd, sh, sw, ED, EH, EW)`` (the positions
     outside ``x`` keep their zeros): one pass over the input rows."""
     n_img, chans, dd, hh, ww = x.shape
     sd, sh, sw, ed, eh, ew = out.shape[2], out.shape[3], out.shape[4], out.shape[5], out.shape[6], out.shape[7]
-    for t in nb.prange(n_img * chans):
+    for t in range(n_img * chans * piece // pieces, n_img * chans * (piece + 1) // pieces):
         n = t // chans
         c = t % chans
         for z in range(dd):
@@ -433,13 +433,13 @@ def phase_split(x, out, pd, ph, pw):  # pragma: no cover (compiled)
                         dst[k] = src[k * sw + rw - pw]
 
 
-@nb.njit(parallel=True, **_OPTS)
-def phase_merge(src, x, pd, ph, pw):  # pragma: no cover (compiled)
+@nb.njit(**_OPTS)
+def _phase_merge(piece, pieces, src, x, pd, ph, pw):  # pragma: no cover (compiled)
     """Inverse of :func:`phase_split` on the input's own elements: ``x[n, c, z, y, v] =
     src[n, c, rd, rh, rw, i, j, k]`` with ``z + pd = i*sd + rd`` (and likewise per axis)."""
     n_img, chans, dd, hh, ww = x.shape
     sd, sh, sw = src.shape[2], src.shape[3], src.shape[4]
-    for t in nb.prange(n_img * chans):
+    for t in range(n_img * chans * piece // pieces, n_img * chans * (piece + 1) // pieces):
         n = t // chans
         c = t % chans
         for z in range(dd):
@@ -451,12 +451,12 @@ def phase_merge(src, x, pd, ph, pw):  # pragma: no cover (compiled)
                     x[n, c, z, y, v] = src[n, c, rd, rh, rw, i, j, k]
 
 
-@nb.njit(parallel=True, **_OPTS)
-def gather_output(yb, out, width):  # pragma: no cover (compiled)
+@nb.njit(**_OPTS)
+def _gather_output(piece, pieces, yb, out, width):  # pragma: no cover (compiled)
     """``out[n, m, z, y, x] = yb[n, m, z, y * width + x]``: the valid positions of a forward buffer
     (``yb`` ``(N, M, OD, y_plane)``, ``out`` ``(N, M, OD, OH, OW)``)."""
     n_img, m_all, od, oh, ow = out.shape
-    for t in nb.prange(n_img * m_all):
+    for t in range(n_img * m_all * piece // pieces, n_img * m_all * (piece + 1) // pieces):
         n = t // m_all
         m = t % m_all
         for z in range(od):
@@ -467,12 +467,12 @@ def gather_output(yb, out, width):  # pragma: no cover (compiled)
                     dst[x] = src[y * width + x]
 
 
-@nb.njit(parallel=True, **_OPTS)
-def copy_into(src, dst, z0, y0, x0):  # pragma: no cover (compiled)
+@nb.njit(**_OPTS)
+def _copy_into(piece, pieces, src, dst, z0, y0, x0):  # pragma: no cover (compiled)
     """``dst[n, c, z0 + i, y0 + j, x0 + k] = src[n, c, i, j, k]`` (``dst`` 5-D, larger): a region
     copied into a padded buffer, in parallel over images and channels."""
     n_img, chans, dd, hh, ww = src.shape
-    for t in nb.prange(n_img * chans):
+    for t in range(n_img * chans * piece // pieces, n_img * chans * (piece + 1) // pieces):
         n = t // chans
         c = t % chans
         for i in range(dd):
@@ -481,3 +481,28 @@ def copy_into(src, dst, z0, y0, x0):  # pragma: no cover (compiled)
                 d = dst[n, c, z0 + i, y0 + j]
                 for k in range(ww):
                     d[x0 + k] = s[k]
+
+
+def position_major(dy: np.ndarray, out: np.ndarray, group: int) -> None:
+    """:func:`_position_major` in pieces over (image, output channel)."""
+    launch(_position_major, dy, out, group)
+
+
+def phase_split(x: np.ndarray, out: np.ndarray, pd: int, ph: int, pw: int) -> None:
+    """:func:`_phase_split` in pieces over (image, channel)."""
+    launch(_phase_split, x, out, pd, ph, pw)
+
+
+def phase_merge(src: np.ndarray, x: np.ndarray, pd: int, ph: int, pw: int) -> None:
+    """:func:`_phase_merge` in pieces over (image, channel)."""
+    launch(_phase_merge, src, x, pd, ph, pw)
+
+
+def gather_output(yb: np.ndarray, out: np.ndarray, width: int) -> None:
+    """:func:`_gather_output` in pieces over (image, output channel)."""
+    launch(_gather_output, yb, out, width)
+
+
+def copy_into(src: np.ndarray, dst: np.ndarray, z0: int, y0: int, x0: int) -> None:
+    """:func:`_copy_into` in pieces over (image, channel)."""
+    launch(_copy_into, src, dst, z0, y0, x0)

@@ -20,14 +20,15 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from . import launch
 from .conv_simd import unravel_task
 
 _OPTS = dict(nogil=True, cache=True, error_model="numpy", fastmath=False)
 MB = 4  # output channels per register block
 
 
-@nb.njit(parallel=True, **_OPTS)
-def forward(xp, wb, y, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (compiled)
+@nb.njit(**_OPTS)
+def _forward(piece, pieces, xp, wb, y, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (compiled)
     """``y += conv(xp, w)``; ``wb`` ``(G, NB * MB, Cg, KD, KH, KW)`` (zero rows past ``M / G``)."""
     n_img, c_all = xp.shape[0], xp.shape[1]
     m_all, od, oh, ow = y.shape[1], y.shape[2], y.shape[3], y.shape[4]
@@ -36,7 +37,7 @@ def forward(xp, wb, y, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (com
     nblk = wb.shape[1] // MB
     kd, kh, kw = wb.shape[3], wb.shape[4], wb.shape[5]
     tasks = n_img * group * nblk * od * oh
-    for t in nb.prange(tasks):
+    for t in range(tasks * piece // pieces, tasks * (piece + 1) // pieces):
         _, oy, oz, bi, g, n = unravel_task(t, 1, oh, od, nblk, group)
         a0 = np.zeros(ow, dtype=y.dtype)
         a1 = np.zeros(ow, dtype=y.dtype)
@@ -77,8 +78,8 @@ def _row4(a0, a1, a2, a3, v, w0, w1, w2, w3):  # pragma: no cover (compiled)
         a3[o] += w3 * x
 
 
-@nb.njit(parallel=True, **_OPTS)
-def backward_data(dy, w, dxp, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (compiled)
+@nb.njit(**_OPTS)
+def _backward_data(piece, pieces, dy, w, dxp, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (compiled)
     """``dxp += conv^T(dy, w)`` into the zeroed padded gradient ``dxp`` ``(N, C, D', H', W')``: per
     (image, input channel) task, each gradient row takes four output channels' rows per pass."""
     n_img, m_all, od, oh, ow = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3], dy.shape[4]
@@ -87,7 +88,7 @@ def backward_data(dy, w, dxp, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cov
     mg = m_all // group
     kd, kh, kw = w.shape[2], w.shape[3], w.shape[4]
     span = (ow - 1) * sx + 1
-    for t in nb.prange(n_img * c_all):
+    for t in range(n_img * c_all * piece // pieces, n_img * c_all * (piece + 1) // pieces):
         ci = t % c_all
         n = t // c_all
         g = ci // cg
@@ -129,8 +130,8 @@ def _axpy(dst, src, wv):  # pragma: no cover (compiled)
         dst[o] += wv * src[o]
 
 
-@nb.njit(parallel=True, **_OPTS)
-def backward_weights(dy, xp, dw, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (compiled)
+@nb.njit(**_OPTS)
+def _backward_weights(piece, pieces, dy, xp, dw, group, sz, sy, sx, dz, dy_, dx):  # pragma: no cover (compiled)
     """``dw += dL/dw`` for ``dw`` ``(M, Cg, KD, KH, KW)``: per (output channel, input channel) task,
     one accumulator row per kernel column, vectorised over output positions, summed at the end."""
     n_img, m_all, od, oh, ow = dy.shape[0], dy.shape[1], dy.shape[2], dy.shape[3], dy.shape[4]
@@ -138,7 +139,7 @@ def backward_weights(dy, xp, dw, group, sz, sy, sx, dz, dy_, dx):  # pragma: no 
     mg = m_all // group
     kd, kh, kw = dw.shape[2], dw.shape[3], dw.shape[4]
     span = (ow - 1) * sx + 1
-    for t in nb.prange(m_all * cg):
+    for t in range(m_all * cg * piece // pieces, m_all * cg * (piece + 1) // pieces):
         c = t % cg
         m = t // cg
         ci = (m // mg) * cg + c
@@ -169,6 +170,22 @@ def backward_weights(dy, xp, dw, group, sz, sy, sx, dz, dy_, dx):  # pragma: no 
 def _fma(acc, a, b):  # pragma: no cover (compiled)
     for o in range(acc.shape[0]):
         acc[o] += a[o] * b[o]
+
+
+def forward(xp: np.ndarray, wb: np.ndarray, y: np.ndarray, group: int, *steps: int) -> None:
+    """``y += conv(xp, w)`` (see :func:`_forward`; ``steps``: strides then dilations, depth, height, width),
+    in pieces over (image, group, channel block, output row) on the calling thread's kernel threads."""
+    launch(_forward, xp, wb, y, group, *steps)
+
+
+def backward_data(dy: np.ndarray, w: np.ndarray, dxp: np.ndarray, group: int, *steps: int) -> None:
+    """``dxp += conv^T(dy, w)`` (see :func:`_backward_data`), in pieces over (image, input channel)."""
+    launch(_backward_data, dy, w, dxp, group, *steps)
+
+
+def backward_weights(dy: np.ndarray, xp: np.ndarray, dw: np.ndarray, group: int, *steps: int) -> None:
+    """``dw += dL/dw`` (see :func:`_backward_weights`), in pieces over (output channel, input channel)."""
+    launch(_backward_weights, dy, xp, dw, group, *steps)
 
 
 def blocked_weights(w: np.ndarray, group: int) -> np.ndarray:

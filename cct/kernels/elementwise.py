@@ -2,7 +2,7 @@
 
 Each replaces a numpy expression of :mod:`cct.layers.activation` (the ReLU layer uses them) or
 of :mod:`cct.lowering.type1` (``swap01``: not used by the lowering, which writes GEMM results
-straight into the top per chunk) with one pass over memory on all kernel threads, with the same
+straight into the top per chunk) with one pass over memory on the calling thread's kernel threads, with the same
 result bits:
 
 * :func:`relu_forward`: ``np.maximum(x, 0)`` (slope 0; NaN propagates, ``-0.0`` gives ``+0.0``)
@@ -23,18 +23,17 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from . import serial_if_small
+from . import launch
 
-_OPTS = dict(nogil=True, cache=True, error_model="numpy",
-             parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
-                           numpy=False, stencil=False, fusion=False))
+_OPTS = dict(nogil=True, cache=True, error_model="numpy")
 _CHUNK = 1 << 14  # elements per task
 
 
 @nb.njit(**_OPTS)
-def _relu_fwd(x, out, slope, zero, has_slope):  # pragma: no cover (compiled)
+def _relu_fwd(piece, pieces, x, out, slope, zero, has_slope):  # pragma: no cover (compiled)
     n = x.size
-    for t in nb.prange((n + _CHUNK - 1) // _CHUNK):
+    tasks = (n + _CHUNK - 1) // _CHUNK
+    for t in range(tasks * piece // pieces, tasks * (piece + 1) // pieces):
         lo = t * _CHUNK
         hi = min(n, lo + _CHUNK)
         xs, os_ = x[lo:hi], out[lo:hi]
@@ -50,9 +49,10 @@ def _relu_fwd(x, out, slope, zero, has_slope):  # pragma: no cover (compiled)
 
 
 @nb.njit(**_OPTS)
-def _relu_bwd(x, dy, dx, slope, zero, has_slope):  # pragma: no cover (compiled)
+def _relu_bwd(piece, pieces, x, dy, dx, slope, zero, has_slope):  # pragma: no cover (compiled)
     n = x.size
-    for t in nb.prange((n + _CHUNK - 1) // _CHUNK):
+    tasks = (n + _CHUNK - 1) // _CHUNK
+    for t in range(tasks * piece // pieces, tasks * (piece + 1) // pieces):
         lo = t * _CHUNK
         hi = min(n, lo + _CHUNK)
         xs, gs, ds = x[lo:hi], dy[lo:hi], dx[lo:hi]
@@ -66,11 +66,12 @@ def _relu_bwd(x, dy, dx, slope, zero, has_slope):  # pragma: no cover (compiled)
 
 
 @nb.njit(**_OPTS)
-def _relu_bwd_inplace(x, g, slope, zero, has_slope):  # pragma: no cover (compiled)
+def _relu_bwd_inplace(piece, pieces, x, g, slope, zero, has_slope):  # pragma: no cover (compiled)
     # dx is dy (an in-place ReLU): two arrays, so LLVM's overlap check passes and the loop vectorizes
     # (with dx aliasing dy the three-array loop above runs scalar, ~6x slower)
     n = x.size
-    for t in nb.prange((n + _CHUNK - 1) // _CHUNK):
+    tasks = (n + _CHUNK - 1) // _CHUNK
+    for t in range(tasks * piece // pieces, tasks * (piece + 1) // pieces):
         lo = t * _CHUNK
         hi = min(n, lo + _CHUNK)
         xs, gs = x[lo:hi], g[lo:hi]
@@ -84,9 +85,9 @@ def _relu_bwd_inplace(x, g, slope, zero, has_slope):  # pragma: no cover (compil
 
 
 @nb.njit(**_OPTS)
-def _swap01(src, out, bias, has_bias):  # pragma: no cover (compiled)
+def _swap01(piece, pieces, src, out, bias, has_bias):  # pragma: no cover (compiled)
     a_n, b_n, p = src.shape
-    for ab in nb.prange(a_n * b_n):
+    for ab in range(a_n * b_n * piece // pieces, a_n * b_n * (piece + 1) // pieces):
         i = ab // b_n
         j = ab - i * b_n
         s = src[i, j]
@@ -109,7 +110,7 @@ def _flat(a: np.ndarray) -> np.ndarray:
 def relu_forward(x: np.ndarray, out: np.ndarray, negative_slope: float = 0.0) -> np.ndarray:
     """``out[...] = relu(x)`` exactly as ``np.maximum(x, 0)`` / ``np.where(x > 0, x, x * slope)``."""
     t = x.dtype.type
-    serial_if_small(x.size, _relu_fwd, _flat(x), _flat(out), t(negative_slope), t(0), negative_slope != 0)
+    launch(_relu_fwd, _flat(x), _flat(out), t(negative_slope), t(0), negative_slope != 0, work=x.size)
     return out
 
 
@@ -117,11 +118,9 @@ def relu_backward(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, negative_slope:
     """``dx[...] = where(x > 0, dy, 0 or dy * slope)``; ``x`` may be the layer's output when slope >= 0."""
     t = x.dtype.type
     if dx is dy or (dx.ctypes.data == dy.ctypes.data and dx.shape == dy.shape):
-        serial_if_small(x.size, _relu_bwd_inplace, _flat(x), _flat(dx), t(negative_slope), t(0),
-                        negative_slope != 0)
+        launch(_relu_bwd_inplace, _flat(x), _flat(dx), t(negative_slope), t(0), negative_slope != 0, work=x.size)
     else:
-        serial_if_small(x.size, _relu_bwd, _flat(x), _flat(dy), _flat(dx), t(negative_slope), t(0),
-                        negative_slope != 0)
+        launch(_relu_bwd, _flat(x), _flat(dy), _flat(dx), t(negative_slope), t(0), negative_slope != 0, work=x.size)
     return dx
 
 
@@ -133,5 +132,5 @@ def swap01(src: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None) -> 
     if src.ndim != 3 or out.shape != (src.shape[1], src.shape[0], src.shape[2]):
         raise ValueError(f"swap01: src {src.shape} and out {out.shape} are not (A, B, P) and (B, A, P)")
     b = bias if bias is not None else src[:, 0, 0]
-    serial_if_small(src.size, _swap01, src, out, np.ascontiguousarray(b, dtype=src.dtype), bias is not None)
+    launch(_swap01, src, out, np.ascontiguousarray(b, dtype=src.dtype), bias is not None, work=src.size)
     return out

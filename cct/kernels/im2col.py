@@ -11,7 +11,7 @@ row of a lowered block is ONE branch-free copy ``OW`` long (a contiguous run for
 no per-row border logic, which dominated for the 8..16-float rows of small images (LeNet,
 cifar10_quick) -- moved in whole 8-element vectors plus a scalar tail. Without padding the
 input planes are read in place. Per call, ``(N / run) * C`` tasks of ``run`` images (~8 tasks
-per numba thread of the calling thread; see :mod:`cct.kernels` for thread budgets).
+per kernel thread of the calling thread; see :mod:`cct.kernels` for thread budgets).
 
 * im2col is a pure copy (bitwise equal to the numpy path).
 * col2im accumulates into zeroed (padded scratch or output) planes, kernel offset by kernel
@@ -28,9 +28,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-_OPTS = dict(nogil=True, cache=True, error_model="numpy",
-             parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
-                           numpy=False, stencil=False, fusion=False))
+from . import LOWERING_SMALL_WORK, get_num_threads, launch
+
+_OPTS = dict(nogil=True, cache=True, error_model="numpy")
 
 
 # Unit-stride rows move _V elements per (unaligned) vector load/store, then a scalar tail: LLVM's
@@ -133,7 +133,7 @@ def _vadd_tail(typingctx, dst, d, src, s, r):  # pragma: no cover (compiled)
 
 
 @nb.njit(**_OPTS)
-def _im2col(x, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, ow_n, run,
+def _im2col(piece, pieces, x, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, ow_n, run,
             zero):  # pragma: no cover (compiled)
     """``x`` (N, C, H, W) and ``out`` C-contiguous; ``out``'s element (b, ch, i, j, oh, ow) at
     ``b * sb + ch * sc + (i * kw + j) * sij + oh * OW + ow``. ``hp, wp``: the padded plane."""
@@ -151,7 +151,7 @@ def _im2col(x, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, o
     uv = nb.uint64(_V)
     nv = uow // uv * uv
     zero_u = nb.uint64(0)
-    for task in nb.prange(c * nruns):
+    for task in range(c * nruns * piece // pieces, c * nruns * (piece + 1) // pieces):
         ch = task // nruns
         b0 = (task - ch * nruns) * run
         b1 = min(b0 + run, n)
@@ -195,7 +195,7 @@ def _im2col(x, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, o
 
 
 @nb.njit(**_OPTS)
-def _col2im(col, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, ow_n, run,
+def _col2im(piece, pieces, col, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n, ow_n, run,
             zero):  # pragma: no cover (compiled)
     """Adjoint of :func:`_im2col` (same strides); every position of a zeroed (padded) plane receives
     its terms in row-major kernel-offset order, then the interior is written to ``out``."""
@@ -213,7 +213,7 @@ def _col2im(col, out, sb, sc, sij, kh, kw, sh, sw, ph, pw, dh, dw, hp, wp, oh_n,
     uv = nb.uint64(_V)
     nv = uow // uv * uv
     zero_u = nb.uint64(0)
-    for task in nb.prange(c * nruns):
+    for task in range(c * nruns * piece // pieces, c * nruns * (piece + 1) // pieces):
         ch = task // nruns
         b0 = (task - ch * nruns) * run
         b1 = min(b0 + run, n)
@@ -271,8 +271,9 @@ def _canonical(col: np.ndarray) -> tuple[np.ndarray, bool]:
     return col, False
 
 
-def _threads() -> int:
-    return int(nb.get_num_threads())
+def _threads(elements: int) -> int:
+    """The kernel threads a call touching ``elements`` runs on (one below :data:`LOWERING_SMALL_WORK`)."""
+    return get_num_threads() if elements >= LOWERING_SMALL_WORK else 1
 
 
 def _ints(kernel, pad, stride, dilation) -> tuple[int, ...]:
@@ -292,7 +293,7 @@ def _layout(arr: np.ndarray, kmajor: bool, n: int, c: int, h: int, w: int, kh: i
         sb, sc, sij = c * kk * blk, kk * blk, blk
     hp = max(h + 2 * ph, (oh - 1) * sh + dh * (kh - 1) + 1)
     wp = max(w + 2 * pw, (ow - 1) * sw + dw * (kw - 1) + 1)
-    run = max(1, min(n, -(-n * c // (8 * _threads()))))
+    run = max(1, min(n, -(-n * c // (8 * _threads(arr.size)))))
     return sb, sc, sij, hp, wp, oh, ow, run
 
 
@@ -309,7 +310,8 @@ def im2col(x: np.ndarray, out: np.ndarray, kernel: Sequence[int], pad: Sequence[
     x = np.ascontiguousarray(x)
     n, c, h, w = x.shape
     geo = _layout(out, kmajor, n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw)
-    _im2col(x, dst, *geo[:3], kh, kw, sh, sw, ph, pw, dh, dw, *geo[3:], out.dtype.type(0))
+    launch(_im2col, x, dst, *geo[:3], kh, kw, sh, sw, ph, pw, dh, dw, *geo[3:], out.dtype.type(0), work=out.size,
+           limit=LOWERING_SMALL_WORK)
     return out
 
 
@@ -327,5 +329,6 @@ def col2im(col: np.ndarray, out: np.ndarray, kernel: Sequence[int], pad: Sequenc
         return out
     n, c, h, w = out.shape
     geo = _layout(col, kmajor, n, c, h, w, kh, kw, sh, sw, ph, pw, dh, dw)
-    _col2im(src, out, *geo[:3], kh, kw, sh, sw, ph, pw, dh, dw, *geo[3:], out.dtype.type(0))
+    launch(_col2im, src, out, *geo[:3], kh, kw, sh, sw, ph, pw, dh, dw, *geo[3:], out.dtype.type(0), work=col.size,
+           limit=LOWERING_SMALL_WORK)
     return out

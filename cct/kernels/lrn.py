@@ -13,22 +13,22 @@ order and dtype (bitwise equal); the power ``scale**-beta`` is left to numpy's `
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numba as nb
 import numpy as np
 
-from . import worker_pool
+from . import get_num_threads, launch
 
-_OPTS = dict(nogil=True, cache=True, error_model="numpy",
-             parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
-                           numpy=False, stencil=False, fusion=False))
+_OPTS = dict(nogil=True, cache=True, error_model="numpy")
 
 
 @nb.njit(**_OPTS)
-def _scale_across(x, scale, size, coef, kk, zero):  # pragma: no cover (compiled)
+def _scale_across(piece, pieces, x, scale, size, coef, kk, zero):  # pragma: no cover (compiled)
     # x, scale: (N, C, H*W), C-contiguous.
     n, c, m = x.shape
     half = (size - 1) // 2
-    for nc in nb.prange(n * c):
+    for nc in range(n * c * piece // pieces, n * c * (piece + 1) // pieces):
         b = nc // c
         ch = nc - b * c
         acc = scale[b, ch]
@@ -47,17 +47,24 @@ def _scale_across(x, scale, size, coef, kk, zero):  # pragma: no cover (compiled
 
 
 @nb.njit(**_OPTS)
-def _backward_across(x, dy, scale, pw, ratio, dx, size, coef2, zero):  # pragma: no cover (compiled)
-    # All (N, C, H*W), C-contiguous; dx may be dy.
+def _ratio(piece, pieces, x, dy, scale, pw, ratio):  # pragma: no cover (compiled)
+    # All (N, C, H*W), C-contiguous: ratio = dy * x * pw / scale (the first step of the backward pass).
     n, c, m = x.shape
-    half = (size - 1) // 2
-    for nc in nb.prange(n * c):
+    for nc in range(n * c * piece // pieces, n * c * (piece + 1) // pieces):
         b = nc // c
         ch = nc - b * c
         rr, g, xx, pp, ss = ratio[b, ch], dy[b, ch], x[b, ch], pw[b, ch], scale[b, ch]
         for q in range(m):
             rr[q] = g[q] * xx[q] * pp[q] / ss[q]
-    for nc in nb.prange(n * c):
+
+
+@nb.njit(**_OPTS)
+def _backward_across(piece, pieces, x, dy, pw, ratio, dx, size, coef2, zero):  # pragma: no cover (compiled)
+    # All (N, C, H*W), C-contiguous; dx may be dy; ratio from _ratio, for every plane (a plane's sum
+    # reads its neighbours').
+    n, c, m = x.shape
+    half = (size - 1) // 2
+    for nc in range(n * c * piece // pieces, n * c * (piece + 1) // pieces):
         b = nc // c
         ch = nc - b * c
         acc = np.empty_like(x[b, ch])
@@ -90,7 +97,7 @@ def _flat(a: np.ndarray) -> np.ndarray:
 def scale_across(x: np.ndarray, scale: np.ndarray, size: int, alpha: float, k: float) -> np.ndarray:
     """``scale[...] = k + alpha/size * box_c(x*x)`` (the dtype's arithmetic, like the numpy path)."""
     t = x.dtype.type
-    _scale_across(_flat(x), _flat(scale), int(size), t(alpha / size), t(k), t(0))
+    launch(_scale_across, _flat(x), _flat(scale), int(size), t(alpha / size), t(k), t(0))
     return scale
 
 
@@ -101,24 +108,24 @@ def power(scale: np.ndarray, exponent: float, out: np.ndarray) -> np.ndarray:
     """``scale ** exponent`` computed exactly as the numpy path's expression (into ``out`` where possible).
 
     numpy's ``power`` ufunc (SIMD) is elementwise and position-independent, so large C-contiguous
-    arrays are split into chunks computed on the kernel threads (numba's count for the caller).
+    arrays are split into pieces computed on the calling thread's kernel threads (:func:`~cct.kernels.launch`).
     """
     e = float(exponent)
     if e in _FAST_EXPONENTS:
         out[...] = scale ** e
         return out
     te = scale.dtype.type(e)
-    nthreads = int(nb.get_num_threads())
-    if nthreads <= 1 or scale.size < _SPLIT_MIN or not (scale.flags.c_contiguous and out.flags.c_contiguous):
+    if get_num_threads() <= 1 or scale.size < _SPLIT_MIN or not (scale.flags.c_contiguous and out.flags.c_contiguous):
         np.power(scale, te, out=out)
         return out
-    src, dst = scale.reshape(-1), out.reshape(-1)
-    bounds = np.linspace(0, src.size, nthreads + 1).astype(np.int64)
-    futs = [worker_pool().submit(np.power, src[a:b], te, out=dst[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
-    np.power(src[: bounds[1]], te, out=dst[: bounds[1]])
-    for f in futs:
-        f.result()
+    launch(_power_piece, scale.reshape(-1), te, out.reshape(-1))
     return out
+
+
+def _power_piece(piece: int, pieces: int, src: np.ndarray, exponent: Any, dst: np.ndarray) -> None:
+    """One share of ``dst[...] = src ** exponent`` (numpy's power ufunc releases the GIL)."""
+    a, b = src.size * piece // pieces, src.size * (piece + 1) // pieces
+    np.power(src[a:b], exponent, out=dst[a:b])
 
 
 def backward_across(x: np.ndarray, dy: np.ndarray, scale: np.ndarray, pw: np.ndarray, dx: np.ndarray, size: int,
@@ -130,6 +137,7 @@ def backward_across(x: np.ndarray, dy: np.ndarray, scale: np.ndarray, pw: np.nda
     if work is None or work.shape != x.shape or work.dtype != x.dtype:
         work = np.empty_like(x)
     t = x.dtype.type
-    _backward_across(_flat(x), _flat(dy), _flat(scale), _flat(pw), _flat(work), _flat(dx), int(size),
-                     t(2.0 * alpha * beta / size), t(0))
+    launch(_ratio, _flat(x), _flat(dy), _flat(scale), _flat(pw), _flat(work))
+    launch(_backward_across, _flat(x), _flat(dy), _flat(pw), _flat(work), _flat(dx), int(size),
+           t(2.0 * alpha * beta / size), t(0))
     return dx

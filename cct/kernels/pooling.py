@@ -23,17 +23,17 @@ from collections.abc import Sequence
 import numba as nb
 import numpy as np
 
+from . import launch
+
 _FLT_MAX = float(np.finfo(np.float32).max)
-_OPTS = dict(nogil=True, cache=True, error_model="numpy",
-             parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
-                           numpy=False, stencil=False, fusion=False))
+_OPTS = dict(nogil=True, cache=True, error_model="numpy")
 
 
 @nb.njit(**_OPTS)
-def _max_fwd(x, out, arg, kh, kw, sh, sw, ph, pw, init):  # pragma: no cover (compiled)
+def _max_fwd(piece, pieces, x, out, arg, kh, kw, sh, sw, ph, pw, init):  # pragma: no cover (compiled)
     n, c, h, w = x.shape
     oh_n, ow_n = out.shape[2], out.shape[3]
-    for nc in nb.prange(n * c):
+    for nc in range(n * c * piece // pieces, n * c * (piece + 1) // pieces):
         b = nc // c
         ch = nc - b * c
         src = x[b, ch]
@@ -84,12 +84,12 @@ def _make_max_fwd_fixed(KH: int, KW: int, SH: int, SW: int):  # noqa: N803 (comp
     run as straight-line code per output, which LLVM vectorizes across outputs (2-3x faster); the
     border windows take the clipped path."""
 
-    def kernel(x, out, arg, ph, pw, init):  # pragma: no cover (compiled)
+    def kernel(piece, pieces, x, out, arg, ph, pw, init):  # pragma: no cover (compiled)
         n, c, h, w = x.shape
         oh_n, ow_n = out.shape[2], out.shape[3]
         ow_lo = min((pw + SW - 1) // SW, ow_n)  # first window with ws >= 0
         ow_hi = max(min((w - KW + pw) // SW + 1, ow_n), ow_lo)  # past the last with ws + KW <= w
-        for nc in nb.prange(n * c):
+        for nc in range(n * c * piece // pieces, n * c * (piece + 1) // pieces):
             b = nc // c
             ch = nc - b * c
             src = x[b, ch]
@@ -142,12 +142,12 @@ def _ave_window(src, hs, ws, kh, kw, h, w, zero):  # pragma: no cover (compiled)
 def _make_ave_fwd_fixed(KH: int, KW: int, SH: int, SW: int):  # noqa: N803 (compile-time constants)
     """``_ave_fwd`` with window and stride compile-time constants (see :func:`_make_max_fwd_fixed`)."""
 
-    def kernel(x, out, pool_size, ph, pw, zero):  # pragma: no cover (compiled)
+    def kernel(piece, pieces, x, out, pool_size, ph, pw, zero):  # pragma: no cover (compiled)
         n, c, h, w = x.shape
         oh_n, ow_n = out.shape[2], out.shape[3]
         ow_lo = min((pw + SW - 1) // SW, ow_n)
         ow_hi = max(min((w - KW + pw) // SW + 1, ow_n), ow_lo)
-        for nc in nb.prange(n * c):
+        for nc in range(n * c * piece // pieces, n * c * (piece + 1) // pieces):
             b = nc // c
             ch = nc - b * c
             src = x[b, ch]
@@ -197,11 +197,11 @@ def _fixed_for(method: str, kh: int, kw: int, sh: int, sw: int):
 
 
 @nb.njit(**_OPTS)
-def _max_bwd(dy, arg, dx, off, w, sh, sw, ph, pw, zero):  # pragma: no cover (compiled)
+def _max_bwd(piece, pieces, dy, arg, dx, off, w, sh, sw, ph, pw, zero):  # pragma: no cover (compiled)
     # dx: (N, C, H*W); off[k] = flat offset of window position k from the window's corner.
     n, c, m = dx.shape
     oh_n, ow_n = dy.shape[2], dy.shape[3]
-    for nc in nb.prange(n * c):
+    for nc in range(n * c * piece // pieces, n * c * (piece + 1) // pieces):
         b = nc // c
         ch = nc - b * c
         dst = dx[b, ch]
@@ -220,10 +220,10 @@ def _max_bwd(dy, arg, dx, off, w, sh, sw, ph, pw, zero):  # pragma: no cover (co
 
 
 @nb.njit(**_OPTS)
-def _ave_fwd(x, out, pool_size, kh, kw, sh, sw, ph, pw, zero):  # pragma: no cover (compiled)
+def _ave_fwd(piece, pieces, x, out, pool_size, kh, kw, sh, sw, ph, pw, zero):  # pragma: no cover (compiled)
     n, c, h, w = x.shape
     oh_n, ow_n = out.shape[2], out.shape[3]
-    for nc in nb.prange(n * c):
+    for nc in range(n * c * piece // pieces, n * c * (piece + 1) // pieces):
         b = nc // c
         ch = nc - b * c
         src = x[b, ch]
@@ -247,10 +247,10 @@ def _ave_fwd(x, out, pool_size, kh, kw, sh, sw, ph, pw, zero):  # pragma: no cov
 
 
 @nb.njit(**_OPTS)
-def _ave_bwd(dy, pool_size, dx, kh, kw, sh, sw, ph, pw, zero):  # pragma: no cover (compiled)
+def _ave_bwd(piece, pieces, dy, pool_size, dx, kh, kw, sh, sw, ph, pw, zero):  # pragma: no cover (compiled)
     n, c, h, w = dx.shape
     oh_n, ow_n = dy.shape[2], dy.shape[3]
-    for nc in nb.prange(n * c):
+    for nc in range(n * c * piece // pieces, n * c * (piece + 1) // pieces):
         b = nc // c
         ch = nc - b * c
         dst = dx[b, ch]
@@ -288,9 +288,9 @@ def max_forward(x: np.ndarray, out: np.ndarray, arg: np.ndarray, kernel: Sequenc
     kh, kw, sh, sw, ph, pw = _ints(kernel, pad, stride)
     fixed = _fixed_for("max", kh, kw, sh, sw)
     if fixed is not None:
-        fixed(x, out, arg, ph, pw, x.dtype.type(-_FLT_MAX))
+        launch(fixed, x, out, arg, ph, pw, x.dtype.type(-_FLT_MAX), work=x.size)
     else:
-        _max_fwd(x, out, arg, kh, kw, sh, sw, ph, pw, x.dtype.type(-_FLT_MAX))
+        launch(_max_fwd, x, out, arg, kh, kw, sh, sw, ph, pw, x.dtype.type(-_FLT_MAX), work=x.size)
 
 
 def max_backward(dy: np.ndarray, arg: np.ndarray, dx: np.ndarray, kernel: Sequence[int], pad: Sequence[int],
@@ -302,7 +302,7 @@ def max_backward(dy: np.ndarray, arg: np.ndarray, dx: np.ndarray, kernel: Sequen
         raise ValueError("max_backward needs a C-contiguous dx")
     ks = np.arange(kh * kw, dtype=np.int64)
     off = (ks // kw) * w + ks % kw  # no integer division per output in the kernel
-    _max_bwd(dy, arg, dx.reshape(n, c, h * w), off, w, sh, sw, ph, pw, dx.dtype.type(0))
+    launch(_max_bwd, dy, arg, dx.reshape(n, c, h * w), off, w, sh, sw, ph, pw, dx.dtype.type(0), work=dx.size)
 
 
 def ave_forward(x: np.ndarray, out: np.ndarray, pool_size: np.ndarray, kernel: Sequence[int], pad: Sequence[int],
@@ -311,13 +311,13 @@ def ave_forward(x: np.ndarray, out: np.ndarray, pool_size: np.ndarray, kernel: S
     kh, kw, sh, sw, ph, pw = _ints(kernel, pad, stride)
     fixed = _fixed_for("ave", kh, kw, sh, sw)
     if fixed is not None:
-        fixed(x, out, pool_size, ph, pw, x.dtype.type(0))
+        launch(fixed, x, out, pool_size, ph, pw, x.dtype.type(0), work=x.size)
     else:
-        _ave_fwd(x, out, pool_size, kh, kw, sh, sw, ph, pw, x.dtype.type(0))
+        launch(_ave_fwd, x, out, pool_size, kh, kw, sh, sw, ph, pw, x.dtype.type(0), work=x.size)
 
 
 def ave_backward(dy: np.ndarray, pool_size: np.ndarray, dx: np.ndarray, kernel: Sequence[int], pad: Sequence[int],
                  stride: Sequence[int]) -> None:
     """AVE pooling backward: ``dx`` (overwritten) = sum over windows of ``dy / pool_size``."""
     kh, kw, sh, sw, ph, pw = _ints(kernel, pad, stride)
-    _ave_bwd(dy, pool_size, dx, kh, kw, sh, sw, ph, pw, dx.dtype.type(0))
+    launch(_ave_bwd, dy, pool_size, dx, kh, kw, sh, sw, ph, pw, dx.dtype.type(0), work=dx.size)

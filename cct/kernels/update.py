@@ -12,18 +12,17 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from . import serial_if_small
+from . import launch
 
-_OPTS = dict(nogil=True, cache=True, error_model="numpy",
-             parallel=dict(prange=True, comprehension=False, reduction=False, inplace_binop=False, setitem=False,
-                           numpy=False, stencil=False, fusion=False))
+_OPTS = dict(nogil=True, cache=True, error_model="numpy")
 _CHUNK = 1 << 15  # elements per task
 
 
 @nb.njit(**_OPTS)
-def _sgd_l2(w, d, h, decay, rate, momentum, has_decay, apply):  # pragma: no cover (compiled)
+def _sgd_l2(piece, pieces, w, d, h, decay, rate, momentum, has_decay, apply):  # pragma: no cover (compiled)
     n = w.size
-    for t in nb.prange((n + _CHUNK - 1) // _CHUNK):
+    tasks = (n + _CHUNK - 1) // _CHUNK
+    for t in range(tasks * piece // pieces, tasks * (piece + 1) // pieces):
         lo = t * _CHUNK
         hi = min(n, lo + _CHUNK)
         ws, ds, hs = w[lo:hi], d[lo:hi], h[lo:hi]
@@ -49,5 +48,5 @@ def sgd_l2(data: np.ndarray, diff: np.ndarray, history: np.ndarray, decay, rate,
     if not data.size == diff.size == history.size:
         raise ValueError(f"sgd_l2: sizes differ ({data.size}, {diff.size}, {history.size})")
     t = data.dtype.type
-    serial_if_small(data.size, _sgd_l2, data.reshape(-1), diff.reshape(-1), history.reshape(-1), t(decay), t(rate),
-                    t(momentum), bool(t(decay) != 0), bool(apply))
+    launch(_sgd_l2, data.reshape(-1), diff.reshape(-1), history.reshape(-1), t(decay), t(rate), t(momentum),
+           bool(t(decay) != 0), bool(apply), work=data.size)

@@ -212,14 +212,14 @@ def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) ->
     return out
 
 
-#: what a calibration compiles, as jobs for :func:`precompile_kernels`, dealt out round-robin: with two
-#: workers, the direct kernels' forward and data-gradient passes on the call-overhead layer plus their 3x3
-#: variant (the rates' kernel widths) and the direct weight gradient in one, type 1's im2col and col2im in
-#: the other. On a 2-core Zen 3 this split compiled in 14.9-15.9 s; the 3x3 variant beside im2col and
-#: col2im instead took 17.4-20.1 s (measured alternately). Then the kernels nearly every net trains with,
-#: which would otherwise compile one after another on the first iteration: the in-place ReLU and the
-#: SGD update, and MAX pooling's 2x2/2 forward and its backward (~9 s of compiling on that machine).
-WARM_JOBS = ("direct:fwd", "type1:lower", "direct:wgrad", "type1:unlower", "train:elementwise", "train:pool")
+#: what a calibration compiles, as jobs for :func:`precompile_kernels`, dealt out round-robin (the first
+#: share to the calibrating process itself, which has numba loaded already): the direct kernels' forward and
+#: data-gradient passes on the call-overhead layer plus their 3x3 variant (the rates' kernel widths), type 1's
+#: im2col and col2im, the direct weight gradient, and the kernels nearly every net trains with, which would
+#: otherwise compile one after another on its first iteration (MAX pooling's 2x2/2 forward and backward, the
+#: in-place ReLU and the SGD update). Compiled alone on a 2-core Zen 3, fresh interpreter each: 2.75, 2.05,
+#: 2.29, 1.67, 1.78 and 1.65 s (+1.0-1.3 s to import cct and numba).
+WARM_JOBS = ("direct:fwd", "type1:lower", "direct:wgrad", "type1:unlower", "train:pool", "train:elementwise")
 _precompiled = False
 
 
@@ -274,12 +274,12 @@ def _warm_training_kernels(job: str) -> None:
 
 
 def precompile_kernels(jobs: Sequence[str] = WARM_JOBS, processes: int | None = None) -> float:
-    """Compile the kernels of ``jobs`` (:func:`warm_kernel`) in worker processes, one per core, dealt
-    out round-robin, and return the seconds it took. Compiling is single-threaded and most of a first
-    calibration (23 of 29 s on a 2-core Zen 3); the workers share it out. Nothing is done (0.0) on one
-    core, with the compiled kernels off, or when this process has done it already. The workers are
-    fresh interpreters running this module's :func:`warm_kernel` (not ``multiprocessing``, which would
-    re-run a calling script that lacks a ``__main__`` guard)."""
+    """Compile the kernels of ``jobs`` (:func:`warm_kernel`) on every core, dealt out round-robin: the first
+    share in this process, the others in worker processes; returns the seconds it took. Compiling is
+    single-threaded and most of a first calibration. Nothing is done (0.0) on one core, with the compiled
+    kernels off, or when this process has done it already. The workers are fresh interpreters running
+    this module's :func:`warm_kernel` (not ``multiprocessing``, which would re-run a calling script that
+    lacks a ``__main__`` guard); they write into numba's on-disk cache, where this process finds them."""
     global _precompiled
     n = min(len(jobs), processes or os.cpu_count() or 1)
     if _precompiled or n < 2 or not kernels.enabled():
@@ -292,16 +292,22 @@ def precompile_kernels(jobs: Sequence[str] = WARM_JOBS, processes: int | None = 
     root = str(Path(__file__).resolve().parents[2])  # the directory that holds this cct package
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
     code = "import sys; from cct.lowering.calibrate import warm_kernel; [warm_kernel(j) for j in sys.argv[1:]]"
+    failed = "precompiling calibration kernels failed (they compile as they are timed): %s"
+    workers = []
     try:
         workers = [subprocess.Popen([sys.executable, "-c", code, *jobs[i::n]], env=env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(n)]
-        for w in workers:
-            _, err = w.communicate()
-            if w.returncode:
-                log.debug("precompiling calibration kernels failed (they compile as they are timed): %s",
-                          err.decode(errors="replace")[-500:])
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(1, n)]
     except OSError as e:
-        log.debug("precompiling calibration kernels failed (they compile as they are timed): %s", e)
+        log.debug(failed, e)
+    try:
+        for job in jobs[0::n]:
+            warm_kernel(job)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails here fails again, with its error, when timed
+        log.debug(failed, e)
+    for w in workers:
+        _, err = w.communicate()
+        if w.returncode:
+            log.debug(failed, err.decode(errors="replace")[-500:])
     return time.perf_counter() - t0
 
 

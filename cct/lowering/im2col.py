@@ -81,8 +81,7 @@ def im2col(x: Any, kernel: Sequence[int], pad: Sequence[int], stride: Sequence[i
         return out
     km = _kernel_module(nd, lead, x, out)
     if km is not None:
-        kernels.serial_if_small(out.size, km.im2col, _as_nc(x, len(lead)), _as_nc(out, len(lead)), kernel, pad,
-                                stride, dilation, limit=kernels.LOWERING_SMALL_WORK)
+        km.im2col(_as_nc(x, len(lead)), _as_nc(out, len(lead)), kernel, pad, stride, dilation)
         return out
     padded = _padded_shape(in_shape, kernel, pad, stride, dilation, out_shape)
     if padded == in_shape:
@@ -124,8 +123,7 @@ def col2im(col: Any, in_shape: Sequence[int], kernel: Sequence[int], pad: Sequen
     if km is not None:
         if out is None:
             out = np.empty(lead + in_shape, dtype=col.dtype)
-        kernels.serial_if_small(col.size, km.col2im, _as_nc(col, len(lead)), _as_nc(out, len(lead)), kernel, pad,
-                                stride, dilation, limit=kernels.LOWERING_SMALL_WORK)
+        km.col2im(_as_nc(col, len(lead)), _as_nc(out, len(lead)), kernel, pad, stride, dilation)
         return out
     if col.size == 0:
         res = xp.zeros(lead + in_shape, dtype=col.dtype)
