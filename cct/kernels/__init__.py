@@ -285,7 +285,7 @@ def num_threads(n: int | None) -> Iterator[int]:
 
 
 def info() -> dict:
-    """Mode, numba version/threading layer/threads (for benchmark reports)."""
+    """Mode, numba version and the calling thread's kernel threads (for benchmark reports)."""
     d: dict[str, Any] = {"mode": mode(), "numba": None, "enabled": enabled()}
     if numba_available():
         import numba

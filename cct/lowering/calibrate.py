@@ -101,9 +101,10 @@ def _unaliased(n: int) -> int:
 
 
 #: bumped when the sweep or lowering curves change what they measure (2: the stream and sum sweeps, in
-#: passes; curves timed on the Machine's own kernel thread count; 3: the lowering curves in passes); a
+#: passes; curves timed on the Machine's own kernel thread count; 3: the lowering curves in passes; 4: copy
+#: curves on transposes of two about equal axes; 5: im2col/col2im run in pieces on cct's kernel threads); a
 #: cached Machine from before is re-measured on load
-CURVES_VERSION = 4
+CURVES_VERSION = 5
 #: bumped when the GEMM grids change what they measure (2: long dimensions that do not alias, see
 #: :func:`_unaliased`); a cached Machine from before is calibrated anew on load
 GRID_VERSION = 2
@@ -437,7 +438,7 @@ def _remeasure_curves(machine: Machine, repeats: int = 2) -> Machine:
 @contextlib.contextmanager
 def _threads(n: int | None) -> Iterator[None]:
     """BLAS *and* compiled-kernel threads limited to ``n`` (None: all): the lowering curves time the
-    im2col/col2im kernels, which run on numba's threads."""
+    im2col/col2im kernels, which run on the kernel threads (:func:`cct.kernels.launch`)."""
     with blas.blas_threads(n), kernels.num_threads(n):
         yield
 

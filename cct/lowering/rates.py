@@ -45,8 +45,9 @@ from .geometry import ConvGeometry
 #: 6: direct kernels timed beside their twins, the per-chunk overhead and the inverse-FFT rate measured;
 #: 7: the direct kernels' vectors and tiles sized to the CPU's registers, 2-3x faster on AVX2;
 #: 8: the forward rate on 3x3 layers too, for its kernel-width term; 9: forward drivers per kernel width,
-#: the taps of a kernel row unrolled, 1.3-1.4x faster on AVX2; 10: the forward FFT rate at two sizes)
-RATES_VERSION = 11
+#: the taps of a kernel row unrolled, 1.3-1.4x faster on AVX2; 10: the forward FFT rate at two sizes;
+#: 11: FFT stages frequency-major; 12: kernels compiled serial, run in pieces on cct's kernel threads)
+RATES_VERSION = 12
 
 
 #: ``(channels, size, kernel)`` of the layers the direct kernels' rates are timed on: 5x5 layers, the
