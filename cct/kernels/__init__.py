@@ -15,8 +15,9 @@ computed by numpy itself, so LRN is bitwise as well). tests/test_kernels.py chec
   environment variable from code (``None`` gives it back). If numba is missing or fails to
   import, the numpy path runs and a debug message is logged once.
 * Compilation is lazy: importing :mod:`cct` imports neither numba nor the kernels; the first
-  use of a kernel compiles it, about 1 s per kernel and dtype (a LeNet training run compiles
-  ~5 s on its first iteration on this 2-core box). ``cache=True``: once per machine; later
+  use of a kernel compiles it, 0.2-1.7 s per kernel and dtype (LeNet's 14 kernels: 11 s on a 2-core
+  Zen 3, which a first calibration shares out over the cores,
+  :func:`cct.lowering.calibrate.precompile_kernels`). ``cache=True``: once per machine; later
   processes load the machine code from ``cct/kernels/__pycache__`` (or ``NUMBA_CACHE_DIR``) in
   a few ms per kernel.
 * Threads: each kernel is compiled serial (numba's ``parallel=True`` compiled the same kernel about 3x
