@@ -84,8 +84,15 @@ def _cache_name(threads: int, backend: str) -> str:
 _best_time = blas.best_time  # the timer of the element-wise and lowering curves
 
 
+#: flops of one GEMM from which a grid point is timed once (after its warm-up call) whatever the level's
+#: repeats: such a call lasts 15-120 ms, long enough to average out what a repeat would, and the grid's
+#: three largest points were three quarters of a first-run level's GEMM work (96 GFLOP a thread count)
+ONE_TIMING_FLOPS = 2e9
+
+
 def _gemm_gflops(m: int, n: int, k: int, repeats: int, pool: blas.OperandPool | None = None) -> float:
-    return blas.gemm_gflops([(m, n, k)], repeats=repeats, operands=pool)
+    return blas.gemm_gflops([(m, n, k)], repeats=1 if 2.0 * m * n * k >= ONE_TIMING_FLOPS else repeats,
+                            operands=pool)
 
 
 def _big(m: int, k: int, budget: float, lo: int, hi: int) -> int:

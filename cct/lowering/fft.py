@@ -56,10 +56,16 @@ def _pocketfft() -> Any:
     return pypocketfft if all(hasattr(pypocketfft, f) for f in ("r2c", "c2c", "c2r")) else None
 
 
-_POCKETFFT = _pocketfft()
+_UNLOADED = object()
+#: the binding, loaded on the first transform (importing scipy.fft takes ~0.3 s, which every ``import cct``
+#: paid when this was loaded with the module)
+_POCKETFFT: Any = _UNLOADED
 
 
 def _native(xp: Any) -> bool:
+    global _POCKETFFT
+    if _POCKETFFT is _UNLOADED:
+        _POCKETFFT = _pocketfft()
     return xp is np and _POCKETFFT is not None
 
 
