@@ -554,3 +554,14 @@ def test_precompile_kernels_fills_numba_cache_in_worker_processes(tmp_path, monk
     assert cal.precompile_kernels(("type1:unlower", "type1:unlower")) == 0.0  # once per process
     with pytest.raises(cal.CctError, match="unknown kernel warm-up job 'nope'"):
         warm_kernel("nope")
+
+
+def test_calibration_times_its_largest_gemm_points_once(monkeypatch):
+    """A grid point whose one GEMM is at least ONE_TIMING_FLOPS is timed once after its warm-up (a call
+    long enough to average out what repeats would); smaller points keep the level's repeats."""
+    seen = []
+    monkeypatch.setattr(cal.blas, "gemm_gflops", lambda shapes, repeats, operands=None: seen.append(repeats) or 1.0)
+    cal._gemm_gflops(4096, 240, 4096, 2)
+    cal._gemm_gflops(256, 4096, 256, 2)
+    assert 2.0 * 4096 * 240 * 4096 >= cal.ONE_TIMING_FLOPS > 2.0 * 256 * 4096 * 256
+    assert seen == [1, 2]

@@ -389,9 +389,10 @@ def test_numba_import_failure_falls_back(monkeypatch, caplog):
 
 def test_cct_import_does_not_compile_or_import_kernels():
     """Importing cct loads no compiled-kernel module, nor numba or llvmlite (the direct kernels' tile
-    tables, plain Python, ask LLVM for the CPU's vector width only when first used)."""
+    tables, plain Python, ask LLVM for the CPU's vector width only when first used), nor scipy.fft
+    (~0.3 s; the FFT strategy loads it on its first transform)."""
     code = ("import sys, cct, cct.layers, cct.lowering, cct.net; "
-            "print(sorted(m for m in sys.modules if m.startswith(('cct.kernels.', 'numba', 'llvmlite'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('cct.kernels.', 'numba', 'llvmlite', 'scipy.fft'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert set(ast.literal_eval(out.strip())) <= {"cct.kernels.simd_tiles"}
 
