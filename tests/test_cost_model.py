@@ -565,3 +565,39 @@ def test_calibration_times_its_largest_gemm_points_once(monkeypatch):
     cal._gemm_gflops(256, 4096, 256, 2)
     assert 2.0 * 4096 * 240 * 4096 >= cal.ONE_TIMING_FLOPS > 2.0 * 256 * 4096 * 256
     assert seen == [1, 2]
+
+
+def test_first_run_calibration_defers_the_3x3_direct_rate_to_the_first_layer_that_needs_it(monkeypatch, tmp_path):
+    """A first-run level measures every rate but the direct forward's 3x3 one (its own compiled driver,
+    ~1.5 s of a first run that a 5x5-only net like LeNet never needs); planning the first layer whose
+    kernel is not 5 wide measures it, once, and writes the process's cached machine back."""
+    from cct.lowering import rates as rates_mod
+
+    asked = []
+
+    def fake_rates(repeats=3, kernel_widths=True):
+        asked.append(kernel_widths)
+        return {"direct_gflops": 50.0, "direct_k3_gflops": 40.0 if kernel_widths else 0.0}
+
+    monkeypatch.setattr(rates_mod, "measure_rates", fake_rates)
+    first, full = flat_machine(), flat_machine()
+    first.info, full.info = {"level": "first"}, {"level": "full"}
+    cal._add_rates(first)
+    cal._add_rates(full)
+    assert asked == [False, True]
+    assert first.direct_k3_gflops == 0.0 and first.info["deferred_rates"] == ["direct_k3_gflops"]
+    assert full.direct_k3_gflops == 40.0 and full.info["deferred_rates"] == []
+
+    timed = []
+    monkeypatch.setattr(rates_mod, "direct_rate",
+                        lambda pass_, layers, repeats=3: timed.append((pass_, layers)) or 30.0)
+    five = ConvGeometry(4, 4, 1, (8, 8), (5, 5), (2, 2), (1, 1), (1, 1), (8, 8))
+    three = ConvGeometry(4, 4, 1, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1), (8, 8))
+    assert cal.ensure_kernel_width_rate(first, five) is first and timed == []  # a 5x5 layer needs only the 5x5 rate
+    cal._memo[cal._cache_name(first.threads, first.backend)] = first  # the process's machine for its thread count
+    opt.plan_convolution(three, 8, first, partitions=1)
+    assert timed == [("fwd", rates_mod.DIRECT_K3_LAYERS)] and first.direct_k3_gflops == 30.0
+    assert first.info["deferred_rates"] == []
+    assert any(p.name.startswith("machine-") for p in tmp_path.iterdir())  # written back to the cache
+    opt.plan_convolution(three, 8, first, partitions=1)
+    assert len(timed) == 1  # measured once

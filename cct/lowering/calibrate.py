@@ -31,6 +31,7 @@ from ..errors import CctError
 from ..flags import FlagParser, add_progress_flag, command_parser
 from ..progress import Progress
 from .cost_model import Machine, detect_cache_bytes, nominal_machine
+from .geometry import ConvGeometry
 from .rates import RATES_VERSION
 
 FULL_DIMS = [4, 16, 64, 256, 1024, 4096]
@@ -222,7 +223,7 @@ def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) ->
 
 #: what a calibration compiles, as jobs for :func:`precompile_kernels`, dealt out round-robin (the first
 #: share to the calibrating process itself, which has numba loaded already): the direct kernels' forward and
-#: data-gradient passes on the call-overhead layer plus their 3x3 variant (the rates' kernel widths), type 1's
+#: data-gradient passes on the call-overhead layer, type 1's
 #: im2col and col2im, the direct weight gradient, and the kernels nearly every net trains with, which would
 #: otherwise compile one after another on its first iteration (MAX pooling's 2x2/2 forward and backward, the
 #: in-place ReLU and the SGD update). Compiled alone on a 2-core Zen 3, fresh interpreter each: 2.75, 2.05,
@@ -252,7 +253,7 @@ def warm_kernel(job: str) -> None:
             dcol = np.ones((16,) + g.kernel + (2,) + g.out_shape, np.float32)
             col2im(type1._col_buffer_view(dcol, 2), g.in_shape, g.kernel, g.pad, g.stride, g.dilation)
         return
-    from .rates import overhead_layer, rate_geometry
+    from .rates import overhead_layer
 
     x, w, b, dy, g = overhead_layer()  # the passes as measure_call_overheads runs them
     if job == "direct:wgrad":
@@ -260,8 +261,6 @@ def warm_kernel(job: str) -> None:
         return
     DirectConvolution().forward(x, w, b, g)
     DirectConvolution().backward_data(dy, w, g)
-    g3 = rate_geometry(8, 8, 4, 3)  # the forward kernel's 3x3 variant, which measure_rates times too
-    DirectConvolution().kernel_call(x, np.ones(g3.weight_shape, np.float32), g3)()
 
 
 def _warm_training_kernels(job: str) -> None:
@@ -407,15 +406,43 @@ def _sweeps_measured(level: CalibrationLevel, backend: str) -> dict | None:
     return None
 
 
+#: rates a first-run calibration leaves for the first layer that needs them (:func:`ensure_kernel_width_rate`):
+#: the 3x3 forward rate compiles a forward driver of its own, ~1.5 s of a first run that LeNet never needs
+DEFERRED_RATES = ("direct_k3_gflops",)
+
+
 def _add_rates(machine: Machine) -> Machine:
     """Measure the direct, FFT and complex-GEMM rates into ``machine`` (:mod:`cct.lowering.rates`), on
-    its own BLAS and kernel thread counts."""
+    its own BLAS and kernel thread counts; a first-run level leaves :data:`DEFERRED_RATES` for later."""
     from .rates import measure_rates
 
+    first = machine.info.get("level") == "first"
     with _threads(machine.threads):
-        for key, value in measure_rates().items():
+        for key, value in measure_rates(kernel_widths=not first).items():
             setattr(machine, key, value if isinstance(value, dict) else float(value))
-    machine.info = dict(machine.info, rates_version=RATES_VERSION)
+    machine.info = dict(machine.info, rates_version=RATES_VERSION, deferred_rates=list(DEFERRED_RATES) if first else [])
+    return machine
+
+
+def ensure_kernel_width_rate(machine: Machine, geom: ConvGeometry) -> Machine:
+    """``machine``, with the direct kernels' 3x3 forward rate measured into it now if a first-run
+    calibration deferred it and ``geom`` needs it (a kernel other than 5 wide: the direct pricing's
+    kernel-width term, :meth:`~cct.lowering.cost_model.Machine.direct_seconds`). The process's cached
+    machine is written back to the cache with it; a trial one (``calibrate(save=False)``) is not."""
+    deferred = machine.info.get("deferred_rates") or []
+    if "direct_k3_gflops" not in deferred or geom.kernel[-1] == 5:
+        return machine
+    from .rates import DIRECT_K3_LAYERS, direct_rate
+
+    t0 = time.perf_counter()
+    with _threads(machine.threads):
+        machine.direct_k3_gflops = float(direct_rate("fwd", DIRECT_K3_LAYERS))
+    machine.info = dict(machine.info, deferred_rates=[r for r in deferred if r != "direct_k3_gflops"])
+    log.info("Measured the direct kernels' 3x3 forward rate (threads: %d), which the first-run calibration "
+             "left for the first layer that needs it: %.0f GFLOPS in %.1f s", machine.threads,
+             machine.direct_k3_gflops, time.perf_counter() - t0)
+    if _memo.get(_cache_name(machine.threads, machine.backend)) is machine:
+        _store(machine, machine.backend, True)
     return machine
 
 

@@ -246,7 +246,10 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
     the partition count and ``b_p`` (:func:`choose_chunking`; ``partitions`` an int fixes the count,
     ``"auto"`` leaves both to measurement by the executing wrapper: ``b_p = 0``)."""
     from .. import blas
+    from .calibrate import ensure_kernel_width_rate
 
+    if machine is not None:
+        machine = ensure_kernel_width_rate(machine, geom)
     plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override,
                        budget=budget, passes=passes, names=names)
     if partitions == "auto":
@@ -259,6 +262,8 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
         def machine_for(t: int, _m=machine, _full=full) -> Machine:
             return _m if t == _full or getattr(_m, "nominal", False) else _machine_for_threads(t)
     run = {p: n for p, n in plan.names.items() if p in passes}
+    given = machine_for
+    machine_for = None if given is None else (lambda t: ensure_kernel_width_rate(given(t), geom))
     p, bp, _t = choose_chunking(run, geom, batch, total, plan.budget, fixed, machine_for)
     plan.partitions, plan.b_p = p, bp
     names = set(plan.names.values())

@@ -62,31 +62,41 @@ def rate_geometry(c: int, m: int, n: int, k: int) -> ConvGeometry:
     return ConvGeometry(c, m, 1, (n, n), (k, k), (k // 2, k // 2), (1, 1), (1, 1), (o, o), False)
 
 
-def measure_rates(repeats: int = 3) -> dict[str, float]:
+#: the 3x3 layers :data:`DIRECT_RATE_LAYERS` become for the forward rate's kernel-width term
+DIRECT_K3_LAYERS = tuple((c, n, 3) for c, n, _ in DIRECT_RATE_LAYERS)
+
+
+def direct_rate(pass_: str, layers: tuple[tuple[int, int, int], ...], repeats: int = 3) -> float:
+    """GFLOPS of the direct kernels' ``pass_`` over ``layers`` (``(channels, size, kernel)``, 32 images
+    each), each timed beside its twins (:func:`loaded_best_time`), counting the multiply-adds the tiles
+    compute as :meth:`~cct.lowering.direct.DirectConvolution.pass_ops` declares them."""
+    from .direct import DirectConvolution
+
+    rng = np.random.default_rng(0)
+    seconds = flops = 0.0
+    for c, n, k in layers:
+        g = rate_geometry(c, c, n, k)
+        x = rng.standard_normal((32, c, n, n), dtype=np.float32)
+        w = rng.standard_normal(g.weight_shape, dtype=np.float32)
+        seconds += loaded_best_time(lambda g=g, x=x, w=w, p=pass_: DirectConvolution().kernel_call(x, w, g, p),
+                                    max(repeats, 7))  # ~1 ms a call
+        flops += 2.0 * sum(op[1] for op in DirectConvolution().pass_ops(g, 32, pass_)
+                           if op[0] in ("direct", "direct_wgrad"))
+    return flops / seconds / 1e9
+
+
+def measure_rates(repeats: int = 3, kernel_widths: bool = True) -> dict[str, float]:
     """``{"direct_gflops", "direct_k3_gflops", "direct_wgrad_gflops", "fft_gflops", "ifft_gflops", "fft_large_gflops",
     "call_overhead_s",
     "chunk_overhead_s", "partition_overhead_s"}`` of this machine (see
     the module docstring). Complex GEMMs are priced from the real GEMM grids (a complex multiply-add
-    is four real ones)."""
-    from .direct import DirectConvolution
+    is four real ones). Without ``kernel_widths`` the 3x3 forward rate is left out (0.0: measured when a
+    layer first needs it, :func:`cct.lowering.calibrate.ensure_kernel_width_rate`)."""
     from .direct_layout import Scratch
     from .fft import _fft_flops, half_shape, inverse_spectrum, spectrum
 
     blas.limit_openblas_spin()  # as in a net: GEMM workers spinning after the grids would slow the kernels
     rng = np.random.default_rng(0)
-    def direct_rate(pass_: str, layers: tuple[tuple[int, int, int], ...]) -> float:
-        seconds = flops = 0.0
-        for c, n, k in layers:
-            g = rate_geometry(c, c, n, k)
-            x = rng.standard_normal((32, c, n, n), dtype=np.float32)
-            w = rng.standard_normal(g.weight_shape, dtype=np.float32)
-            seconds += loaded_best_time(lambda g=g, x=x, w=w, p=pass_: DirectConvolution().kernel_call(x, w, g, p),
-                                        max(repeats, 7))  # ~1 ms a call
-            # the multiply-adds the tiles compute (dropped positions and channels included), as priced
-            flops += 2.0 * sum(op[1] for op in DirectConvolution().pass_ops(g, 32, pass_)
-                               if op[0] in ("direct", "direct_wgrad"))
-        return flops / seconds / 1e9
-
     # conv-like transforms as FFTConvolution runs them: 14x14 planes zero-extended to 18x18 written
     # frequency-major (the layout of the channel products), and back from that layout keeping 14x14,
     # buffers reused (flops counted as FFTConvolution.pass_ops counts them)
@@ -107,9 +117,9 @@ def measure_rates(repeats: int = 3) -> dict[str, float]:
             for _ in range(3))
     ifft_gflops = 64 * 16 * _fft_flops(shape, keep) / t / 1e9
 
-    return {"direct_gflops": direct_rate("fwd", DIRECT_RATE_LAYERS),
-            "direct_k3_gflops": direct_rate("fwd", tuple((c, n, 3) for c, n, _ in DIRECT_RATE_LAYERS)),
-            "direct_wgrad_gflops": direct_rate("bwd_weights", DIRECT_RATE_LAYERS), "fft_gflops": fft_gflops,
+    return {"direct_gflops": direct_rate("fwd", DIRECT_RATE_LAYERS, repeats),
+            "direct_k3_gflops": direct_rate("fwd", DIRECT_K3_LAYERS, repeats) if kernel_widths else 0.0,
+            "direct_wgrad_gflops": direct_rate("bwd_weights", DIRECT_RATE_LAYERS, repeats), "fft_gflops": fft_gflops,
             "ifft_gflops": ifft_gflops, "fft_large_gflops": fft_large_gflops,
             "call_overhead_s": measure_call_overheads(), "chunk_overhead_s": measure_chunk_overhead(),
             "partition_overhead_s": measure_partition_overhead()}
