@@ -184,8 +184,8 @@ LOWERING_SMALL_WORK = 1 << 20
 
 class _Helper:
     """One thread of the kernel team: runs each piece it is handed, then waits for the next. A pair of
-    plain locks hands pieces over and back (a thread-pool future and its condition cost ~85 us a call
-    on a 2-core Zen 3 VM, these ~15 us)."""
+    plain locks hands pieces over and back (a 2-piece launch of an empty kernel on a 2-core Zen 3 VM: ~85 us
+    through a thread-pool future and its condition, 22-27 us through the locks)."""
 
     def __init__(self, name: str) -> None:
         self._go, self._done = threading.Lock(), threading.Lock()

@@ -223,11 +223,12 @@ def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) ->
 
 #: what a calibration compiles, as jobs for :func:`precompile_kernels`, dealt out round-robin (the first
 #: share to the calibrating process itself, which has numba loaded already): the direct kernels' forward and
-#: data-gradient passes on the call-overhead layer, type 1's
-#: im2col and col2im, the direct weight gradient, and the kernels nearly every net trains with, which would
-#: otherwise compile one after another on its first iteration (MAX pooling's 2x2/2 forward and backward, the
-#: in-place ReLU and the SGD update). Compiled alone on a 2-core Zen 3, fresh interpreter each: 2.75, 2.05,
-#: 2.29, 1.67, 1.78 and 1.65 s (+1.0-1.3 s to import cct and numba).
+#: data-gradient passes on the call-overhead layer, type 1's im2col and col2im, the direct weight gradient,
+#: and the kernels nearly every net trains with, which would otherwise compile one after another on its
+#: first iteration (MAX pooling's 2x2/2 forward and backward, the in-place ReLU and the SGD update).
+#: Compiled alone on a 2-core Zen 3, fresh interpreter each: 2.05 s (im2col), 2.29, 1.67, 1.78 and 1.65 s,
+#: and 2.75 s for the direct passes while they included the 3x3 forward variant (now deferred,
+#: :data:`DEFERRED_RATES`); importing cct and numba takes a worker ~1 s more.
 WARM_JOBS = ("direct:fwd", "type1:lower", "direct:wgrad", "type1:unlower", "train:pool", "train:elementwise")
 _precompiled = False
 
