@@ -8,9 +8,9 @@ from collections.abc import MutableMapping
 from .openblas import numpy_openblas_cdll
 
 DEFAULT_THREAD_TIMEOUT = 16  # 2**16 cycles (~20 us) of spinning before an idle OpenBLAS worker sleeps
-#: name prefixes of cct's threads that never run a GEMM (data prefetch, image decoding, the kernels'
-#: worker pool)
-BLAS_FREE_THREADS = ("cct-data-", "cct-decode", "cct-prefetch", "cct-kernels")
+#: name prefixes of cct's threads that never run a GEMM (data prefetch, image decoding, the compiled
+#: kernels' team and the calibration's twin-call pool)
+BLAS_FREE_THREADS = ("cct-data-", "cct-decode", "cct-prefetch", "cct-kernels", "cct-twins")
 _lock = threading.Lock()
 _spin_done = False
 

@@ -302,14 +302,14 @@ _pool: Any = None
 
 
 def worker_pool() -> Any:
-    """The process's pool of ``cct-kernels`` threads (one per core) for work that releases the GIL and
-    never calls BLAS (LRN's element-wise power chunks, the calibration's twin kernel calls); created
-    on first use."""
+    """The process's pool of ``cct-twins`` threads (one per core) that run the calibration's twin kernel
+    calls (:func:`cct.lowering.rates.loaded_best_time`: whole calls side by side, not the pieces of one
+    call, which :func:`launch` hands to the kernel team); created on first use."""
     global _pool
     if _pool is None:
         with _lock:
             if _pool is None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                _pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="cct-kernels")
+                _pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="cct-twins")
     return _pool
