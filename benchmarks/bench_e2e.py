@@ -11,19 +11,27 @@ measured in the same run.
 
 Modes: ``cct`` (cost-model lowering choice, whole-batch lowering) and ``caffe`` (type 1 lowering,
 one image per GEMM: how BVLC Caffe runs on the CPU). ``--torch`` adds PyTorch's CPU training
-step for the same models (if ``import torch`` works). The benchmark re-executes itself without
+step for the same models (if ``import torch`` works). ``--caffe BIN`` (or ``$CAFFE_BIN``) adds BVLC
+Caffe's ``caffe time`` on the same synthetic nets, in the same run: its ``Average Forward-Backward``
+(no solver update, so the comparison leans Caffe's way). No Caffe code ships with cct: build BVLC
+Caffe (CPU_ONLY) or install a distribution's package and pass its binary. The benchmark re-executes itself without
 OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE (see common.py) and reports the BLAS kernel that ran.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 from common import (
     ROOT,
+    caffe_line,
+    caffe_report,
     environment_report,
     print_environment,
     print_table,
@@ -219,6 +227,32 @@ def run_torch(model: str, batch: int, iters: int) -> dict | None:
     return {"model": model, "batch": batch, "mode": f"pytorch {torch.__version__}", "iter_s": t, "img_s": batch / t}
 
 
+# -- BVLC Caffe baseline (optional) ------------------------------------------------------------
+_CAFFE_FB = re.compile(r"Average Forward-Backward: ([\d.]+) ms")
+
+
+def parse_caffe_time(log: str) -> float | None:
+    """Seconds per forward+backward from a ``caffe time`` log (None if the line is missing)."""
+    m = _CAFFE_FB.search(log)
+    return float(m.group(1)) / 1e3 if m else None
+
+
+def run_caffe_time(binary: str, model: str, batch: int, iters: int) -> dict:
+    """``caffe time`` on the same synthetic TRAIN net (Input layers): forward + backward, no update."""
+    from google.protobuf import text_format
+
+    with tempfile.TemporaryDirectory(prefix="cct-caffe-time-") as tmp:
+        net = os.path.join(tmp, f"{model}_b{batch}.prototxt")
+        with open(net, "w") as f:
+            f.write(text_format.MessageToString(synthetic_net_param(model, batch)))
+        out = subprocess.run([binary, "time", f"--model={net}", f"--iterations={iters}"], capture_output=True,
+                             text=True, env=dict(os.environ, GLOG_logtostderr="1"))
+    t = parse_caffe_time(out.stderr)
+    if out.returncode != 0 or t is None:
+        raise SystemExit(f"caffe time on {model} b{batch} failed (rc {out.returncode}):\n{out.stderr[-2000:]}")
+    return {"model": model, "batch": batch, "mode": "bvlc caffe (fwd+bwd)", "iter_s": t, "img_s": batch / t}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller CaffeNet batch (16), fewer iterations")
@@ -228,6 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="cct,caffe")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--torch", action="store_true", help="also time PyTorch's CPU training step")
+    ap.add_argument("--caffe", default=os.environ.get("CAFFE_BIN"),
+                    help="a BVLC caffe binary: add its `caffe time` on the same nets (default $CAFFE_BIN)")
     ap.add_argument("--keep-env", action="store_true", help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
     args = ap.parse_args(argv)
     removed = reexec_clean(keep_env=args.keep_env)
@@ -236,6 +272,9 @@ def main(argv=None) -> int:
     print_environment(env)
     peak = sgemm_peak(args.threads)
     print(f"# measured SGEMM peak: {peak:.1f} GFLOPS")
+    caffe = caffe_report(args.caffe) if args.caffe else None
+    if caffe:
+        print(caffe_line(caffe))
 
     runs = []
     for model in args.models.split(","):
@@ -254,6 +293,13 @@ def main(argv=None) -> int:
                     print("# --torch: PyTorch is not installed; skipped", file=sys.stderr)
                 else:
                     runs.append(r)
+            if caffe:
+                r = run_caffe_time(args.caffe, model, batch, iters if model == "caffenet" else max(iters, 20))
+                flops = next((x["gemm_gflop_per_iter"] for x in runs if x["model"] == model and x["batch"] == batch
+                              and "gemm_gflop_per_iter" in x), None)
+                if flops:
+                    r["iter_gflops"] = flops / r["iter_s"]
+                runs.append(r)
 
     rows = []
     for r in runs:
@@ -269,8 +315,15 @@ def main(argv=None) -> int:
                   + "; ".join(f"{k}: {v}" for k, v in r.get("plans", {}).items()))
             print_table(["layer", "type", "fwd ms", "bwd ms", "GFLOPS"],
                         [[x["name"], x["type"], x["fwd_ms"], x["bwd_ms"], x["gflops"]] for x in r["layers"]])
+    for r in runs:
+        if r["mode"].startswith("bvlc caffe"):
+            mine = next((x for x in runs if x["model"] == r["model"] and x["batch"] == r["batch"]
+                         and x["mode"] == "cct"), None)
+            if mine:
+                print(f"# {r['model']} b{r['batch']}: cct iteration (with update) {r['iter_s'] / mine['iter_s']:.2f}x "
+                      "faster than BVLC Caffe's forward+backward (without)")
     path = write_json("bench_e2e_quick" if args.quick else "bench_e2e",
-                      {"environment": env, "sgemm_peak_gflops": peak, "runs": runs})
+                      {"environment": env, "sgemm_peak_gflops": peak, "runs": runs, "caffe": caffe})
     print(f"\nwrote {path}; load average now {os.getloadavg() if hasattr(os, 'getloadavg') else '?'}")
     return 0
 

@@ -27,7 +27,8 @@ OpenBLAS).
 
 * **caffe** (``--caffe BIN`` or ``$CAFFE_BIN``): a BVLC ``caffe train --solver=...`` on the same
   solver, net and LMDB, in the same run (its glog to stderr; the loop is timed from the same two
-  log lines). No Caffe code ships with cct: build BVLC Caffe yourself (CPU_ONLY) and pass its binary.
+  log lines). No Caffe code ships with cct: build BVLC Caffe (CPU_ONLY) or install a distribution's
+  package (Debian 11's ``caffe``, CPU_ONLY) and pass its binary; its version and BLAS are recorded.
 
 The figure per framework is the median over ``--runs`` (spread shown); the table and
 ``results/bench_train.json`` name the CPU, the BLAS kernel and the load average.
@@ -49,7 +50,16 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-from common import ROOT, environment_report, print_environment, print_table, reexec_clean, write_json
+from common import (
+    ROOT,
+    caffe_line,
+    caffe_report,
+    environment_report,
+    print_environment,
+    print_table,
+    reexec_clean,
+    write_json,
+)
 
 SHARED = ROOT.parent / "shared" / "caffe-models"
 CAFFE_LENET_1000_S = (19.5, 20.5)  # BVLC Caffe 1.0, 2-core Zen 4, LeNet 1000 iter, 2 tests, 2 snapshots (issue 12)
@@ -362,6 +372,9 @@ def main(argv=None) -> int:
     removed = reexec_clean(keep_env=args.keep_env)
     rep = environment_report(removed)
     print_environment(rep)
+    caffe = caffe_report(args.caffe) if args.caffe else None
+    if caffe:
+        print(caffe_line(caffe))
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cct-bench-train-"))
     work.mkdir(parents=True, exist_ok=True)
     (work / "snap").mkdir(exist_ok=True)
@@ -420,7 +433,7 @@ def main(argv=None) -> int:
     quick = args.iterations is not None and any(args.iterations < MODELS[e["model"]]["iterations"] for e in results)
     path = write_json("bench_train_quick" if quick else "bench_train",
                       {"environment": rep, "runs": args.runs, "results": results,
-                       "cct_args": args.cct_args, "caffe": args.caffe}, args.out)
+                       "cct_args": args.cct_args, "caffe": caffe}, args.out)
     print(f"# wrote {path}; data and snapshots in {work}")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)

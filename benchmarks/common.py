@@ -135,6 +135,34 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def caffe_report(binary: str) -> dict:
+    """What a BVLC ``caffe`` binary is: its version line, the BLAS library it loads (file name, which
+    carries the version) and the OpenBLAS core it picks on this CPU (``OPENBLAS_VERBOSE=2``)."""
+    import re
+    import subprocess
+
+    env = dict(os.environ, OPENBLAS_VERBOSE="2")
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, env=env, timeout=60)
+        ldd = subprocess.run(["ldd", binary], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SystemExit(f"caffe binary '{binary}' does not run: {e}") from None
+    text = out.stdout + out.stderr
+    if out.returncode != 0 or "caffe" not in text.lower():
+        raise SystemExit(f"'{binary} --version' failed (rc {out.returncode}): {text[-500:]}")
+    version = next((ln.strip() for ln in text.splitlines() if "version" in ln.lower()), "?")
+    core = re.search(r"Core:\s*(\S+)", text)
+    blas_libs = sorted({os.path.basename(os.path.realpath(m)) for m in re.findall(r"=>\s*(\S+)", ldd)
+                        if re.search(r"blas|mkl|atlas", os.path.basename(m))})
+    return {"binary": os.path.basename(binary), "version": version, "blas": blas_libs,
+            "openblas_core": core.group(1) if core else None}
+
+
+def caffe_line(rep: dict) -> str:
+    """One comment line naming the Caffe that ran (from ``caffe_report``)."""
+    return f"# BVLC Caffe: {rep['version']}, BLAS {', '.join(rep['blas'])}, OpenBLAS core {rep['openblas_core']}"
+
+
 def write_json(name: str, payload: dict, out: str | None = None) -> Path:
     """Write ``payload`` (plus argv and a timestamp) to ``benchmarks/results/<name>.json`` (or ``out``)."""
     path = Path(out) if out else RESULTS / f"{name}.json"

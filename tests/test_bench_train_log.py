@@ -1,11 +1,13 @@
-"""benchmarks/bench_train.py reads cct's and BVLC Caffe's train logs alike (glog with or without the year)."""
+"""The benchmarks read cct's and BVLC Caffe's logs: train logs alike (glog with or without the year), `caffe time`."""
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_e2e  # noqa: E402
 import bench_train  # noqa: E402
+from common import caffe_report  # noqa: E402
 
 CAFFE_LOG = """\
 I20261125 02:45:34.948501  8164 caffe.cpp:239] Starting Optimization
@@ -58,3 +60,23 @@ def test_results_name_no_machine_directory(tmp_path):
     for p in results.glob("*.json"):
         data = json.loads(p.read_text())
         assert common.machine_neutral(data) == data, f"{p.name} names an absolute path"
+
+
+CAFFE_TIME_LOG = """\
+I1127 20:04:59.773291  9185 caffe.cpp:408] Average Forward pass: 13.8296 ms.
+I1127 20:04:59.773300  9185 caffe.cpp:410] Average Backward pass: 17.1461 ms.
+I1127 20:04:59.773308  9185 caffe.cpp:412] Average Forward-Backward: 31.05 ms.
+I1127 20:04:59.773317  9185 caffe.cpp:414] Total Time: 621 ms.
+"""
+
+
+def test_parse_caffe_time_log():
+    assert bench_e2e.parse_caffe_time(CAFFE_TIME_LOG) == pytest.approx(0.03105)
+    assert bench_e2e.parse_caffe_time(CAFFE_TIME_LOG.replace("Forward-Backward", "F-B")) is None
+
+
+def test_caffe_report_refuses_a_binary_that_is_not_caffe():
+    with pytest.raises(SystemExit, match="--version"):
+        caffe_report(sys.executable)
+    with pytest.raises(SystemExit, match="does not run"):
+        caffe_report(str(Path(__file__).parent / "no-such-caffe"))
