@@ -31,19 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 
-def run_pass(strategy, pass_, x, w, b, dy, geom):
-    """One pass of a lowering on fixed inputs. The forward pass sees new weights on every call, as in
-    training (an update between iterations): nothing derived from the weights (FFT's kernel
-    transform) carries over from the previous call. The gradients follow a forward pass with the
-    same weights, as in an iteration."""
-    if pass_ == "fwd":
-        w.flat[0] = -w.flat[0]
-        return strategy.forward(x, w, b, geom)
-    if pass_ == "bwd_data":
-        return strategy.backward_data(dy, w, geom)
-    return strategy.backward_weights(dy, x, geom)
-
-
 def _machine_at(level: str, threads: int, machines: dict):
     """The level's Machine for ``threads`` BLAS threads: the measured one at its own count, the cached
     calibration otherwise (``cct calibrate --threads N``)."""
@@ -66,6 +53,9 @@ def main(argv=None) -> int:
                     help="score the optimizer's own plan (plan_convolution) of a layer running the pass against each "
                          "type measured as the engine would run it: the partition count and chunk size the cost "
                          "model picks for that type (optimizer.choose_chunking), each partition on threads // p")
+    ap.add_argument("--tune", action="store_true",
+                    help="with --engine: also score the plan with its close calls measured on the layer "
+                         "(cct.lowering.tune, as cct train runs it; measured now, not read from the cache)")
     ap.add_argument("--fixed", type=int, default=None, help="the channel count held fixed (default 256, quick 128)")
     ap.add_argument("--values", default=None, help="comma-separated channel counts to sweep")
     ap.add_argument("--passes", default="fwd", help="fwd,bwd_data,bwd_weights or 'all'")
@@ -97,6 +87,7 @@ def main(argv=None) -> int:
     from cct.lowering import optimizer as opt
     from cct.lowering.cost_model import predict_seconds
     from cct.lowering.partition import BatchedLowering
+    from cct.lowering.tune import TuneCache, run_pass
 
     if args.blas:
         blas.set_backend(args.blas)
@@ -167,6 +158,13 @@ def main(argv=None) -> int:
                     pred = {t: plan.predictions[p].get(t, float("inf")) for t in types}
                     by_level[lv] = {"predicted": pred, "pick": plan.names[p], "partitions": plan.partitions,
                                     "b_p": plan.b_p, "slowdown": meas[plan.names[p]] / meas[fastest] - 1.0}
+                    if args.tune:
+                        tuned = opt.plan_convolution(geom, batch, m, passes=(p,), names=types,
+                                                     machine_for=lambda n, lv=lv: _machine_at(lv, n, machines),
+                                                     tune=TuneCache(m, persist=False))
+                        by_level[f"{lv}+tuned"] = {"predicted": pred, "pick": tuned.names[p],
+                                                   "tuned": tuned.measured.get(p, {}),
+                                                   "slowdown": meas[tuned.names[p]] / meas[fastest] - 1.0}
                     continue
                 if args.chunked:  # what the engine's optimizer compares: each type in its cost-model chunks
                     pred = opt.predictions(geom, batch, m, p, names=types)
@@ -198,13 +196,13 @@ def main(argv=None) -> int:
         worst = max((pk["slowdown"] for pk in picks), default=0.0)
         out = {"points": n, "pick_is_fastest": hits / n if n else 1.0, "pick_within_5pct": near / n if n else 1.0,
                "worst_slowdown": worst, "targets": {"pick_is_fastest": 0.9, "worst_slowdown": 0.10},
-               "calibration_seconds": machines[level].info.get("seconds")}
+               "calibration_seconds": machines[level.split("+")[0]].info.get("seconds")}
         out["meets_targets"] = out["pick_is_fastest"] >= 0.9 and worst <= 0.10
         print(f"\n[{level}] pick == measured fastest: {hits}/{n} = {out['pick_is_fastest']:.0%} (target >= 90%); "
               f"within 5%: {out['pick_within_5pct']:.0%}; worst slowdown {worst:.1%} (target <= 10%)")
         return out
 
-    by_level = {lv: score(lv) for lv in machines}
+    by_level = {lv: score(lv) for lv in (points[0]["levels"] if points else machines)}
     summary = dict(next(iter(by_level.values())), levels=by_level)
     path = common.write_json("lowering_quick" if args.quick else "lowering",
                              {"config": {"n": args.n, "k": args.k, "pad": args.pad, "batch": batch, "fixed": fixed,

@@ -120,7 +120,8 @@ def _wants_progress(args: argparse.Namespace) -> bool:
 
 
 def _configure_engine(args, calibrate: bool):
-    """The engine settings of the lowering flags; calibrate the machine once (cached) unless CCT_CALIBRATE=0."""
+    """The engine settings of the lowering flags; calibrate the machine once (cached) unless CCT_CALIBRATE=0,
+    and settle the cost model's close calls by measuring them (cached) unless CCT_TUNE=0."""
     import os
 
     from .lowering.engine import EngineConfig
@@ -131,8 +132,9 @@ def _configure_engine(args, calibrate: bool):
     if args.lowering:
         overrides = args.lowering if "=" in args.lowering else {"*": args.lowering}
     try:
+        calibrate = calibrate and os.environ.get("CCT_CALIBRATE", "1") != "0"
         return EngineConfig(mode=args.lowering_mode, partitions=parts, overrides=overrides or {},
-                            calibrate=calibrate and os.environ.get("CCT_CALIBRATE", "1") != "0")
+                            calibrate=calibrate, tune=calibrate and os.environ.get("CCT_TUNE", "1") != "0")
     except (KeyError, ValueError) as e:
         raise CctError(f"--lowering/--partitions: {e}") from None
 

@@ -14,7 +14,10 @@ of the :class:`cct.config.Config` a net is given):
   ``CCT_BLAS_THREAD_TIMEOUT=off`` keeps it);
 * ``calibrate``: measure this machine's constants if none are cached (``cct train``/``cct time`` do,
   unless ``CCT_CALIBRATE=0``; the Python API uses the cache, or a nominal model until ``cct calibrate``
-  has run, so that building a net never stalls).
+  has run, so that building a net never stalls);
+* ``tune``: run the strategies the cost model predicts within 30% of each other on the layer itself
+  and keep the fastest (:mod:`cct.lowering.tune`; cached per machine). ``cct train``/``cct time`` do,
+  unless ``CCT_TUNE=0``; the Python API does not by default.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class EngineConfig:
     partitions: int | str = "model"
     overrides: dict[str, str] = field(default_factory=dict)
     calibrate: bool = os.environ.get("CCT_CALIBRATE", "0").lower() in ("1", "true", "yes")
+    tune: bool = os.environ.get("CCT_TUNE", "0").lower() in ("1", "true", "yes")
 
     def __post_init__(self) -> None:
         from .optimizer import parse_overrides
@@ -58,14 +62,16 @@ class EngineConfig:
             get_strategy(name)  # unknown names fail here, naming the known ones
         object.__setattr__(self, "overrides", parsed)
         object.__setattr__(self, "calibrate", bool(self.calibrate))
+        object.__setattr__(self, "tune", bool(self.tune))
 
 
 def configure(mode: str | None = None, partitions: int | str | None = None,
-              overrides: dict[str, str] | str | None = None, calibrate: bool | None = None) -> EngineConfig:
+              overrides: dict[str, str] | str | None = None, calibrate: bool | None = None,
+              tune: bool | None = None) -> EngineConfig:
     """Change the engine settings of the process default configuration (nets built from now on
     outside a ``using_config`` block or an explicit ``config=``); returns the new settings."""
     changes = {k: v for k, v in (("mode", mode), ("partitions", partitions), ("overrides", overrides),
-                                 ("calibrate", calibrate)) if v is not None}
+                                 ("calibrate", calibrate), ("tune", tune)) if v is not None}
     return update_default(engine=changes).engine
 
 
@@ -100,7 +106,8 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
         load_machine(measure_if_missing=True, threads=machine.threads // 2)
     budget = memory_budget_of(current())
     plan = plan_convolution(geom, batch, machine, override=overrides.get(layer_name, overrides.get("*")),
-                            budget=budget, partitions=cfg.partitions, passes=passes or PASSES)
+                            budget=budget, partitions=cfg.partitions, passes=passes or PASSES,
+                            tune=cfg.tune and not getattr(machine, "nominal", False))
     if plan.b_p:
         lowering = BatchedLowering(plan.strategy(), batch_partition=plan.b_p, partitions=plan.partitions,
                                    budget=plan.budget)

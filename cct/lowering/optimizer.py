@@ -111,6 +111,7 @@ class Plan:
     budget: int = 0
     fits: bool = True
     passes: tuple[str, ...] = PASSES  # the passes the layer runs (no data gradient below a data layer)
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)  # {pass: {name: s}} of close calls
 
     @property
     def single(self) -> str | None:
@@ -241,10 +242,13 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
                      override: str | None = None, budget: int | str | None = None,
                      partitions: int | str = "model", threads: int | None = None, per_pass: bool = True,
                      min_gain: float = 0.05, machine_for: Callable[[int], Machine] | None = None,
-                     passes: tuple[str, ...] = PASSES, names: list[str] | None = None) -> Plan:
+                     passes: tuple[str, ...] = PASSES, names: list[str] | None = None,
+                     tune: bool | Any = False) -> Plan:
     """The whole plan of one conv layer, chosen once: strategy per pass (:func:`choose_plan`), then
     the partition count and ``b_p`` (:func:`choose_chunking`; ``partitions`` an int fixes the count,
-    ``"auto"`` leaves both to measurement by the executing wrapper: ``b_p = 0``)."""
+    ``"auto"`` leaves both to measurement by the executing wrapper: ``b_p = 0``). ``tune``: settle the
+    close calls by running them (:func:`cct.lowering.tune.refine`; cached per calibrated machine, or in the
+    given :class:`~cct.lowering.tune.TuneCache`)."""
     from .. import blas
     from .calibrate import ensure_kernel_width_rate
 
@@ -261,9 +265,17 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
 
         def machine_for(t: int, _m=machine, _full=full) -> Machine:
             return _m if t == _full or getattr(_m, "nominal", False) else _machine_for_threads(t)
-    run = {p: n for p, n in plan.names.items() if p in passes}
     given = machine_for
     machine_for = None if given is None else (lambda t: ensure_kernel_width_rate(given(t), geom))
+    if tune:
+        from .tune import TuneCache, cache_for, refine
+
+        def chunking(run: dict[str, str]) -> tuple[int, int]:
+            return choose_chunking(run, geom, batch, total, plan.budget, fixed, machine_for)[:2]
+
+        cache = tune if isinstance(tune, TuneCache) else cache_for(_machine(machine))
+        plan = refine(plan, geom, batch, chunking, budget, cache)
+    run = {p: n for p, n in plan.names.items() if p in passes}
     p, bp, _t = choose_chunking(run, geom, batch, total, plan.budget, fixed, machine_for)
     plan.partitions, plan.b_p = p, bp
     names = set(plan.names.values())
@@ -385,7 +397,8 @@ def describe_plan(layer_name: str, plan: Plan) -> str:
     """The plan report of a conv layer (setup log, ``cct time``), e.g.
     ``conv1: direct, b_p=64 p=1 (predicted 3.1 ms = fwd 1.0 + bwd_data 1.1 + bwd_weights 1.0, workspace
     0.9 MiB of 4096.0 MiB; type 1 4.2 ms 12.0 MiB, fft 9.9 ms 30.1 MiB)``; a per-pass plan names each
-    pass's strategy; ``[override]``, ``[over budget]`` flag overrides and budget misses."""
+    pass's strategy; ``[measured fwd direct 3.4, fft 3.1 ms]`` the close calls timed on the layer
+    (:mod:`cct.lowering.tune`); ``[override]``, ``[over budget]`` flag overrides and budget misses."""
     names = plan.names
     run = plan.passes
     head = plan.single or ", ".join(f"{p} {_pretty(n)}" for p, n in names.items() if p in run)
@@ -403,6 +416,9 @@ def describe_plan(layer_name: str, plan: Plan) -> str:
         flag = " over budget" if plan.budget and w > plan.budget else ""
         others.append(f"{_pretty(n)} {_ms(t)} ms {_mib(w)}{flag}")
     line += ("; " + ", ".join(others) if others else "") + ")"
+    if plan.measured:  # the close calls settled by running them
+        line += " [measured " + "; ".join(f"{p} " + ", ".join(f"{_pretty(n)} {_ms(t)}" for n, t in sorted(m.items()))
+                                          + " ms" for p, m in plan.measured.items()) + "]"
     if plan.overridden:
         line += " [override]"
     if not plan.fits:

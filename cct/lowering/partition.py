@@ -257,6 +257,13 @@ class BatchedLowering(IntoLowering):
                 self._pool = ThreadPoolExecutor(max_workers=p, thread_name_prefix="cct-partition")
             return self._pool
 
+    def close(self) -> None:
+        """End the partition threads (a later call starts them again)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def _run(self, geom: ConvGeometry, batch: int, itemsize: int, work: Callable[[int, int], Any],
              partitions: int | None = None, part_done: Callable[[int], Any] | None = None) -> list[list[Any]]:
         """Run ``work(start, stop)`` over the plan's chunks; results per partition, in order.

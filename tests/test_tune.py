@@ -1,0 +1,131 @@
+"""cct.lowering.tune: the optimizer's close calls settled by running them on the layer."""
+import time
+
+import numpy as np
+import pytest
+
+from cct.lowering import base, tune
+from cct.lowering import calibrate as cal
+from cct.lowering import optimizer as opt
+from cct.lowering.cost_model import Machine
+from cct.lowering.geometry import ConvGeometry
+
+
+def square(n, k, d, o, pad=0):
+    m = n + 2 * pad - k + 1
+    return ConvGeometry(d, o, 1, (n, n), (k, k), (pad, pad), (1, 1), (1, 1), (m, m), True)
+
+
+class _SlowType1(type(base.get_strategy("type1"))):
+    """type 1 with 20 ms of sleep in every forward: priced like type 1, measurably slower."""
+
+    name = "slow"
+    calls = 0
+
+    def forward(self, x, w, b, geom):
+        _SlowType1.calls += 1
+        time.sleep(0.02)
+        return super().forward(x, w, b, geom)
+
+    def forward_into(self, x, w, b, geom, out):
+        _SlowType1.calls += 1
+        time.sleep(0.02)
+        return super().forward_into(x, w, b, geom, out)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cal, "_memo", {})
+    monkeypatch.setattr(tune, "_CACHES", {})
+    base.register_strategy("slow", _SlowType1)
+    _SlowType1.calls = 0
+    yield
+    del base._STRATEGIES["slow"]
+
+
+def _plan(preds: dict[str, float], passes=("fwd",)) -> opt.Plan:
+    pick = min(preds, key=preds.get)
+    return opt.Plan(pick, pick, pick, {p: dict(preds) for p in opt.PASSES}, workspace=dict.fromkeys(preds, 0),
+                    budget=1 << 40, passes=passes)
+
+
+def _machine(**info) -> Machine:
+    m = Machine(grid_dims=[1, 100000], gemm_bign=[[100.0] * 2] * 2, gemm_bigk=[[100.0] * 2] * 2, big_curve=[],
+                copy_ns=1.0, add_ns=1.0, zero_ns=0.0, gemm_overhead_s=0.0, cache_bytes=1 << 60)
+    m.info = dict(info, rates_version=1, measured_at=123.0)
+    return m
+
+
+def test_close_candidates_within_margin_cheapest_first():
+    preds = {"a": 1.0, "b": 1.25, "c": 1.31, "d": 0.99}
+    assert tune.close_candidates(preds, margin=0.3) == ["d", "a", "b"]
+    assert tune.close_candidates(preds, margin=0.3, limit=2) == ["d", "a"]
+    assert tune.close_candidates({"a": 1.0, "b": 2.0}) == ["a"]
+    assert tune.close_candidates({}) == []
+
+
+def test_measure_keeps_each_runners_best_and_tells_slow_from_fast():
+    calls = {"fast": 0, "slow": 0}
+
+    def run(name, seconds):
+        calls[name] += 1
+        time.sleep(seconds)
+
+    best = tune.measure({"fast": lambda: run("fast", 0.001), "slow": lambda: run("slow", 0.006)}, repeats=3)
+    assert calls == {"fast": 6, "slow": 6}  # an untimed call before each timed one
+    assert 0.001 <= best["fast"] < best["slow"] and best["slow"] >= 0.006
+
+
+def test_refine_picks_the_measured_fastest_of_a_close_call():
+    g = square(8, 3, 4, 4)
+    plan = _plan({"slow": 1.0e-3, "type1": 1.1e-3, "type3": 5e-3})  # the model prefers the slow one
+    out = tune.refine(plan, g, 4, lambda names: (1, 4))
+    assert out.fwd == "type1" and set(out.measured["fwd"]) == {"slow", "type1"}  # type 3 is not close
+    assert out.measured["fwd"]["slow"] >= 0.02 > out.measured["fwd"]["type1"]
+    assert "[measured fwd slow" in opt.describe_plan("conv", out)
+    x, w, b, _ = tune.layer_inputs(g, 4)  # the pick computes the layer
+    ref = base.get_strategy("type3").forward(x, w, b, g)
+    np.testing.assert_allclose(out.strategy().forward(x, w, b, g), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_refine_leaves_slow_layers_overrides_and_clear_calls_to_the_model():
+    g = square(8, 3, 4, 4)
+    big = _plan({"slow": 1.0, "type1": 1.1})  # measuring would take seconds: the model decides
+    assert tune.refine(big, g, 4, lambda names: (1, 4)).fwd == "slow" and not big.measured
+    clear = _plan({"slow": 1e-3, "type1": 2e-3})
+    assert tune.refine(clear, g, 4, lambda names: (1, 4)).fwd == "slow" and not clear.measured
+    forced = _plan({"slow": 1e-3, "type1": 1.1e-3})
+    forced.overridden = True
+    assert tune.refine(forced, g, 4, lambda names: (1, 4)).fwd == "slow" and _SlowType1.calls == 0
+
+
+def test_refined_picks_are_cached_per_calibration():
+    g = square(8, 3, 4, 4)
+    m = _machine()
+    first = tune.refine(_plan({"slow": 1e-3, "type1": 1.1e-3}), g, 4, lambda names: (1, 4), cache=tune.cache_for(m))
+    assert first.fwd == "type1" and _SlowType1.calls > 0
+    _SlowType1.calls = 0
+    tune._CACHES.clear()  # a new process: read back from the cache file
+    again = tune.refine(_plan({"slow": 1e-3, "type1": 1.1e-3}), g, 4, lambda names: (1, 4), cache=tune.cache_for(m))
+    assert again.fwd == "type1" and again.measured == first.measured and _SlowType1.calls == 0
+    m2 = _machine()
+    m2.info["measured_at"] = 456.0  # recalibrated: measured again
+    tune.refine(_plan({"slow": 1e-3, "type1": 1.1e-3}), g, 4, lambda names: (1, 4), cache=tune.cache_for(m2))
+    assert _SlowType1.calls > 0
+
+
+def test_plan_convolution_tunes_only_when_asked():
+    g = square(8, 3, 4, 4)
+    m = _machine()
+    plain = opt.plan_convolution(g, 4, m, partitions=1, names=["slow", "type1"])
+    assert plain.fwd == "slow" and not plain.measured  # equal prices: the name order decides
+    tuned = opt.plan_convolution(g, 4, m, partitions=1, names=["slow", "type1"], tune=True)
+    assert tuned.fwd == "type1" and "slow" in tuned.measured["fwd"] and tuned.b_p >= 1
+
+
+def test_engine_tunes_when_configured():
+    from cct.lowering import engine
+
+    assert not engine.EngineConfig().tune
+    assert engine.EngineConfig(tune=True).tune
