@@ -9,7 +9,8 @@ measured in the same run.
     python benchmarks/bench_e2e.py                     # + CaffeNet b64 and b256
     python benchmarks/bench_e2e.py --models caffenet --batch 64 --torch
 
-Modes: ``cct`` (cost-model lowering choice, whole-batch lowering) and ``caffe`` (type 1 lowering,
+Modes: ``cct`` (cost-model lowering choice with its close calls measured, as ``cct train`` plans;
+whole-batch lowering) and ``caffe`` (type 1 lowering,
 one image per GEMM: how BVLC Caffe runs on the CPU). ``--torch`` adds PyTorch's CPU training
 step for the same models (if ``import torch`` works). ``--caffe BIN`` (or ``$CAFFE_BIN``) adds BVLC
 Caffe's ``caffe time`` on the same synthetic nets, in the same run: its ``Average Forward-Backward``
@@ -149,7 +150,7 @@ def conv_plans(net) -> dict[str, str]:
 def run_cct(model: str, batch: int, mode: str, iters: int, breakdown: bool) -> dict:
     from cct.lowering import engine
 
-    engine.configure(mode=mode)
+    engine.configure(mode=mode, tune=True)  # as `cct train` plans: close calls measured on the layer (cached)
     solver = build_solver(model, batch)
     solver.step(2)  # warm-up: planning, JIT compiles, allocation
     ts = []

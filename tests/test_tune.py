@@ -129,3 +129,32 @@ def test_engine_tunes_when_configured():
 
     assert not engine.EngineConfig().tune
     assert engine.EngineConfig(tune=True).tune
+
+
+def test_cli_tunes_when_it_calibrates(monkeypatch):
+    import argparse
+
+    from cct.cli import _configure_engine
+
+    args = argparse.Namespace(partitions="model", lowering=None, lowering_mode="cct")
+    monkeypatch.setenv("CCT_CALIBRATE", "1")
+    monkeypatch.delenv("CCT_TUNE", raising=False)
+    assert _configure_engine(args, calibrate=True).tune
+    assert not _configure_engine(args, calibrate=False).tune  # commands that do not calibrate do not measure
+    monkeypatch.setenv("CCT_TUNE", "0")
+    assert not _configure_engine(args, calibrate=True).tune
+    monkeypatch.setenv("CCT_TUNE", "1")
+    monkeypatch.setenv("CCT_CALIBRATE", "0")  # nominal constants: nothing to refine
+    assert not _configure_engine(args, calibrate=True).tune
+
+
+def test_a_measured_pick_must_beat_the_models_by_min_gain(monkeypatch):
+    """Timings that scatter within MIN_GAIN leave the model's pick; a clear gain replaces it."""
+    g = square(8, 3, 4, 4)
+    timings = {}
+    monkeypatch.setattr(tune, "measure", lambda runners, repeats: {n: timings[n] for n in runners})
+    timings.update(slow=1.00e-3, type1=0.97e-3)
+    assert tune.refine(_plan({"slow": 1e-3, "type1": 1.1e-3}), g, 4, lambda names: (1, 4)).fwd == "slow"
+    timings.update(slow=1.00e-3, type1=0.90e-3)
+    out = tune.refine(_plan({"slow": 1e-3, "type1": 1.1e-3}), g, 4, lambda names: (1, 4))
+    assert out.fwd == "type1" and out.measured["fwd"] == {"slow": 1.00e-3, "type1": 0.90e-3}

@@ -35,8 +35,13 @@ MARGIN = 0.3
 MAX_CANDIDATES = 3
 #: the predicted seconds one layer's measurements may take (every call of every candidate)
 LAYER_SECONDS = 1.5
-#: timed calls per candidate (after one untimed warm-up call), fewer for slow passes
-REPEATS = 3
+#: the predicted seconds one pass's rounds should take: fast passes get up to MAX_REPEATS rounds
+PASS_SECONDS = 0.3
+#: timed calls per candidate (each after an untimed one), at least one, at most this many
+MAX_REPEATS = 7
+#: a measured pick replaces the model's only when it is this much faster: the timings of a busy
+#: machine scatter by 5-10%, and within that the model's pick is as good a bet
+MIN_GAIN = 0.05
 #: bumped when the measurement changes so that cached outcomes are measured again
 TUNE_VERSION = 1
 
@@ -76,7 +81,7 @@ def layer_inputs(geom: ConvGeometry, batch: int, seed: int = 0) -> tuple[Any, An
     return x, w, b, dy
 
 
-def measure(runners: dict[str, Callable[[], Any]], repeats: int = REPEATS) -> dict[str, float]:
+def measure(runners: dict[str, Callable[[], Any]], repeats: int = 3) -> dict[str, float]:
     """Best seconds of each runner over ``repeats`` rounds, each starting one runner later (round-robin:
     a load burst from elsewhere hits them alike); each timed call follows an untimed one of the same
     runner, so that it runs on the caches that runner leaves (and after its first-call setup)."""
@@ -149,8 +154,8 @@ def cache_for(machine: Machine) -> TuneCache:
 def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[str, str]], tuple[int, int]],
            budget: int | str | None = None, cache: TuneCache | None = None) -> Any:
     """``plan`` with each run pass's strategy replaced by the measured fastest of its close candidates
-    (:func:`close_candidates` of ``plan.predictions``, fitting ``plan.budget``); ``plan.measured``
-    records the timings. ``chunking({pass: name}) -> (partitions, b_p)`` is how the engine would run a
+    (:func:`close_candidates` of ``plan.predictions``, fitting ``plan.budget``) where that is more than
+    :data:`MIN_GAIN` faster than the model's pick; ``plan.measured`` records the timings. ``chunking({pass: name}) -> (partitions, b_p)`` is how the engine would run a
     candidate. Passes whose measurements would exceed the layer's :data:`LAYER_SECONDS` keep the model's
     pick; an overridden plan is returned as is."""
     from .partition import BatchedLowering
@@ -173,7 +178,7 @@ def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[s
         hit = cache.get(key) if cache is not None else None
         if hit is None:
             calls = sum(plan.predictions[p][n] for n in names)  # one call of each candidate
-            repeats = REPEATS if spent + 2 * REPEATS * calls <= LAYER_SECONDS else 1
+            repeats = max(1, min(MAX_REPEATS, int(PASS_SECONDS / (2 * calls))))
             cost = 2 * repeats * calls
             if spent + cost > LAYER_SECONDS:
                 continue
@@ -190,7 +195,9 @@ def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[s
             finally:
                 for s in lowerings.values():
                     s.close()
-            hit = {"seconds": seconds, "pick": min(seconds, key=seconds.get)}
+            model, fastest = getattr(plan, p), min(seconds, key=seconds.get)
+            keep = seconds[fastest] > (1.0 - MIN_GAIN) * seconds[model]
+            hit = {"seconds": seconds, "pick": model if keep else fastest}
             if cache is not None:
                 cache.put(key, hit)
         plan.measured[p] = dict(hit["seconds"])
