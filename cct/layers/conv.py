@@ -85,7 +85,10 @@ class _BaseConvolution(Layer):
     def _passes(self) -> tuple[str, ...]:
         """The passes the plan is priced on: no gradient to the bottom when the net says it needs none
         (``bottom_need_backward``, set by the net before setup; the layer still computes it if asked):
-        for a Convolution that is ``bwd_data``, for a Deconvolution ``fwd``."""
+        for a Convolution that is ``bwd_data``, for a Deconvolution ``fwd``; a TEST-phase net's layer
+        only its forward (a ``backward`` asked of it runs, on a plan priced for the forward)."""
+        if self.phase == caffe_pb2.TEST:
+            return ("bwd_data",) if self.reverse else ("fwd",)
         need = getattr(self, "bottom_need_backward", None)
         if need and not any(need):  # a Deconvolution's forward is the data-gradient pass
             return ("bwd_data", "bwd_weights") if self.reverse else ("fwd", "bwd_weights")

@@ -155,9 +155,10 @@ def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[s
            budget: int | str | None = None, cache: TuneCache | None = None) -> Any:
     """``plan`` with each run pass's strategy replaced by the measured fastest of its close candidates
     (:func:`close_candidates` of ``plan.predictions``, fitting ``plan.budget``) where that is more than
-    :data:`MIN_GAIN` faster than the model's pick; ``plan.measured`` records the timings. ``chunking({pass: name}) -> (partitions, b_p)`` is how the engine would run a
-    candidate. Passes whose measurements would exceed the layer's :data:`LAYER_SECONDS` keep the model's
-    pick; an overridden plan is returned as is."""
+    :data:`MIN_GAIN` faster than the model's pick; ``plan.measured`` records the timings.
+    ``chunking({pass: name}) -> (partitions, b_p)`` is how the engine would run a candidate. Passes
+    whose measurements would exceed the layer's :data:`LAYER_SECONDS` keep the model's pick; an
+    overridden plan is returned as is."""
     from .partition import BatchedLowering
 
     if plan.overridden or batch < 1:
