@@ -170,7 +170,7 @@ def main(argv=None) -> int:
                                                      machine_for=lambda n, lv=lv: _machine_at(lv, n, machines),
                                                      tune=TuneCache(m, persist=False))
                         by_level[f"{lv}+tuned"] = {"predicted": pred, "pick": tuned.names[p],
-                                                   "tuned": tuned.measured.get(p, {}),
+                                                   "tuned": tuned.measured,
                                                    "slowdown": meas[tuned.names[p]] / meas[fastest] - 1.0}
                     continue
                 if args.chunked:  # what the engine's optimizer compares: each type in its cost-model chunks

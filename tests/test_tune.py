@@ -81,9 +81,9 @@ def test_refine_picks_the_measured_fastest_of_a_close_call():
     g = square(8, 3, 4, 4)
     plan = _plan({"slow": 1.0e-3, "type1": 1.1e-3, "type3": 5e-3})  # the model prefers the slow one
     out = tune.refine(plan, g, 4, lambda names: (1, 4))
-    assert out.fwd == "type1" and set(out.measured["fwd"]) == {"slow", "type1"}  # type 3 is not close
-    assert out.measured["fwd"]["slow"] >= 0.02 > out.measured["fwd"]["type1"]
-    assert "[measured fwd slow" in opt.describe_plan("conv", out)
+    assert out.fwd == "type1" and set(out.measured) == {"slow", "type1"}  # type 3 is not close
+    assert out.measured["slow"] >= 0.02 > out.measured["type1"]
+    assert "[measured slow " in opt.describe_plan("conv", out)
     x, w, b, _ = tune.layer_inputs(g, 4)  # the pick computes the layer
     ref = base.get_strategy("type3").forward(x, w, b, g)
     np.testing.assert_allclose(out.strategy().forward(x, w, b, g), ref, rtol=1e-4, atol=1e-5)
@@ -121,7 +121,7 @@ def test_plan_convolution_tunes_only_when_asked():
     plain = opt.plan_convolution(g, 4, m, partitions=1, names=["slow", "type1"])
     assert plain.fwd == "slow" and not plain.measured  # equal prices: the name order decides
     tuned = opt.plan_convolution(g, 4, m, partitions=1, names=["slow", "type1"], tune=True)
-    assert tuned.fwd == "type1" and "slow" in tuned.measured["fwd"] and tuned.b_p >= 1
+    assert tuned.fwd == "type1" and "slow" in tuned.measured and tuned.b_p >= 1
 
 
 def test_engine_tunes_when_configured():
@@ -157,4 +157,31 @@ def test_a_measured_pick_must_beat_the_models_by_min_gain(monkeypatch):
     assert tune.refine(_plan({"slow": 1e-3, "type1": 1.1e-3}), g, 4, lambda names: (1, 4)).fwd == "slow"
     timings.update(slow=1.00e-3, type1=0.90e-3)
     out = tune.refine(_plan({"slow": 1e-3, "type1": 1.1e-3}), g, 4, lambda names: (1, 4))
-    assert out.fwd == "type1" and out.measured["fwd"] == {"slow": 1.00e-3, "type1": 0.90e-3}
+    assert out.fwd == "type1" and out.measured == {"slow": 1.00e-3, "type1": 0.90e-3}
+
+
+def test_layer_candidates_whole_strategies_and_one_pass_swaps():
+    preds = {"fwd": {"a": 1.0, "b": 1.2, "c": 3.0}, "bwd_data": {"a": 2.0, "b": 1.9, "c": 2.1},
+             "bwd_weights": {"a": 2.0, "b": 2.5, "c": 9.0}}
+    plan = opt.Plan("a", "a", "a", preds, workspace=dict.fromkeys("abc", 0), budget=1 << 40)
+    cands = tune.layer_candidates(plan, {"a", "b", "c"}, limit=10)
+    assert cands[0] == {"fwd": "a", "bwd_data": "a", "bwd_weights": "a"}  # the model's plan first
+    assert cands[1] == {"fwd": "a", "bwd_data": "b", "bwd_weights": "a"}  # cheapest alternative next
+    assert {"fwd": "b", "bwd_data": "b", "bwd_weights": "b"} in cands  # 5.6 s: within 30% of 5.0
+    assert all(c["bwd_weights"] != "c" and c["fwd"] != "c" for c in cands)  # not close
+    assert len(tune.layer_candidates(plan, {"a", "b", "c"}, limit=2)) == 2
+    assert tune.layer_candidates(plan, {"a"}) == [cands[0]]  # the others do not fit the budget
+
+
+def test_run_layer_computes_the_layers_pass_results():
+    g = square(9, 3, 3, 5, pad=1)
+    s = base.get_strategy("type1")
+    x, w, b, dy = tune.layer_inputs(g, 2)
+    out, dw, dx = np.empty_like(dy), np.zeros_like(w), np.empty_like(x)
+    tune.run_layer(s, opt.PASSES, x, w, b, dy, g, out, dw, dx)  # flips w[0] first: an update
+    np.testing.assert_allclose(out, s.forward(x, w, b, g), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, s.backward_data(dy, w, g), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw, s.backward_weights(dy, x, g)[0], rtol=1e-5, atol=1e-6)
+    dw2 = np.zeros_like(w)
+    tune.run_layer(s, ("bwd_weights",), x, w, b, dy, g, out, dw2, dx)  # no forward: the weights stay
+    np.testing.assert_allclose(dw2, dw, rtol=1e-5, atol=1e-6)

@@ -111,7 +111,7 @@ class Plan:
     budget: int = 0
     fits: bool = True
     passes: tuple[str, ...] = PASSES  # the passes the layer runs (no data gradient below a data layer)
-    measured: dict[str, dict[str, float]] = field(default_factory=dict)  # {pass: {name: s}} of close calls
+    measured: dict[str, float] = field(default_factory=dict)  # {candidate: s} of a close call (tune.refine)
 
     @property
     def single(self) -> str | None:
@@ -397,8 +397,8 @@ def describe_plan(layer_name: str, plan: Plan) -> str:
     """The plan report of a conv layer (setup log, ``cct time``), e.g.
     ``conv1: direct, b_p=64 p=1 (predicted 3.1 ms = fwd 1.0 + bwd_data 1.1 + bwd_weights 1.0, workspace
     0.9 MiB of 4096.0 MiB; type 1 4.2 ms 12.0 MiB, fft 9.9 ms 30.1 MiB)``; a per-pass plan names each
-    pass's strategy; ``[measured fwd direct 3.4, fft 3.1 ms]`` the close calls timed on the layer
-    (:mod:`cct.lowering.tune`); ``[override]``, ``[over budget]`` flag overrides and budget misses."""
+    pass's strategy; ``[measured direct 3.4, fft 3.1 ms]`` the close candidates' iterations timed on the
+    layer (:mod:`cct.lowering.tune`); ``[override]``, ``[over budget]`` flag overrides and budget misses."""
     names = plan.names
     run = plan.passes
     head = plan.single or ", ".join(f"{p} {_pretty(n)}" for p, n in names.items() if p in run)
@@ -416,9 +416,8 @@ def describe_plan(layer_name: str, plan: Plan) -> str:
         flag = " over budget" if plan.budget and w > plan.budget else ""
         others.append(f"{_pretty(n)} {_ms(t)} ms {_mib(w)}{flag}")
     line += ("; " + ", ".join(others) if others else "") + ")"
-    if plan.measured:  # the close calls settled by running them
-        line += " [measured " + "; ".join(f"{p} " + ", ".join(f"{_pretty(n)} {_ms(t)}" for n, t in sorted(m.items()))
-                                          + " ms" for p, m in plan.measured.items()) + "]"
+    if plan.measured:  # the close calls settled by running them: one iteration of the layer's passes each
+        line += " [measured " + ", ".join(f"{_pretty(n)} {_ms(t)}" for n, t in sorted(plan.measured.items())) + " ms]"
     if plan.overridden:
         line += " [override]"
     if not plan.fits:

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from .base import get_strategy
 from .cost_model import PASSES, Machine
 from .geometry import ConvGeometry
 
@@ -34,16 +33,16 @@ MARGIN = 0.3
 #: at most this many candidates per pass (the cheapest predicted first)
 MAX_CANDIDATES = 3
 #: the predicted seconds one layer's measurements may take (every call of every candidate)
-LAYER_SECONDS = 1.5
-#: the predicted seconds one pass's rounds should take: fast passes get up to MAX_REPEATS rounds
-PASS_SECONDS = 0.3
+LAYER_SECONDS = 3.0
+#: the predicted seconds the rounds of a layer should take: fast layers get up to MAX_REPEATS rounds
+ROUND_SECONDS = 0.5
 #: timed calls per candidate (each after an untimed one), at least one, at most this many
 MAX_REPEATS = 7
 #: a measured pick replaces the model's only when it is this much faster: the timings of a busy
 #: machine scatter by 5-10%, and within that the model's pick is as good a bet
 MIN_GAIN = 0.05
 #: bumped when the measurement changes so that cached outcomes are measured again
-TUNE_VERSION = 1
+TUNE_VERSION = 2
 
 
 def run_pass(strategy: Any, pass_: str, x: Any, w: Any, b: Any, dy: Any, geom: ConvGeometry) -> Any:
@@ -151,59 +150,96 @@ def cache_for(machine: Machine) -> TuneCache:
     return _CACHES[k]
 
 
+def _label(names: dict[str, str], passes: tuple[str, ...]) -> str:
+    used = [names[p] for p in passes]
+    return used[0] if len(set(used)) == 1 else "per-pass(" + ",".join(used) + ")"
+
+
+def layer_candidates(plan: Any, fitting: set[str], margin: float = MARGIN,
+                     limit: int = MAX_CANDIDATES) -> list[dict[str, str]]:
+    """The model's ``{pass: name}`` first, then the alternatives predicted within ``margin`` of its
+    total, cheapest first: one strategy for every pass, or the model's plan with one pass swapped to
+    one of that pass's :func:`close_candidates` (at most ``limit`` in all; on equal predictions one
+    strategy for all passes first)."""
+    run, preds = plan.passes, plan.predictions
+    model = {p: getattr(plan, p) for p in run}
+
+    def total(names: dict[str, str]) -> float:
+        return sum(preds[p][names[p]] for p in run)
+
+    alts = [{p: n for p in run} for n in sorted(fitting) if all(n in preds.get(p, {}) for p in run)]
+    for p in run:
+        for n in close_candidates({k: t for k, t in preds.get(p, {}).items() if k in fitting}, margin):
+            alts.append(dict(model, **{p: n}))
+    out = [model]
+    for a in sorted(alts, key=lambda a: (total(a), len(set(a.values())), _label(a, run))):  # ties: one strategy
+        if a not in out and total(a) <= total(model) * (1.0 + margin):
+            out.append(a)
+    return out[:limit]
+
+
+def run_layer(strategy: Any, passes: tuple[str, ...], x: Any, w: Any, b: Any, dy: Any, geom: ConvGeometry,
+              out: Any, dw: Any, dx: Any) -> None:
+    """One iteration of a layer running ``passes``, as a net calls its lowering: the forward on new
+    weights (an update between iterations), then one backward computing the gradients asked (a
+    strategy that serves both shares its work between them). Without a forward the weights stay, as
+    after a forward of the same iteration (:func:`run_pass`)."""
+    if "fwd" in passes:
+        w.flat[0] = -w.flat[0]
+        strategy.forward_into(x, w, b, geom, out)
+    if "bwd_data" in passes or "bwd_weights" in passes:
+        strategy.backward_into(dy, x, w, geom, dw=dw if "bwd_weights" in passes else None,
+                               dx=dx if "bwd_data" in passes else None)
+
+
 def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[str, str]], tuple[int, int]],
            budget: int | str | None = None, cache: TuneCache | None = None) -> Any:
-    """``plan`` with each run pass's strategy replaced by the measured fastest of its close candidates
-    (:func:`close_candidates` of ``plan.predictions``, fitting ``plan.budget``) where that is more than
-    :data:`MIN_GAIN` faster than the model's pick; ``plan.measured`` records the timings.
-    ``chunking({pass: name}) -> (partitions, b_p)`` is how the engine would run a candidate. Passes
-    whose measurements would exceed the layer's :data:`LAYER_SECONDS` keep the model's pick; an
-    overridden plan is returned as is."""
+    """``plan`` with its strategies replaced by the measured fastest of :func:`layer_candidates` (whole
+    iterations of the layer's passes, :func:`run_layer`) where that is more than :data:`MIN_GAIN`
+    faster than the model's plan (twice that when one round is all the budget allows);
+    ``plan.measured`` records ``{label: seconds}``. ``chunking({pass: name}) -> (partitions, b_p)`` is
+    how the engine would run a candidate. A layer whose measurements would exceed
+    :data:`LAYER_SECONDS` keeps the model's plan; an overridden plan is returned as is."""
     from .partition import BatchedLowering
 
     if plan.overridden or batch < 1:
         return plan
+    run = plan.passes
     fitting = {n for n, ws in plan.workspace.items() if not plan.budget or ws <= plan.budget} or set(plan.workspace)
-    todo = {}
-    for p in plan.passes:
-        preds = {n: t for n, t in plan.predictions.get(p, {}).items() if n in fitting}
-        names = close_candidates(preds)
-        if len(names) > 1:
-            todo[p] = names
-    if not todo:
+    cands = layer_candidates(plan, fitting)
+    if len(cands) < 2:
         return plan
-    spent = 0.0
-    data = None
-    for p, names in todo.items():
-        key = _key(geom, batch, p, names)
-        hit = cache.get(key) if cache is not None else None
-        if hit is None:
-            calls = sum(plan.predictions[p][n] for n in names)  # one call of each candidate
-            repeats = max(1, min(MAX_REPEATS, int(PASS_SECONDS / (2 * calls))))
-            cost = 2 * repeats * calls
-            if spent + cost > LAYER_SECONDS:
-                continue
-            spent += cost
-            if data is None:
-                data = layer_inputs(geom, batch)
-            lowerings = {}
-            for n in names:
-                parts, bp = chunking({p: n})
-                lowerings[n] = BatchedLowering(get_strategy(n), batch_partition=bp, partitions=parts, budget=budget)
-            try:
-                seconds = measure({n: functools.partial(run_pass, s, p, *data, geom) for n, s in lowerings.items()},
-                                  repeats)
-            finally:
-                for s in lowerings.values():
-                    s.close()
-            model, fastest = getattr(plan, p), min(seconds, key=seconds.get)
-            keep = seconds[fastest] > (1.0 - MIN_GAIN) * seconds[model]
-            hit = {"seconds": seconds, "pick": model if keep else fastest}
-            if cache is not None:
-                cache.put(key, hit)
-        plan.measured[p] = dict(hit["seconds"])
-        setattr(plan, p, hit["pick"])
-    for p in PASSES:  # passes the layer does not run follow the weight gradient (one fused backward)
-        if p not in plan.passes and p == "bwd_data":
-            plan.bwd_data = plan.bwd_weights
+    labels = {_label(c, run): c for c in cands}
+    key = _key(geom, batch, "+".join(run), list(labels))
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        calls = sum(plan.predictions[p][c[p]] for c in cands for p in run)  # one iteration of each candidate
+        repeats = max(1, min(MAX_REPEATS, int(ROUND_SECONDS / (2 * calls))))
+        if 2 * repeats * calls > LAYER_SECONDS:
+            return plan
+        x, w, b, dy = layer_inputs(geom, batch)
+        out, dw, dx = np.empty_like(dy), np.zeros_like(w), np.empty_like(x)
+        lowerings = {}
+        for label, c in labels.items():
+            parts, bp = chunking(c)
+            names = dict(dict.fromkeys(PASSES, c.get("bwd_weights", c[run[0]])), **c)
+            strategy = dataclasses.replace(plan, **names).strategy()
+            lowerings[label] = BatchedLowering(strategy, batch_partition=bp, partitions=parts, budget=budget)
+        try:
+            seconds = measure({lb: functools.partial(run_layer, s, run, x, w, b, dy, geom, out, dw, dx)
+                               for lb, s in lowerings.items()}, repeats)
+        finally:
+            for s in lowerings.values():
+                s.close()
+        model, fastest = _label(cands[0], run), min(seconds, key=seconds.get)
+        gain = MIN_GAIN if repeats >= 3 else 2 * MIN_GAIN
+        hit = {"seconds": seconds, "pick": model if seconds[fastest] > (1.0 - gain) * seconds[model] else fastest}
+        if cache is not None:
+            cache.put(key, hit)
+    plan.measured = dict(hit["seconds"])
+    pick = labels[hit["pick"]]
+    for p in run:
+        setattr(plan, p, pick[p])
+    if "bwd_data" not in run:  # not run: follows the weight gradient (one fused backward)
+        plan.bwd_data = plan.bwd_weights
     return plan
