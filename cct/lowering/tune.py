@@ -1,14 +1,15 @@
 """Measured refinement of the optimizer's close calls (``cct train``/``cct time``; ``EngineConfig.tune``).
 
-The cost model prices every strategy from calibrated rates; where two or more come out within
-:data:`MARGIN` of the cheapest for a pass, their difference is within the model's error on small and
-odd-shaped layers (thin channels, 1x1, large kernels). :func:`refine` then runs each of those
-candidates on the layer itself -- its geometry and batch, random data, in the partitions and chunks
-the cost model gives it, as :class:`~cct.lowering.partition.BatchedLowering` executes it -- round-robin,
-best of a few calls, and keeps the fastest: cuDNN's "find" for the cases a model cannot settle.
+The cost model prices every strategy from calibrated rates; where alternatives come out within
+:data:`MARGIN` of its plan for a layer, their difference is within the model's error on small and
+odd-shaped layers (thin channels, 1x1, large kernels). :func:`refine` then runs the plan and its close
+alternatives (:func:`layer_candidates`) on the layer itself -- its geometry and batch, random data,
+whole iterations of the passes it runs, in the partitions and chunks the cost model gives each, as
+:class:`~cct.lowering.partition.BatchedLowering` executes them -- round-robin, best of a few rounds,
+and keeps the fastest: cuDNN's "find" for the cases a model cannot settle.
 
-A layer's measurements are bounded by :data:`LAYER_SECONDS` (predicted; passes whose candidates
-would take longer keep the model's pick: the model is accurate on large layers), and the outcome is
+A layer's measurements are bounded by :data:`LAYER_SECONDS` (predicted; a layer whose candidates
+would take longer keeps the model's plan: the model is accurate on large layers), and the outcome is
 cached per machine, thread count and calibration (``tuned-<key>-t<threads>.json`` in the cct cache
 dir), so a net measures once per machine.
 """
@@ -30,7 +31,7 @@ log = logging.getLogger("cct")
 
 #: candidates predicted within this fraction of the cheapest are measured
 MARGIN = 0.3
-#: at most this many candidates per pass (the cheapest predicted first)
+#: at most this many candidates per layer, the model's plan included (the cheapest predicted first)
 MAX_CANDIDATES = 3
 #: the predicted seconds one layer's measurements may take (every call of every candidate)
 LAYER_SECONDS = 3.0
@@ -117,7 +118,7 @@ class TuneCache:
     def __init__(self, machine: Machine, persist: bool = True):
         from ..blas import read_cache
 
-        self.machine, self.persist = machine, persist and not getattr(machine, "nominal", False)
+        self.persist = persist and not getattr(machine, "nominal", False)
         self.name, self.stamp = _cache_name(machine), _stamp(machine)
         data = read_cache(self.name) if self.persist else None
         self.entries: dict[str, dict] = data["entries"] if data and data.get("stamp") == self.stamp else {}
