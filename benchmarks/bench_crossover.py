@@ -13,6 +13,10 @@ budget is skipped, as the optimizer would.
 
     python benchmarks/bench_crossover.py --quick            # smoke run (~1-2 min on 2 cores)
     python benchmarks/bench_crossover.py --mode net3d --quick
+    python benchmarks/bench_crossover.py --gpu 0 --batch 64 --n2 32   # the map on a GPU (CuPy), measured only
+
+With ``--gpu`` every strategy runs its array-module path on CuPy arrays (the GPU synchronized after
+each timed fwd+bwd); the cost model prices CPUs only, so the GPU map has no predictions or pick.
 """
 from __future__ import annotations
 
@@ -36,21 +40,25 @@ def geom_nd(nd: int, n: int, k: int, c: int, m: int, pad: int = 0):
     return ConvGeometry(c, m, 1, (n,) * nd, (k,) * nd, (pad,) * nd, (1,) * nd, (1,) * nd, (o,) * nd, True)
 
 
-def measure_strategy(name, geom, batch, repeats, rng):
-    """Best seconds of forward + data gradient + weight gradient of ``name`` on one batch."""
+def measure_strategy(name, geom, batch, repeats, rng, xp=None):
+    """Best seconds of forward + data gradient + weight gradient of ``name`` on one batch (arrays in
+    ``xp``'s memory: numpy by default, cupy for a GPU)."""
     import numpy as np
 
     from cct.lowering import get_strategy
 
+    xp = xp or np
     s = get_strategy(name)
-    x = rng.standard_normal((batch, geom.channels_in) + geom.in_shape, dtype=np.float32)
-    w = (rng.standard_normal(geom.weight_shape, dtype=np.float32) * 0.1).astype(np.float32)
-    dy = rng.standard_normal((batch, geom.channels_out) + geom.out_shape, dtype=np.float32)
+    x = xp.asarray(rng.standard_normal((batch, geom.channels_in) + geom.in_shape, dtype=np.float32))
+    w = xp.asarray(rng.standard_normal(geom.weight_shape, dtype=np.float32) * np.float32(0.1))
+    dy = xp.asarray(rng.standard_normal((batch, geom.channels_out) + geom.out_shape, dtype=np.float32))
+    sync = xp.cuda.Device().synchronize if xp is not np else (lambda: None)
 
     def run():
         s.forward(x, w, None, geom)
         s.backward_data(dy, w, geom)
         s.backward_weights(dy, x, geom)
+        sync()
 
     return common.time_call(run, repeats=repeats, warmup=1)["best"]
 
@@ -61,6 +69,12 @@ def crossover_map(args, machine, rep) -> dict:
     from cct.lowering import optimizer as opt
 
     rng = np.random.default_rng(0)
+    xp = None
+    if args.gpu is not None:
+        import cupy
+
+        cupy.cuda.Device(args.gpu).use()
+        xp = cupy
     grids = {2: dict(n=args.n2, ks=[1, 3, 5, 7, 11] if not args.quick else [1, 3, 7],
                      chans=[4, 16, 64] if not args.quick else [4, 32]),
              3: dict(n=args.n3, ks=[1, 3, 5] if not args.quick else [1, 3, 5],
@@ -71,15 +85,28 @@ def crossover_map(args, machine, rep) -> dict:
             for c in grid["chans"]:
                 g = geom_nd(nd, grid["n"], k, c, c, pad=k // 2)
                 names = [n for n in STRATEGIES if n in opt.candidates(g)]
-                meas = {n: measure_strategy(n, g, args.batch, args.repeats, rng) for n in names}
-                plan = opt.choose_plan(g, args.batch, machine, per_pass=False, names=names)
-                pred = {n: sum(plan.predictions[p][n] for p in ("fwd", "bwd_data", "bwd_weights")) for n in names}
+                meas = {n: measure_strategy(n, g, args.batch, args.repeats, rng, xp) for n in names}
                 fastest = min(meas, key=meas.get)
-                points.append({"nd": nd, "n": grid["n"], "k": k, "channels": c, "measured": meas, "predicted": pred,
-                               "pick": plan.single, "fastest": fastest,
-                               "slowdown": meas[plan.single] / meas[fastest] - 1.0})
-                print(f"  {nd}-D k={k} c={c}: fastest {fastest}, pick {plan.single} "
-                      f"({points[-1]['slowdown']:.0%} slower)", flush=True)
+                point = {"nd": nd, "n": grid["n"], "k": k, "channels": c, "measured": meas, "fastest": fastest}
+                if xp is None:
+                    plan = opt.choose_plan(g, args.batch, machine, per_pass=False, names=names)
+                    point.update(predicted={n: sum(plan.predictions[p][n] for p in ("fwd", "bwd_data", "bwd_weights"))
+                                            for n in names},
+                                 pick=plan.single, slowdown=meas[plan.single] / meas[fastest] - 1.0)
+                points.append(point)
+                picked = f", pick {point['pick']} ({point['slowdown']:.0%} slower)" if "pick" in point else ""
+                print(f"  {nd}-D k={k} c={c}: fastest {fastest}{picked}", flush=True)
+    if xp is not None:
+        rows = [[f"{p['nd']}-D", p["n"], p["k"], p["channels"]]
+                + [f"{p['measured'][s] * 1e3:.2f}" if s in p["measured"] else "-" for s in STRATEGIES]
+                + [p["fastest"]] for p in points]
+        print(f"\nCrossover map on the GPU, batch {args.batch}: fwd+bwd ms measured")
+        common.print_table(["dims", "n", "k", "c=m"] + list(STRATEGIES) + ["fastest"], rows)
+        wins = {s: sum(p["fastest"] == s for p in points) for s in STRATEGIES}
+        name = xp.cuda.runtime.getDeviceProperties(args.gpu)["name"]
+        gpu = {"name": name.decode() if isinstance(name, bytes) else str(name), "cupy": xp.__version__}
+        print(f"GPU: {gpu['name']} (CuPy {gpu['cupy']}); fastest counts {wins}")
+        return {"points": points, "gpu": gpu, "summary": {"points": len(points), "fastest_counts": wins}}
     rows = [[f"{p['nd']}-D", p["n"], p["k"], p["channels"]]
             + [f"{p['measured'][s] * 1e3:.2f}/{p['predicted'][s] * 1e3:.2f}" if s in p["measured"] else "-"
                for s in STRATEGIES] + [p["fastest"], p["pick"], f"{p['slowdown']:.0%}"] for p in points]
@@ -174,8 +201,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="BLAS threads (default: library default; quick 1)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--keep-env", action="store_true", help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
+    ap.add_argument("--gpu", type=int, default=None, help="map: measure on this GPU (CuPy) instead of the CPU")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.gpu is not None and args.mode != "map":
+        ap.error("--gpu measures the map only")
     removed = common.reexec_clean(keep_env=args.keep_env)
     from cct import blas as _blas
 
@@ -191,11 +221,11 @@ def main(argv=None) -> int:
     args.repeats = args.repeats or (2 if args.quick else 5)
     rep = common.environment_report(removed)
     common.print_environment(rep)
-    machine = cal.load_machine()
+    machine = cal.load_machine(measure_if_missing=args.gpu is None)  # the GPU map uses no CPU model
     print(f"# cost model: machine {machine.key} threads {machine.threads} direct {machine.direct_gflops:.3g} "
           f"fft {machine.fft_gflops:.3g} GFLOPS")
     result = crossover_map(args, machine, rep) if args.mode == "map" else net3d(args, machine, rep)
-    name = f"crossover_{args.mode}" + ("_quick" if args.quick else "")
+    name = f"crossover_{args.mode}" + ("_gpu" if args.gpu is not None else "") + ("_quick" if args.quick else "")
     path = common.write_json(name, dict(result, environment=rep, machine=machine.to_json(),
                                         config={k: v for k, v in vars(args).items()}), args.out)
     print(f"wrote {path}")

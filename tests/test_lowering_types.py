@@ -3,14 +3,17 @@
 Every lowering must equal a naive loop convolution -- forward, data gradient and weight/bias
 gradient -- on randomized N-d geometries (padding, stride, dilation, rectangular kernels,
 groups), in float32 and float64, and pass a finite-difference gradient check through the
-Convolution layer.
+Convolution layer. Where CuPy and a GPU are present the same tests run again with the arrays in GPU
+memory (every strategy's array-module path).
 """
+import importlib
 import itertools
 
 import numpy as np
 import pytest
 
 from cct import blas
+from cct.backend import cupy_available, to_numpy
 from cct.config import using_config
 from cct.io.prototxt import parse_text
 from cct.layers.base import create_layer
@@ -23,6 +26,7 @@ from cct.proto import caffe_pb2
 from cct.testing import check_gradient, make_blob
 
 TYPES = ("type1", "type2", "type3", "direct", "fft")
+ARRAY_MODULES = ("numpy",) + (("cupy",) if cupy_available() else ())
 
 
 def c_div(a, b):
@@ -115,9 +119,11 @@ def _ids(gs):
             f"d{''.join(map(str, g.dilation))}" for g in gs]
 
 
+@pytest.mark.parametrize("xp_name", ARRAY_MODULES)
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("geom", GEOMS, ids=_ids(GEOMS))
-def test_matches_direct_convolution(name, geom):
+def test_matches_direct_convolution(name, geom, xp_name):
+    xp = importlib.import_module(xp_name)
     rng = np.random.default_rng(7)
     s = get_strategy(name)
     assert supports(s, geom)
@@ -129,19 +135,19 @@ def test_matches_direct_convolution(name, geom):
     y_ref = ref_forward(x, w, b, geom)
     dx_ref, dw_ref, db_ref = ref_backward(dy, x, w, geom)
     for dt, tol in ((np.float64, 1e-10), (np.float32, 2e-5)):
-        xc, wc, dyc = x.astype(dt), w.astype(dt), dy.astype(dt)
-        bc = None if b is None else b.astype(dt)
+        xc, wc, dyc = (xp.asarray(a.astype(dt)) for a in (x, w, dy))
+        bc = None if b is None else xp.asarray(b.astype(dt))
         y = s.forward(xc, wc, bc, geom)
-        assert y.shape == y_ref.shape and y.dtype == dt
-        np.testing.assert_allclose(y, y_ref, rtol=tol, atol=tol * 10)
+        assert isinstance(y, xp.ndarray) and y.shape == y_ref.shape and y.dtype == dt
+        np.testing.assert_allclose(to_numpy(y), y_ref, rtol=tol, atol=tol * 10)
         dx = s.backward_data(dyc, wc, geom)
-        assert dx.shape == x.shape and dx.dtype == dt
-        np.testing.assert_allclose(dx, dx_ref, rtol=tol, atol=tol * 10)
+        assert isinstance(dx, xp.ndarray) and dx.shape == x.shape and dx.dtype == dt
+        np.testing.assert_allclose(to_numpy(dx), dx_ref, rtol=tol, atol=tol * 10)
         dw, db = s.backward_weights(dyc, xc, geom)
-        assert dw.shape == w.shape
-        np.testing.assert_allclose(dw, dw_ref, rtol=tol, atol=tol * 10)
+        assert isinstance(dw, xp.ndarray) and dw.shape == w.shape
+        np.testing.assert_allclose(to_numpy(dw), dw_ref, rtol=tol, atol=tol * 10)
         if geom.bias_term:
-            np.testing.assert_allclose(db, db_ref, rtol=tol, atol=tol * 10)
+            np.testing.assert_allclose(to_numpy(db), db_ref, rtol=tol, atol=tol * 10)
         else:
             assert db is None
 
@@ -239,9 +245,11 @@ CONV_CASES = [
 ]
 
 
+@pytest.mark.parametrize("xp_name", ARRAY_MODULES)
 @pytest.mark.parametrize("name", TYPES + ("batched-type3",))
 @pytest.mark.parametrize("case", range(len(CONV_CASES)))
-def test_gradient_through_conv_layer(name, case):
+def test_gradient_through_conv_layer(name, case, xp_name):
+    xp = importlib.import_module(xp_name)
     ltype, text, shape = CONV_CASES[case]
     param = parse_text(
         f'name: "conv" type: "{ltype}" convolution_param {{ {text} '
@@ -253,20 +261,22 @@ def test_gradient_through_conv_layer(name, case):
     else:
         layer.lowering = get_strategy(name)
     rng = np.random.default_rng(5)
-    bottom = [make_blob(rng.standard_normal(shape))]
-    top = [make_blob(np.zeros(1))]
+    bottom = [make_blob(rng.standard_normal(shape), xp=xp)]
+    top = [make_blob(np.zeros(1), xp=xp)]
     check_gradient(layer, bottom, top, stepsize=1e-4, threshold=1e-6)
+    assert isinstance(top[0].data, xp.ndarray)
 
 
 # -- the same gradient checks on every BLAS backend and partition count ------------------------
 BLAS_BACKENDS = ["openblas"] + (["mkl"] if blas.mkl_available() else [])
+GEMM_BACKENDS = BLAS_BACKENDS + (["cupy"] if cupy_available() else [])  # cupy: cuBLAS, arrays on the GPU
 
 
 def _backend(name):
     return using_config(blas={"backend": name})
 
 
-@pytest.mark.parametrize("backend", BLAS_BACKENDS)
+@pytest.mark.parametrize("backend", GEMM_BACKENDS)
 @pytest.mark.parametrize("partitions", [1, 2])
 @pytest.mark.parametrize("name", TYPES)
 def test_gradient_on_each_blas_backend_and_partition_count(backend, partitions, name):
@@ -278,10 +288,12 @@ def test_gradient_on_each_blas_backend_and_partition_count(backend, partitions, 
     layer = create_layer(param)
     layer.lowering = BatchedLowering(get_strategy(name), batch_partition=1, partitions=partitions)
     rng = np.random.default_rng(6)
-    bottom = [make_blob(rng.standard_normal(shape))]
-    top = [make_blob(np.zeros(1))]
-    with _backend(backend):
+    xp = importlib.import_module("cupy") if backend == "cupy" else np
+    bottom = [make_blob(rng.standard_normal(shape), xp=xp)]
+    top = [make_blob(np.zeros(1), xp=xp)]
+    with _backend("openblas" if backend == "cupy" else backend):
         check_gradient(layer, bottom, top, stepsize=1e-4, threshold=1e-6)
+    assert isinstance(top[0].data, xp.ndarray)
 
 
 @pytest.mark.parametrize("backend", BLAS_BACKENDS)
