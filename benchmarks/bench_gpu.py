@@ -5,8 +5,11 @@
 
 Each model's TRAIN net with an Input layer of random images (as bench_e2e.py); one step = forward,
 backward and the SGD update (momentum 0.9, weight decay 5e-4); the GPU is synchronized around each
-timed step; the median of ``--iters`` steps after two warm-up steps. The SGEMM rate of the GPU is
-measured in the same run (CuPy float32 matmul, 8192^3). Writes ``results/bench_gpu.json``.
+timed step; the median of ``--iters`` steps after two warm-up steps. cct runs twice: every conv layer
+on type 1 (the default), and with each layer's strategy measured on the GPU at setup
+(``EngineConfig(tune=True)``, what ``cct train --gpu`` does; the setup time includes measuring). The
+SGEMM rate of the GPU is measured in the same run (CuPy float32 matmul, 8192^3). Writes
+``results/bench_gpu.json``.
 Needs CuPy and a GPU (``pip install cct[gpu]``); PyTorch is optional.
 """
 from __future__ import annotations
@@ -39,10 +42,11 @@ def gpu_sgemm_gflops(n: int = 8192, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / min(ts) / 1e9
 
 
-def run_cct(model: str, batch: int, iters: int) -> dict:
+def run_cct(model: str, batch: int, iters: int, tune: bool = False) -> dict:
     import cupy
     import numpy as np
 
+    from cct.config import using_config
     from cct.proto import caffe_pb2
     from cct.solver import get_solver
 
@@ -52,7 +56,10 @@ def run_cct(model: str, batch: int, iters: int) -> dict:
     sp.max_iter, sp.display, sp.random_seed = 1000000, 0, 1
     sp.snapshot_after_train = False
     sp.solver_mode = caffe_pb2.SolverParameter.GPU  # device_id 0: the net lives on the GPU
-    solver = get_solver(sp)
+    t0 = time.perf_counter()
+    with using_config(engine={"tune": tune}):
+        solver = get_solver(sp)
+    setup_s = time.perf_counter() - t0
     net = solver.net
     data, label = net.input_blob_names[:2]
     rng = np.random.default_rng(0)
@@ -72,7 +79,8 @@ def run_cct(model: str, batch: int, iters: int) -> dict:
     flops = sum(gemm_flops(net).values())
     plans = {layer.name: layer.lowering.name for layer in net.layers if layer.type == "Convolution"}
     net.close()
-    return {"model": model, "batch": batch, "impl": "cct (resident)" if resident else "cct (NOT resident)",
+    impl = ("cct (resident" if resident else "cct (NOT resident") + (", measured picks)" if tune else ", type 1)")
+    return {"model": model, "batch": batch, "impl": impl, "tune": tune, "setup_s": setup_s,
             "iter_s": t, "img_s": batch / t, "gflops": flops / t / 1e9, "plans": plans}
 
 
@@ -129,13 +137,17 @@ def main(argv=None) -> int:
     rows, results = [], []
     for model in args.models.split(","):
         batch = args.batch or DEFAULT_BATCH[model]
-        for r in (run_cct(model, batch, args.iters), run_torch(model, batch, args.iters)):
+        for r in (run_cct(model, batch, args.iters), run_cct(model, batch, args.iters, tune=True),
+                  run_torch(model, batch, args.iters)):
             if r is None:
                 continue
             results.append(r)
+            picks = ",".join(r["plans"].values()) if r.get("tune") else ""
             rows.append([model, batch, r["impl"], r["iter_s"] * 1e3, r["img_s"],
-                         f"{100 * r['gflops'] / peak:.1f}%" if "gflops" in r else ""])
-    print_table(["model", "batch", "implementation", "ms/iter (median)", "img/s", "of SGEMM"], rows)
+                         f"{100 * r['gflops'] / peak:.1f}%" if "gflops" in r else "",
+                         f"{r['setup_s']:.2f}" if "setup_s" in r else "", picks])
+    print_table(["model", "batch", "implementation", "ms/iter (median)", "img/s", "of SGEMM", "setup s", "picks"],
+                rows)
     path = write_json("bench_gpu", {"gpu": name, "sgemm_gflops": peak, "results": results}, args.out)
     print(f"# wrote {path}")
     return 0

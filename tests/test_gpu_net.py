@@ -84,3 +84,14 @@ def test_explicit_single_gpu_device_makes_the_net_resident():
         assert np.isfinite(loss) and float(cupy.abs(net.learnable_params[0].diff).sum()) > 0
     finally:
         cfg.close()
+
+
+def test_gpu_net_measures_its_conv_strategy_and_trains_as_on_the_cpu(tmp_path):
+    _, cpu = _train(tmp_path / "cpu", caffe_pb2.SolverParameter.CPU)
+    with using_config(engine={"tune": True}):
+        gpu_solver, gpu = _train(tmp_path / "gpu", caffe_pb2.SolverParameter.GPU)
+    conv = next(layer for layer in gpu_solver.net.layers if layer.name == "conv1")
+    report = conv.lowering.plan_report
+    assert "measured on " in report and "[measured " in report and "type1" in report, report
+    for a, b in zip(gpu, cpu):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

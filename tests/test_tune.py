@@ -185,3 +185,45 @@ def test_run_layer_computes_the_layers_pass_results():
     dw2 = np.zeros_like(w)
     tune.run_layer(s, ("bwd_weights",), x, w, b, dy, g, out, dw2, dx)  # no forward: the weights stay
     np.testing.assert_allclose(dw2, dw, rtol=1e-5, atol=1e-6)
+
+
+def test_pick_on_device_runs_every_supporting_strategy_and_keeps_the_fastest():
+    g = square(8, 3, 4, 4)
+    pick, seconds = tune.pick_on_device(g, 4, ("fwd", "bwd_data", "bwd_weights"), np, names=["slow", "type1", "type3"])
+    assert pick in ("type1", "type3") and set(seconds) == {"slow", "type1", "type3"}
+    assert seconds["slow"] >= 0.02 > seconds["type1"]
+    # type 1 is the default: another must beat it by MIN_GAIN; the slow one never does
+    pick, _ = tune.pick_on_device(g, 4, ("fwd",), np, names=["slow", "type1"])
+    assert pick == "type1"
+    pick, _ = tune.pick_on_device(g, 4, ("fwd",), np, names=["slow", "type1"], default="slow")
+    assert pick == "type1"
+    assert tune.pick_on_device(g, 4, ("fwd",), np, names=["type1"]) == ("type1", {})  # nothing to compare
+
+
+def test_device_picks_are_cached_per_device_model():
+    g = square(8, 3, 4, 4)
+    first = tune.pick_on_device(g, 4, ("fwd",), np, names=["slow", "type1"], cache=tune.device_cache(np))
+    assert _SlowType1.calls > 0
+    _SlowType1.calls = 0
+    tune._CACHES.clear()  # a new process: read back from the cache file
+    again = tune.pick_on_device(g, 4, ("fwd",), np, names=["slow", "type1"], cache=tune.device_cache(np))
+    assert again == first and _SlowType1.calls == 0
+    assert tune.device_name(np) == "numpy"
+
+
+def test_plan_device_lowering_follows_overrides_mode_and_tuning(monkeypatch):
+    from cct.lowering import engine
+
+    g = square(8, 3, 4, 4)
+    monkeypatch.delenv("CCT_LOWERING", raising=False)
+    plain = engine.plan_device_lowering("conv", g, 4, np, engine.EngineConfig())
+    assert plain.name == "type1" and "(default)" in plain.plan_report
+    forced = engine.plan_device_lowering("conv", g, 4, np, engine.EngineConfig(overrides={"conv": "fft"}))
+    assert forced.name == "fft" and "(override)" in forced.plan_report
+    caffe = engine.plan_device_lowering("conv", g, 4, np, engine.EngineConfig(mode="caffe", overrides={"*": "fft"}))
+    assert caffe.name == "type1"
+    tuned = engine.plan_device_lowering("conv", g, 4, np, engine.EngineConfig(tune=True))
+    assert "measured on numpy" in tuned.plan_report and "[measured " in tuned.plan_report
+    x, w, b, _ = tune.layer_inputs(g, 4)
+    np.testing.assert_allclose(tuned.forward(x, w, b, g), base.get_strategy("type3").forward(x, w, b, g),
+                               rtol=1e-4, atol=1e-5)

@@ -16,7 +16,7 @@ import numpy as np
 from ..blob import Blob
 from ..errors import CctError
 from ..lowering import LoweringStrategy, get_strategy
-from ..lowering.engine import plan_lowering
+from ..lowering.engine import plan_device_lowering, plan_lowering
 from ..lowering.geometry import ConvGeometry, conv_spatial_params
 from ..lowering.im2col import col2im, im2col
 from ..proto import caffe_pb2
@@ -55,7 +55,7 @@ class _BaseConvolution(Layer):
         super().__init__(param)
         self._lowering: LoweringStrategy | None = None
         self._user_lowering = False
-        self._device_memory = False  # blobs in a GPU's memory: one whole-batch lowering, no host cost model
+        self._device_xp = None  # the array module of blobs in a GPU's memory: no host cost model there
         self._planned_for: tuple | None = None
         self.geom: ConvGeometry | None = None
         self._geom_key: tuple | None = None
@@ -73,13 +73,17 @@ class _BaseConvolution(Layer):
         self._user_lowering = True
 
     def _plan_lowering(self) -> None:
-        if self._user_lowering or self.geom is None or self._device_memory:
+        if self._user_lowering or self.geom is None:
             if self._lowering is None:
                 self._lowering = get_strategy("type1")
             return
-        key = (self.geom, self.num)
+        key = (self.geom, self.num, self._device_xp)
         if key != self._planned_for:
-            self._lowering = plan_lowering(self.name, self.geom, self.num, passes=self._passes())
+            if self._device_xp is not None:
+                self._lowering = plan_device_lowering(self.name, self.geom, self.num, self._device_xp,
+                                                      passes=self._passes())
+            else:
+                self._lowering = plan_lowering(self.name, self.geom, self.num, passes=self._passes())
             self._planned_for = key
 
     def _passes(self) -> tuple[str, ...]:
@@ -140,7 +144,7 @@ class _BaseConvolution(Layer):
                                  f"bottom[{i}] {list(b.shape)})")
         geom = self._geometry(shape)
         self.num = bottom[0].count_range(0, self.channel_axis)
-        self._device_memory = bottom[0].xp is not np
+        self._device_xp = bottom[0].xp if bottom[0].xp is not np else None
         self._plan_lowering()
         spatial = geom.in_shape if self.reverse else geom.out_shape
         top_shape = tuple(shape[: self.channel_axis]) + (self.num_output,) + tuple(spatial)

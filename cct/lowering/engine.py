@@ -18,6 +18,10 @@ of the :class:`cct.config.Config` a net is given):
 * ``tune``: run the strategies the cost model predicts within 30% of each other on the layer itself
   and keep the fastest (:mod:`cct.lowering.tune`; cached per machine). ``cct train``/``cct time`` do,
   unless ``CCT_TUNE=0``; the Python API does not by default.
+
+A layer whose blobs live in a GPU's memory calls :func:`plan_device_lowering` instead: the host's cost
+model does not price a GPU, so it runs type 1 over the whole batch, the overridden strategy, or with
+``tune`` the strategy measured fastest on the GPU itself.
 """
 from __future__ import annotations
 
@@ -115,6 +119,38 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
         lowering = BatchedLowering(plan.strategy(), batch_partition="auto", partitions=cfg.partitions, budget=budget)
     lowering.plan_report = describe_plan(layer_name, plan)
     lowering.chosen_plan = plan
+    log.info("%s", lowering.plan_report)
+    return lowering
+
+
+def plan_device_lowering(layer_name: str, geom: ConvGeometry, batch: int, xp: object,
+                         config: EngineConfig | None = None,
+                         passes: tuple[str, ...] | None = None) -> LoweringStrategy:
+    """The strategy of a conv layer whose blobs live in the memory of ``xp``'s current device (a GPU),
+    run over the whole batch: the override for the layer if any (``mode`` "caffe": type 1), else with
+    ``tune`` the fastest measured there (:func:`cct.lowering.tune.pick_on_device`, cached per GPU
+    model), else type 1; logs the choice."""
+    from .optimizer import parse_overrides
+    from .partition import BatchedLowering
+    from .tune import device_cache, device_name, pick_on_device
+
+    cfg = config if config is not None else current().engine
+    overrides = {**parse_overrides(), **cfg.overrides}
+    forced = overrides.get(layer_name, overrides.get("*"))
+    measured: dict[str, float] = {}
+    if cfg.mode == "caffe":
+        name, why = "type1", "Caffe-style mode"
+    elif forced:
+        name, why = forced, "override"
+    elif cfg.tune:
+        name, measured = pick_on_device(geom, batch, passes or PASSES, xp, cache=device_cache(xp))
+        why = "measured on " + device_name(xp)
+    else:
+        name, why = "type1", "default"
+    lowering = BatchedLowering(get_strategy(name), batch_partition=max(1, batch), partitions=1)
+    times = "".join(f" {n} {t * 1e3:.3g} ms" for n, t in sorted(measured.items(), key=lambda kv: kv[1]))
+    lowering.plan_report = (f"{layer_name}: {name} over the whole batch of {batch} in device memory ({why})"
+                            + (f" [measured{times}]" if times else ""))
     log.info("%s", lowering.plan_report)
     return lowering
 

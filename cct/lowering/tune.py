@@ -12,6 +12,11 @@ A layer's measurements are bounded by :data:`LAYER_SECONDS` (predicted; a layer 
 would take longer keeps the model's plan: the model is accurate on large layers), and the outcome is
 cached per machine, thread count and calibration (``tuned-<key>-t<threads>.json`` in the cct cache
 dir), so a net measures once per machine.
+
+A layer whose blobs live in a GPU's memory has no cost model to consult: :func:`pick_on_device` runs
+every strategy that supports it there (whole batch, the device synchronized around each call) and
+keeps the fastest where it beats type 1 by :data:`MIN_GAIN`; cached per GPU model and CuPy version
+(:func:`device_cache`).
 """
 from __future__ import annotations
 
@@ -116,10 +121,19 @@ class TuneCache:
     """The measured picks of one machine calibration, read once and written back atomically."""
 
     def __init__(self, machine: Machine, persist: bool = True):
+        self._load(_cache_name(machine), _stamp(machine), persist and not getattr(machine, "nominal", False))
+
+    @classmethod
+    def named(cls, name: str, stamp: str, persist: bool = True) -> TuneCache:
+        """The cache file ``name`` of outcomes measured under ``stamp`` (not a CPU calibration's)."""
+        cache = cls.__new__(cls)
+        cache._load(name, stamp, persist)
+        return cache
+
+    def _load(self, name: str, stamp: str, persist: bool) -> None:
         from ..blas import read_cache
 
-        self.persist = persist and not getattr(machine, "nominal", False)
-        self.name, self.stamp = _cache_name(machine), _stamp(machine)
+        self.persist, self.name, self.stamp = persist, name, stamp
         data = read_cache(self.name) if self.persist else None
         self.entries: dict[str, dict] = data["entries"] if data and data.get("stamp") == self.stamp else {}
 
@@ -140,7 +154,7 @@ class TuneCache:
                 log.warning("could not save the measured lowering picks: %s", e)
 
 
-_CACHES: dict[tuple[str, int, str], TuneCache] = {}
+_CACHES: dict[tuple[str, int, str], TuneCache] = {}  # (machine key, threads, stamp)
 
 
 def cache_for(machine: Machine) -> TuneCache:
@@ -149,6 +163,84 @@ def cache_for(machine: Machine) -> TuneCache:
     if k not in _CACHES:
         _CACHES[k] = TuneCache(machine)
     return _CACHES[k]
+
+
+def device_cache(xp: Any) -> TuneCache:
+    """The (process-shared) :class:`TuneCache` of the current device of array module ``xp`` (a GPU:
+    ``tuned-gpu-<model>.json``, invalidated by another CuPy version)."""
+    name, version = device_name(xp), getattr(xp, "__version__", "")
+    slug = "".join(ch if ch.isalnum() else "-" for ch in name).strip("-").lower() or "device"
+    k = (f"gpu-{slug}", 0, version)
+    if k not in _CACHES:
+        _CACHES[k] = TuneCache.named(f"tuned-gpu-{slug}.json", f"{xp.__name__} {version}|{TUNE_VERSION}")
+    return _CACHES[k]
+
+
+def device_name(xp: Any) -> str:
+    """The model name of ``xp``'s current device (a CuPy GPU), else the array module's name."""
+    cuda = getattr(xp, "cuda", None)
+    if cuda is None:
+        return xp.__name__
+    name = cuda.runtime.getDeviceProperties(cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _synchronize(xp: Any) -> Callable[[], None]:
+    cuda = getattr(xp, "cuda", None)
+    return cuda.get_current_stream().synchronize if cuda is not None else (lambda: None)
+
+
+def pick_on_device(geom: ConvGeometry, batch: int, passes: tuple[str, ...], xp: Any,
+                   names: list[str] | None = None, cache: TuneCache | None = None,
+                   default: str = "type1") -> tuple[str, dict[str, float]]:
+    """``(pick, {name: seconds})`` for a conv layer whose blobs live in ``xp``'s memory (a GPU): every
+    strategy of ``names`` (default: every registered one) that supports ``geom`` runs whole iterations
+    of ``passes`` (:func:`run_layer`) on the whole batch of random data there, round-robin; the fastest
+    is the pick where it beats ``default`` by more than :data:`MIN_GAIN`. A candidate that runs out of
+    device memory is dropped; one more than 3x slower than the fastest on its first timed call is not
+    timed again. The rounds are bounded by :data:`LAYER_SECONDS`."""
+    from .base import get_strategy, strategy_names
+    from .optimizer import supports
+    from .partition import BatchedLowering
+
+    pool = [n for n in (names if names is not None else strategy_names()) if supports(get_strategy(n), geom)]
+    if default not in pool or batch < 1 or len(pool) < 2:
+        return default, {}
+    key = _key(geom, batch, "device:" + "+".join(passes), pool)
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        x, w, b, dy = (xp.asarray(a) for a in layer_inputs(geom, batch))
+        out, dw, dx = xp.empty_like(dy), xp.zeros_like(w), xp.empty_like(x)
+        sync = _synchronize(xp)
+
+        def runner(name: str) -> Callable[[], None]:
+            lowering = BatchedLowering(get_strategy(name), batch_partition=batch, partitions=1)  # as the net runs it
+
+            def run() -> None:
+                run_layer(lowering, passes, x, w, b, dy, geom, out, dw, dx)
+                sync()
+            return run
+
+        runners: dict[str, Callable[[], None]] = {}
+        for n in pool:
+            run = runner(n)
+            try:
+                run()  # first call: kernels compiled, FFT plans made, buffers allocated
+            except MemoryError as e:  # cupy's OutOfMemoryError is one
+                log.info("%s does not fit in device memory for this layer: %s", n, e)
+                continue
+            runners[n] = run
+        first = measure(runners, 1)
+        fastest = min(first.values())
+        runners = {n: r for n, r in runners.items() if first[n] <= 3.0 * fastest}
+        repeats = max(1, min(MAX_REPEATS, int(LAYER_SECONDS / (2 * sum(first[n] for n in runners)))))
+        seconds = dict(first, **measure(runners, repeats)) if repeats > 1 else first
+        best = min(seconds, key=seconds.get)
+        pick = best if default not in seconds or seconds[best] < (1.0 - MIN_GAIN) * seconds[default] else default
+        hit = {"seconds": seconds, "pick": pick}
+        if cache is not None:
+            cache.put(key, hit)
+    return hit["pick"], dict(hit["seconds"])
 
 
 def _label(names: dict[str, str], passes: tuple[str, ...]) -> str:
@@ -186,7 +278,7 @@ def run_layer(strategy: Any, passes: tuple[str, ...], x: Any, w: Any, b: Any, dy
     strategy that serves both shares its work between them). Without a forward the weights stay, as
     after a forward of the same iteration (:func:`run_pass`)."""
     if "fwd" in passes:
-        w.flat[0] = -w.flat[0]
+        w.reshape(-1)[:1] *= -1  # (a view on numpy and cupy alike)
         strategy.forward_into(x, w, b, geom, out)
     if "bwd_data" in passes or "bwd_weights" in passes:
         strategy.backward_into(dy, x, w, geom, dw=dw if "bwd_weights" in passes else None,
