@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import scipy.fft as sfft
 
+from cct.backend import cupy_available, to_numpy
 from cct.lowering import ConvGeometry, get_strategy
 from cct.lowering.fft import FFTConvolution, fft_shape, half_shape, inverse_spectrum, spectrum
 
@@ -59,6 +60,36 @@ def test_weight_transform_reused_from_forward_and_invalidated_by_an_update():
     np.testing.assert_allclose(s.backward_data(dy, w, g), get_strategy("type1").backward_data(dy, w, g),
                                rtol=1e-10, atol=1e-10)
     assert all(f >= e for f, e in zip(fft_shape(g), g.used_extent))  # no wrap-around on used positions
+
+
+@pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a GPU")
+def test_device_weight_transform_is_made_once_per_pass_without_comparing_the_weights():
+    import cupy
+
+    from cct.lowering.partition import BatchedLowering
+
+    g = ConvGeometry(3, 4, 1, (7, 7), (3, 3), (1, 1), (1, 1), (1, 1), (7, 7), True)
+    rng = np.random.default_rng(1)
+    x, w, dy = (cupy.asarray(rng.standard_normal(s)) for s in ((2, 3, 7, 7), g.weight_shape, (2, 4, 7, 7)))
+    s = FFTConvolution()
+    s.prepare(w, g, "fwd")
+    first = s.kernel_transform(w, g)  # the pass takes prepare's transform
+    assert first is s._wcache[next(reversed(s._wcache))][1]
+    second = s.kernel_transform(w, g)  # outside a pass: transformed again (nothing compared on the host)
+    assert second is not first
+    cupy.testing.assert_allclose(second, first, rtol=1e-12, atol=1e-12)
+    w += 0.25  # the solver updates the weights in place: the next pass sees the new ones
+    layer = BatchedLowering(s, batch_partition=2)
+    ref = get_strategy("type1")
+    np.testing.assert_allclose(to_numpy(layer.forward(x, w, None, g)), to_numpy(ref.forward(x, w, None, g)),
+                               rtol=1e-10, atol=1e-10)
+    w -= 0.5
+    dx = cupy.empty_like(x)
+    layer.backward_into(dy, x, w, g, dx=dx)
+    np.testing.assert_allclose(to_numpy(dx), to_numpy(ref.backward_data(dy, w, g)), rtol=1e-10, atol=1e-10)
+    w *= 2.0
+    np.testing.assert_allclose(to_numpy(s.backward_data(dy, w, g)), to_numpy(ref.backward_data(dy, w, g)),
+                               rtol=1e-10, atol=1e-10)
 
 
 def test_fft_buffers_are_reused_and_results_stay_correct():

@@ -222,6 +222,7 @@ class FFTConvolution(IntoLowering):
 
     def __init__(self) -> None:
         self._wcache: OrderedDict = OrderedDict()
+        self._prepared: set = set()  # device weights transformed by prepare() for the pass that follows
         self._wlock = threading.Lock()
         self._scratch = dl.Scratch(capacity=96)
 
@@ -234,10 +235,12 @@ class FFTConvolution(IntoLowering):
 
     # -- spectra -------------------------------------------------------------------------------
     def prepare(self, w: Any, geom: ConvGeometry, pass_: str) -> None:
-        """The weights' spectrum, once for all chunks of a pass (with every transform worker)."""
-        self.kernel_transform(w, geom)
+        """The weights' spectrum, once for all chunks of a pass (with every transform worker). Weights in
+        a GPU's memory are transformed anew for every pass: comparing them with the cached copy would
+        make the host wait for the device mid-iteration, and their transform costs the GPU little."""
+        self.kernel_transform(w, geom, fresh=get_array_module(w) is not np)
 
-    def kernel_transform(self, w: Any, geom: ConvGeometry) -> Any:
+    def kernel_transform(self, w: Any, geom: ConvGeometry, fresh: bool = False) -> Any:
         """``(G, F, Cg, Mg)`` (``F`` the frequencies, flattened; a strided view): the conjugate of the
         pruned transform of the (dilated) weights. Shared by every thread and cached while the
         weights are unchanged (per weight array: the forward's transform serves the data gradient).
@@ -245,20 +248,28 @@ class FFTConvolution(IntoLowering):
         The weights are transformed spatial axes first, ``(*kernel, G, Mg, Cg)``: every transform line
         then has its neighbours next to it in memory and the spectrum comes out frequency-major and
         contiguous (on the channel-major layout the last stage's writes land ``Mg * Cg`` elements apart,
-        several times slower)."""
+        several times slower).
+
+        Host weights are compared with the cached copy; device weights are not (see :meth:`prepare`):
+        ``fresh`` transforms them and lets the next call take that transform, any other call
+        transforms them again."""
         xp = get_array_module(w)
+        on_host = xp is np
         key = (geom, id(w), xp.__name__, w.shape, np.dtype(w.dtype))
         with self._wlock:  # one thread computes, the others wait for it instead of computing it again
             hit = self._wcache.pop(key, None)
-            if hit is not None and bool(xp.array_equal(hit[0], w)):
+            prepared = key in self._prepared and not fresh
+            self._prepared.discard(key)
+            if hit is not None and (bool(np.array_equal(hit[0], w)) if on_host else prepared):
                 self._wcache[key] = hit
                 return hit[1]
             shape = fft_shape(geom)
             nd, g = geom.num_spatial, geom.group
             mg, cg = geom.channels_out // g, geom.channels_in // g
             if hit is None:
-                hit = (w.copy(), None, xp.empty(half_shape(shape) + (g, mg, cg), dtype=_complex(w.dtype)))
-            else:
+                hit = (w.copy() if on_host else None, None,
+                       xp.empty(half_shape(shape) + (g, mg, cg), dtype=_complex(w.dtype)))
+            elif on_host:
                 hit[0][...] = w
             kept, _, spec = hit
             wsp = self._buffer(("wsp", geom), _last_extended(geom.kernel_extent, shape) + (g, mg, cg), w.dtype, xp)
@@ -267,8 +278,10 @@ class FFTConvolution(IntoLowering):
             spectrum(wsp, shape, spec, conjugate=True, scratch=self._scratch, tag=("w", geom), axes=tuple(range(nd)))
             ws = spec.reshape(-1, g, mg, cg).transpose(1, 0, 3, 2)
             self._wcache[key] = (kept, ws, spec)
+            if fresh:
+                self._prepared.add(key)
             while len(self._wcache) > self.KERNEL_CACHE:
-                self._wcache.popitem(last=False)
+                self._prepared.discard(self._wcache.popitem(last=False)[0])
             return ws
 
     def _batch_spectrum(self, a: Any, geom: ConvGeometry, extent: tuple[int, ...], place: tuple[slice, ...],
