@@ -7,7 +7,7 @@ Each model's TRAIN net with an Input layer of random images (as bench_e2e.py); o
 backward and the SGD update (momentum 0.9, weight decay 5e-4); the GPU is synchronized around each
 timed step; the median of ``--iters`` steps after two warm-up steps. cct runs twice: every conv layer
 on type 1 (the default), and with each layer's strategy measured on the GPU at setup
-(``EngineConfig(tune=True)``, what ``cct train --gpu`` does; the setup time includes measuring). The
+(``EngineConfig(tune_device=True)``, ``CCT_TUNE_DEVICE=1``; the setup time includes measuring). The
 SGEMM rate of the GPU is measured in the same run (CuPy float32 matmul, 8192^3). Writes
 ``results/bench_gpu.json``.
 Needs CuPy and a GPU (``pip install cct[gpu]``); PyTorch is optional.
@@ -57,7 +57,7 @@ def run_cct(model: str, batch: int, iters: int, tune: bool = False) -> dict:
     sp.snapshot_after_train = False
     sp.solver_mode = caffe_pb2.SolverParameter.GPU  # device_id 0: the net lives on the GPU
     t0 = time.perf_counter()
-    with using_config(engine={"tune": tune}):
+    with using_config(engine={"tune_device": tune}):
         solver = get_solver(sp)
     setup_s = time.perf_counter() - t0
     net = solver.net

@@ -88,7 +88,7 @@ def test_explicit_single_gpu_device_makes_the_net_resident():
 
 def test_gpu_net_measures_its_conv_strategy_and_trains_as_on_the_cpu(tmp_path):
     _, cpu = _train(tmp_path / "cpu", caffe_pb2.SolverParameter.CPU)
-    with using_config(engine={"tune": True}):
+    with using_config(engine={"tune_device": True}):
         gpu_solver, gpu = _train(tmp_path / "gpu", caffe_pb2.SolverParameter.GPU)
     conv = next(layer for layer in gpu_solver.net.layers if layer.name == "conv1")
     report = conv.lowering.plan_report

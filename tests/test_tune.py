@@ -127,8 +127,8 @@ def test_plan_convolution_tunes_only_when_asked():
 def test_engine_tunes_when_configured():
     from cct.lowering import engine
 
-    assert not engine.EngineConfig().tune
-    assert engine.EngineConfig(tune=True).tune
+    assert not engine.EngineConfig().tune and not engine.EngineConfig().tune_device
+    assert engine.EngineConfig(tune=True).tune and engine.EngineConfig(tune_device=True).tune_device
 
 
 def test_cli_tunes_when_it_calibrates(monkeypatch):
@@ -222,7 +222,8 @@ def test_plan_device_lowering_follows_overrides_mode_and_tuning(monkeypatch):
     assert forced.name == "fft" and "(override)" in forced.plan_report
     caffe = engine.plan_device_lowering("conv", g, 4, np, engine.EngineConfig(mode="caffe", overrides={"*": "fft"}))
     assert caffe.name == "type1"
-    tuned = engine.plan_device_lowering("conv", g, 4, np, engine.EngineConfig(tune=True))
+    assert "(default)" in engine.plan_device_lowering("conv", g, 4, np, engine.EngineConfig(tune=True)).plan_report
+    tuned = engine.plan_device_lowering("conv", g, 4, np, engine.EngineConfig(tune_device=True))
     assert "measured on numpy" in tuned.plan_report and "[measured " in tuned.plan_report
     x, w, b, _ = tune.layer_inputs(g, 4)
     np.testing.assert_allclose(tuned.forward(x, w, b, g), base.get_strategy("type3").forward(x, w, b, g),

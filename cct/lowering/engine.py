@@ -21,7 +21,11 @@ of the :class:`cct.config.Config` a net is given):
 
 A layer whose blobs live in a GPU's memory calls :func:`plan_device_lowering` instead: the host's cost
 model does not price a GPU, so it runs type 1 over the whole batch, the overridden strategy, or with
-``tune`` the strategy measured fastest on the GPU itself.
+``tune_device`` (``CCT_TUNE_DEVICE=1``; off by default) the strategy measured fastest on the GPU
+itself, layer by layer. Off by default because a layer measured alone is not the layer in the net: on
+an H100, FFT ran CaffeNet's conv2 29% faster than type 1 alone, yet made the whole training step
+slower in every paired run (a resident net's step is bound by the host issuing kernels, and FFT issues
+more of them; benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ class EngineConfig:
     overrides: dict[str, str] = field(default_factory=dict)
     calibrate: bool = os.environ.get("CCT_CALIBRATE", "0").lower() in ("1", "true", "yes")
     tune: bool = os.environ.get("CCT_TUNE", "0").lower() in ("1", "true", "yes")
+    tune_device: bool = os.environ.get("CCT_TUNE_DEVICE", "0").lower() in ("1", "true", "yes")
 
     def __post_init__(self) -> None:
         from .optimizer import parse_overrides
@@ -67,15 +72,17 @@ class EngineConfig:
         object.__setattr__(self, "overrides", parsed)
         object.__setattr__(self, "calibrate", bool(self.calibrate))
         object.__setattr__(self, "tune", bool(self.tune))
+        object.__setattr__(self, "tune_device", bool(self.tune_device))
 
 
 def configure(mode: str | None = None, partitions: int | str | None = None,
               overrides: dict[str, str] | str | None = None, calibrate: bool | None = None,
-              tune: bool | None = None) -> EngineConfig:
+              tune: bool | None = None, tune_device: bool | None = None) -> EngineConfig:
     """Change the engine settings of the process default configuration (nets built from now on
     outside a ``using_config`` block or an explicit ``config=``); returns the new settings."""
     changes = {k: v for k, v in (("mode", mode), ("partitions", partitions), ("overrides", overrides),
-                                 ("calibrate", calibrate), ("tune", tune)) if v is not None}
+                                 ("calibrate", calibrate), ("tune", tune), ("tune_device", tune_device))
+               if v is not None}
     return update_default(engine=changes).engine
 
 
@@ -128,7 +135,7 @@ def plan_device_lowering(layer_name: str, geom: ConvGeometry, batch: int, xp: ob
                          passes: tuple[str, ...] | None = None) -> LoweringStrategy:
     """The strategy of a conv layer whose blobs live in the memory of ``xp``'s current device (a GPU),
     run over the whole batch: the override for the layer if any (``mode`` "caffe": type 1), else with
-    ``tune`` the fastest measured there (:func:`cct.lowering.tune.pick_on_device`, cached per GPU
+    ``tune_device`` the fastest measured there (:func:`cct.lowering.tune.pick_on_device`, cached per GPU
     model), else type 1; logs the choice."""
     from .optimizer import parse_overrides
     from .partition import BatchedLowering
@@ -142,7 +149,7 @@ def plan_device_lowering(layer_name: str, geom: ConvGeometry, batch: int, xp: ob
         name, why = "type1", "Caffe-style mode"
     elif forced:
         name, why = forced, "override"
-    elif cfg.tune:
+    elif cfg.tune_device:
         name, measured = pick_on_device(geom, batch, passes or PASSES, xp, cache=device_cache(xp))
         why = "measured on " + device_name(xp)
     else:
