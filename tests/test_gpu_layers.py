@@ -93,3 +93,37 @@ def test_conv_on_gpu_equals_cpu():
         layer.forward(bottom, top)
         outs.append(to_numpy(top[0].data))
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", [
+    "kernel_size: 3 stride: 2",  # CaffeNet's, windows overhanging the input (ceil)
+    "kernel_size: 2 stride: 2",  # LeNet's
+    "kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 1 pad_h: 1 pad_w: 1",
+    "kernel_size: 2 stride: 3",  # stride > kernel: positions no window covers
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_max_pooling_kernels_on_gpu_equal_the_array_path_bitwise(pool, dtype):
+    from cct import kernels
+    from cct.kernels import gpu_pooling
+
+    cp = _cupy()
+    gen = np.random.default_rng(4)
+    x = gen.standard_normal((3, 4, 9, 8)).astype(dtype)
+    x[0, 0, :2, :2] = 1.5  # ties: the first maximum in window order wins
+    dy = gen.standard_normal
+    results = []
+    for mode in ("auto", "numpy"):
+        with kernels.forced_mode(mode):
+            layer = _layer(f'type: "Pooling" pooling_param {{ pool: MAX {pool} }}')
+            bottom, top = [make_blob(x, xp=cp)], [Blob((), dtype=dtype, xp=cp), Blob((), dtype=dtype, xp=cp)]
+            layer.setup(bottom, top)
+            assert gpu_pooling.usable(bottom[0].data, top[0].data) == (mode == "auto")
+            layer.forward(bottom, top)
+            top[0].diff[...] = cp.asarray(dy(top[0].shape).astype(dtype)) if not results else results[0][3]
+            layer.backward(top, [True], bottom)
+            results.append((to_numpy(top[0].data), to_numpy(top[1].data), to_numpy(bottom[0].diff), top[0].diff))
+    (y, mask, dx, _), (y_ref, mask_ref, dx_ref, _) = results
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(mask, mask_ref)
+    np.testing.assert_array_equal(dx, dx_ref)
+    assert np.count_nonzero(dx) > 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from .. import kernels
 from ..blob import Blob
 from ..proto import caffe_pb2
@@ -484,10 +486,12 @@ class DropoutLayer(NeuronLayer):
         xp = bottom[0].xp
         x = bottom[0].data
         if self.phase == caffe_pb2.TRAIN:
-            keep = get_rng().random(x.shape) < (1.0 - self.dropout_ratio)
-            scaled = keep.astype(x.dtype) * x.dtype.type(self.scale)
-            self.mask = xp.asarray(scaled)
-            top[0].data[...] = x * self.mask
+            # drawn on the host (one seeded stream for CPU and GPU nets) in float32, sent as one byte
+            # per element, scaled where the blob lives
+            keep = xp.asarray(get_rng().random(x.shape, dtype=np.float32) < np.float32(1.0 - self.dropout_ratio))
+            self.mask = keep.astype(x.dtype)
+            self.mask *= x.dtype.type(self.scale)
+            xp.multiply(x, self.mask, out=top[0].data)
         elif bottom[0] is not top[0]:
             top[0].data[...] = x
 

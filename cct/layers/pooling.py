@@ -11,7 +11,8 @@
 
 Everything is vectorized over the batch and channels; the loops run over kernel offsets.
 For numpy float arrays MAX and AVE (and the STOCHASTIC TRAIN backward) run compiled kernels
-(:mod:`cct.kernels.pooling`, bitwise equal to this code) unless ``CCT_KERNELS=numpy``.
+(:mod:`cct.kernels.pooling`, bitwise equal to this code) unless ``CCT_KERNELS=numpy``; MAX on 4-D
+CuPy arrays runs :mod:`cct.kernels.gpu_pooling` (bitwise equal too), one launch per pass.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from .. import kernels, rng
 from ..blob import Blob
+from ..kernels import gpu_pooling
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -230,6 +232,11 @@ class PoolingLayer(Layer):
             if not isinstance(arg, np.ndarray) or arg.shape != best.shape:
                 arg = np.empty(best.shape, dtype=np.int32)
             km.max_forward(x, best, arg, self.kernel, self.pad, self.stride)
+        elif gpu_pooling.usable(x, best):  # GPU memory: one launch instead of three per window offset
+            arg = self.arg
+            if type(arg) is not type(x) or arg.shape != best.shape:
+                arg = xp.empty(best.shape, dtype=np.int32)
+            gpu_pooling.max_forward(x, best, arg, self.kernel, self.pad, self.stride)
         else:
             xpad = self._padded(x, -np.inf)
             best[...] = -_FLT_MAX
@@ -289,6 +296,10 @@ class PoolingLayer(Layer):
             if km is not None:
                 km.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
                 return
+        elif (self.method == _PP.MAX and type(self.arg) is type(dy) and self.arg.shape == dy.shape
+              and gpu_pooling.usable(dy, bottom[0].diff)):
+            gpu_pooling.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
+            return
         acc = xp.zeros(tuple(bottom[0].shape[:2]) + tuple(self.ext), dtype=dy.dtype)
         if self.method == _PP.AVE:
             with np.errstate(divide="ignore", invalid="ignore"):
