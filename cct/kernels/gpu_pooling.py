@@ -8,15 +8,19 @@ positions outside the input; the backward gathers, for each input position, the 
 whose maximum it was, adding them in increasing window offset as that path does.
 
 Used for float32/float64 C-contiguous CuPy arrays unless ``CCT_KERNELS=numpy``
-(:func:`cct.kernels.mode`); the kernels compile on first use (CuPy caches them on disk).
+(:func:`cct.kernels.mode`); the kernels compile on first use (CuPy caches them on disk), checked on a
+tiny input: a GPU toolchain that cannot build them leaves the array path in use (a warning says why).
 """
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger("cct")
 
 _GEOMETRY = ("int32 h, int32 w, int32 oh, int32 ow, int32 kh, int32 kw, int32 sh, int32 sw, "
              "int32 ph, int32 pw")
@@ -85,7 +89,27 @@ def usable(*arrays: Any) -> bool:
         return False
     dt = arrays[0].dtype
     return all(isinstance(a, cupy.ndarray) and a.ndim == 4 and a.flags.c_contiguous and a.dtype == dt
-               and a.dtype in (np.float32, np.float64) for a in arrays)
+               and a.dtype in (np.float32, np.float64) for a in arrays) and _builds(np.dtype(dt).name)
+
+
+@functools.cache
+def _builds(dtype: str) -> bool:
+    """Whether both kernels compile and run for ``dtype`` here (once per process)."""
+    import cupy
+
+    try:
+        x = cupy.arange(4, dtype=dtype).reshape(1, 1, 2, 2)
+        y, arg = cupy.empty((1, 1, 1, 1), dtype=dtype), cupy.empty((1, 1, 1, 1), dtype=np.int32)
+        max_forward(x, y, arg, (2, 2), (0, 0), (2, 2))
+        dx = cupy.empty_like(x)
+        max_backward(cupy.ones_like(y), arg, dx, (2, 2), (0, 0), (2, 2))
+        ok = float(y[0, 0, 0, 0]) == 3.0 and int(arg[0, 0, 0, 0]) == 3 and float(dx.sum()) == 1.0
+    except Exception as e:  # noqa: BLE001 - any failure to build or run them: the array path serves
+        log.warning("MAX pooling GPU kernels unavailable (%s: %s); using the array-module path", type(e).__name__, e)
+        return False
+    if not ok:
+        log.warning("MAX pooling GPU kernels gave a wrong result on a check; using the array-module path")
+    return ok
 
 
 def _args(shape_in: Sequence[int], shape_out: Sequence[int], kernel: Sequence[int], pad: Sequence[int],
