@@ -25,7 +25,6 @@ import numpy as np
 
 from .. import kernels, rng
 from ..blob import Blob
-from ..kernels import gpu_pooling
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -188,6 +187,16 @@ class PoolingLayer(Layer):
         return self.xp.asarray(ok)
 
     # -- forward ---------------------------------------------------------------------
+    @staticmethod
+    def _gpu_kernels(*arrays):
+        """:mod:`cct.kernels.gpu_pooling` when its kernels apply to these arrays (CuPy), else None
+        (imported only then: importing cct loads no kernel module)."""
+        if not type(arrays[0]).__module__.startswith("cupy"):
+            return None
+        from ..kernels import gpu_pooling
+
+        return gpu_pooling if gpu_pooling.usable(*arrays) else None
+
     def _kernels(self, *arrays):
         """The pooling kernel module when the compiled path applies to these arrays, else None."""
         if self.method == _PP.STOCHASTIC and self.phase != caffe_pb2.TRAIN:
@@ -232,11 +241,11 @@ class PoolingLayer(Layer):
             if not isinstance(arg, np.ndarray) or arg.shape != best.shape:
                 arg = np.empty(best.shape, dtype=np.int32)
             km.max_forward(x, best, arg, self.kernel, self.pad, self.stride)
-        elif gpu_pooling.usable(x, best):  # GPU memory: one launch instead of three per window offset
+        elif (gk := self._gpu_kernels(x, best)) is not None:  # GPU memory: one launch, not three per offset
             arg = self.arg
             if type(arg) is not type(x) or arg.shape != best.shape:
                 arg = xp.empty(best.shape, dtype=np.int32)
-            gpu_pooling.max_forward(x, best, arg, self.kernel, self.pad, self.stride)
+            gk.max_forward(x, best, arg, self.kernel, self.pad, self.stride)
         else:
             xpad = self._padded(x, -np.inf)
             best[...] = -_FLT_MAX
@@ -297,8 +306,8 @@ class PoolingLayer(Layer):
                 km.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
                 return
         elif (self.method == _PP.MAX and type(self.arg) is type(dy) and self.arg.shape == dy.shape
-              and gpu_pooling.usable(dy, bottom[0].diff)):
-            gpu_pooling.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
+              and (gk := self._gpu_kernels(dy, bottom[0].diff)) is not None):
+            gk.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
             return
         acc = xp.zeros(tuple(bottom[0].shape[:2]) + tuple(self.ext), dtype=dy.dtype)
         if self.method == _PP.AVE:
