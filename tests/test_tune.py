@@ -228,3 +228,17 @@ def test_plan_device_lowering_follows_overrides_mode_and_tuning(monkeypatch):
     x, w, b, _ = tune.layer_inputs(g, 4)
     np.testing.assert_allclose(tuned.forward(x, w, b, g), base.get_strategy("type3").forward(x, w, b, g),
                                rtol=1e-4, atol=1e-5)
+
+
+def test_pick_on_device_drops_a_strategy_that_runs_out_of_memory(monkeypatch):
+    class _OutOfMemory(type(base.get_strategy("type1"))):
+        name = "oom"
+
+        def forward_into(self, x, w, b, geom, out):
+            raise MemoryError("out of device memory (test)")
+
+    monkeypatch.setitem(base._STRATEGIES, "oom", _OutOfMemory)
+    g = square(8, 3, 4, 4)
+    assert tune.pick_on_device(g, 4, ("fwd",), np, names=["oom", "type1"]) == ("type1", {})
+    pick, seconds = tune.pick_on_device(g, 4, ("fwd",), np, names=["oom", "slow", "type1"])
+    assert pick == "type1" and set(seconds) == {"slow", "type1"}

@@ -154,7 +154,7 @@ class TuneCache:
                 log.warning("could not save the measured lowering picks: %s", e)
 
 
-_CACHES: dict[tuple[str, int, str], TuneCache] = {}  # (machine key, threads, stamp)
+_CACHES: dict[tuple[str, int, str], TuneCache] = {}  # (machine key or gpu-<model>, threads, stamp)
 
 
 def cache_for(machine: Machine) -> TuneCache:
@@ -230,6 +230,8 @@ def pick_on_device(geom: ConvGeometry, batch: int, passes: tuple[str, ...], xp: 
                 log.info("%s does not fit in device memory for this layer: %s", n, e)
                 continue
             runners[n] = run
+        if len(runners) < 2:
+            return default, {}
         first = measure(runners, 1)
         fastest = min(first.values())
         runners = {n: r for n, r in runners.items() if first[n] <= 3.0 * fastest}
