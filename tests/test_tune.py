@@ -160,6 +160,26 @@ def test_a_measured_pick_must_beat_the_models_by_min_gain(monkeypatch):
     assert out.fwd == "type1" and out.measured == {"slow": 1.00e-3, "type1": 0.90e-3}
 
 
+def test_rounds_fill_the_layer_bound_and_one_round_needs_a_clear_gain(monkeypatch):
+    """A 40-80 ms layer gets every round (one noisy round picked wrong); a long one gets what its bound
+    allows, and its one round must show twice MIN_GAIN."""
+    g = square(8, 3, 4, 4)
+    seen, timings = [], {}
+
+    def fake(runners, repeats):
+        seen.append(repeats)
+        return {n: timings[n] for n in runners}
+
+    monkeypatch.setattr(tune, "measure", fake)
+    timings.update(slow=1.0, type1=0.92)
+    mid = tune.refine(_plan({"slow": 0.05, "type1": 0.06}), g, 4, lambda names: (1, 4))
+    assert seen[-1] == tune.MAX_REPEATS and mid.fwd == "type1"  # 8% faster over 7 rounds: switched
+    long = tune.refine(_plan({"slow": 0.6, "type1": 0.7}), g, 4, lambda names: (1, 4))
+    assert seen[-1] == 1 and long.fwd == "slow"  # 8% after one round: not enough
+    timings.update(type1=0.85)
+    assert tune.refine(_plan({"slow": 0.6, "type1": 0.7}), g, 4, lambda names: (1, 4)).fwd == "type1"
+
+
 def test_layer_candidates_whole_strategies_and_one_pass_swaps():
     preds = {"fwd": {"a": 1.0, "b": 1.2, "c": 3.0}, "bwd_data": {"a": 2.0, "b": 1.9, "c": 2.1},
              "bwd_weights": {"a": 2.0, "b": 2.5, "c": 9.0}}

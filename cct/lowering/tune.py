@@ -40,15 +40,15 @@ MARGIN = 0.3
 MAX_CANDIDATES = 3
 #: the predicted seconds one layer's measurements may take (every call of every candidate)
 LAYER_SECONDS = 3.0
-#: the predicted seconds the rounds of a layer should take: fast layers get up to MAX_REPEATS rounds
-ROUND_SECONDS = 0.5
-#: timed calls per candidate (each after an untimed one), at least one, at most this many
+#: timed calls per candidate (each after an untimed one): as many as :data:`LAYER_SECONDS` allows, at
+#: least one, at most this many. (A first version gave the rounds 0.5 s: a 40-80 ms pass got one, whose
+#: timings on a shared 2-core machine scatter by 15-60%, and picked a candidate 29% slower than the model's.)
 MAX_REPEATS = 7
 #: a measured pick replaces the model's only when it is this much faster: the timings of a busy
 #: machine scatter by 5-10%, and within that the model's pick is as good a bet
 MIN_GAIN = 0.05
 #: bumped when the measurement changes so that cached outcomes are measured again
-TUNE_VERSION = 2
+TUNE_VERSION = 3
 
 
 def run_pass(strategy: Any, pass_: str, x: Any, w: Any, b: Any, dy: Any, geom: ConvGeometry) -> Any:
@@ -291,10 +291,10 @@ def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[s
            budget: int | str | None = None, cache: TuneCache | None = None) -> Any:
     """``plan`` with its strategies replaced by the measured fastest of :func:`layer_candidates` (whole
     iterations of the layer's passes, :func:`run_layer`) where that is more than :data:`MIN_GAIN`
-    faster than the model's plan (twice that when one round is all the budget allows);
+    faster than the model's plan (twice that when the bound allows fewer than three rounds);
     ``plan.measured`` records ``{label: seconds}``. ``chunking({pass: name}) -> (partitions, b_p)`` is
-    how the engine would run a candidate. A layer whose measurements would exceed
-    :data:`LAYER_SECONDS` keeps the model's plan; an overridden plan is returned as is."""
+    how the engine would run a candidate. A layer whose measurements would exceed :data:`LAYER_SECONDS`
+    keeps the model's plan; an overridden plan is returned as is."""
     from .partition import BatchedLowering
 
     if plan.overridden or batch < 1:
@@ -309,7 +309,7 @@ def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[s
     hit = cache.get(key) if cache is not None else None
     if hit is None:
         calls = sum(plan.predictions[p][c[p]] for c in cands for p in run)  # one iteration of each candidate
-        repeats = max(1, min(MAX_REPEATS, int(ROUND_SECONDS / (2 * calls))))
+        repeats = max(1, min(MAX_REPEATS, int(LAYER_SECONDS / (2 * calls))))
         if 2 * repeats * calls > LAYER_SECONDS:
             return plan
         x, w, b, dy = layer_inputs(geom, batch)
@@ -327,7 +327,7 @@ def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[s
             for s in lowerings.values():
                 s.close()
         model, fastest = _label(cands[0], run), min(seconds, key=seconds.get)
-        gain = MIN_GAIN if repeats >= 3 else 2 * MIN_GAIN
+        gain = MIN_GAIN if repeats >= 3 else 2 * MIN_GAIN  # a long layer's one or two rounds: a clear gain only
         hit = {"seconds": seconds, "pick": model if seconds[fastest] > (1.0 - gain) * seconds[model] else fastest}
         if cache is not None:
             cache.put(key, hit)
