@@ -103,8 +103,9 @@ def crossover_map(args, machine, rep) -> dict:
         print(f"\nCrossover map on the GPU, batch {args.batch}: fwd+bwd ms measured")
         common.print_table(["dims", "n", "k", "c=m"] + list(STRATEGIES) + ["fastest"], rows)
         wins = {s: sum(p["fastest"] == s for p in points) for s in STRATEGIES}
-        name = xp.cuda.runtime.getDeviceProperties(args.gpu)["name"]
-        gpu = {"name": name.decode() if isinstance(name, bytes) else str(name), "cupy": xp.__version__}
+        from cct.lowering.tune import device_name
+
+        gpu = {"name": device_name(xp), "cupy": xp.__version__}  # the device made current above
         print(f"GPU: {gpu['name']} (CuPy {gpu['cupy']}); fastest counts {wins}")
         return {"points": points, "gpu": gpu, "summary": {"points": len(points), "fastest_counts": wins}}
     rows = [[f"{p['nd']}-D", p["n"], p["k"], p["channels"]]

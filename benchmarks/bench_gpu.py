@@ -130,8 +130,9 @@ def main(argv=None) -> int:
     import cct
 
     cct.init_log(level=40)
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    from cct.lowering.tune import device_name
+
+    name = device_name(cupy)  # device 0, the one the resident nets use
     peak = gpu_sgemm_gflops()
     print(f"# GPU: {name}; CuPy {cupy.__version__}; measured SGEMM {peak:.0f} GFLOPS")
     rows, results = [], []

@@ -86,6 +86,12 @@ def layer_inputs(geom: ConvGeometry, batch: int, seed: int = 0) -> tuple[Any, An
     return x, w, b, dy
 
 
+def rounds_for(calls: float) -> int:
+    """Rounds of :func:`measure` that fit :data:`LAYER_SECONDS` when one round's timed calls take
+    ``calls`` seconds (each after an untimed one): at least one, at most :data:`MAX_REPEATS`."""
+    return max(1, min(MAX_REPEATS, int(LAYER_SECONDS / (2 * calls))))
+
+
 def measure(runners: dict[str, Callable[[], Any]], repeats: int = 3) -> dict[str, float]:
     """Best seconds of each runner over ``repeats`` rounds, each starting one runner later (round-robin:
     a load burst from elsewhere hits them alike); each timed call follows an untimed one of the same
@@ -235,7 +241,7 @@ def pick_on_device(geom: ConvGeometry, batch: int, passes: tuple[str, ...], xp: 
         first = measure(runners, 1)
         fastest = min(first.values())
         runners = {n: r for n, r in runners.items() if first[n] <= 3.0 * fastest}
-        repeats = max(1, min(MAX_REPEATS, int(LAYER_SECONDS / (2 * sum(first[n] for n in runners)))))
+        repeats = rounds_for(sum(first[n] for n in runners))
         seconds = dict(first, **measure(runners, repeats)) if repeats > 1 else first
         best = min(seconds, key=seconds.get)
         pick = best if default not in seconds or seconds[best] < (1.0 - MIN_GAIN) * seconds[default] else default
@@ -309,7 +315,7 @@ def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[s
     hit = cache.get(key) if cache is not None else None
     if hit is None:
         calls = sum(plan.predictions[p][c[p]] for c in cands for p in run)  # one iteration of each candidate
-        repeats = max(1, min(MAX_REPEATS, int(LAYER_SECONDS / (2 * calls))))
+        repeats = rounds_for(calls)
         if 2 * repeats * calls > LAYER_SECONDS:
             return plan
         x, w, b, dy = layer_inputs(geom, batch)
