@@ -3,15 +3,20 @@
 ``run_case_layerwise(name)`` builds each non-Input layer of the case's net.prototxt on its own,
 feeds it Caffe's stored bottoms, parameters and top diffs, and returns what cct computed next to
 what Caffe stored, so a test can compare array by array (immune to gradient-routing flips).
+``run_model_case(name)`` runs a model case as one net; ``compare_model_case`` lists its arrays next to
+Caffe's. Run as a script (``python tests/refcase.py CASE...``) it prints each case's largest error and
+its conv layers' strategies as JSON: the tests run it in a fresh process with an empty cct cache.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 
+import cct
 from cct.backend import to_numpy
 from cct.blob import Blob
 from cct.io.prototxt import parse_text
@@ -79,25 +84,111 @@ def max_rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(diff / scale)
 
 
-def run_case_layerwise(name: str, phase: int | None = None, xp=np):
+def run_case_layerwise(name: str, phase: int | None = None, xp=np, built: list | None = None):
     """Run each layer of a case on Caffe's own inputs; return a list of (what, cct, caffe) triples.
 
     Runs with the case directory as working directory, as Caffe did (relative sources). ``xp`` is
     the array module the blobs live in (numpy, or cupy for the GPU path); results come back as numpy.
+    ``built``: a list that receives the layers built.
     """
     cwd = os.getcwd()
     os.chdir(case_dir(name))
     try:
-        return _run_case_layerwise(name, xp)
+        return _run_case_layerwise(name, xp, built if built is not None else [])
     finally:
         os.chdir(cwd)
+
+
+def run_model_case(name: str):
+    """A model case's net with Caffe's weights after one forward and backward on Caffe's inputs:
+    ``(case, net, loss)``."""
+    case = load_case(name)
+    net = cct.Net(os.path.join(case.dir, "net.prototxt"), case.meta["phase"],
+                  weights=os.path.join(case.dir, case.meta["weights_file"]))
+    a = case.arrays
+    for blob in net.input_blob_names:
+        net.blobs[blob].data[...] = a[f"input/{blob}"]
+    loss = net.forward()
+    net.clear_param_diffs()
+    net.backward()
+    return case, net, loss
+
+
+def compare_model_case(case: Case, net) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """``(what, cct, caffe)`` for every blob's data and diff and every parameter diff Caffe stored (not the
+    labels' and losses' diffs)."""
+    a, out = case.arrays, []
+    for blob in case.meta["blobs"]:
+        if f"data/{blob}" in a:
+            out.append((f"data/{blob}", _host_copy(net.blobs[blob].data), a[f"data/{blob}"]))
+    for key in a:
+        if key.startswith("diff/"):
+            blob = key[5:]
+            if blob not in case.meta["loss_blobs"] and blob != "label":
+                out.append((key, _host_copy(net.blobs[blob].diff), a[key]))
+        elif key.startswith("paramdiff/"):
+            layer, idx = key[len("paramdiff/"):].rsplit("/", 1)
+            out.append((key, _host_copy(net.layer_by_name(layer).blobs[int(idx)].diff), a[key]))
+    return out
+
+
+CONV_TYPES = ("Convolution", "Deconvolution")
+
+
+def has_convolutions(name: str) -> bool:
+    """Whether the case's net has a Convolution or Deconvolution layer (read from its prototxt only)."""
+    net = caffe_pb2.NetParameter()
+    path = os.path.join(case_dir(name), "net.prototxt")
+    with open(path) as f:
+        parse_text(f.read(), net, source=path)
+    return any(lp.type in CONV_TYPES for lp in net.layer)
+
+
+def conv_geometries(name: str) -> dict:
+    """``{layer name: ConvGeometry}`` of the case's Convolution and Deconvolution layers."""
+    case = load_case(name)
+    cwd = os.getcwd()
+    os.chdir(case.dir)
+    try:
+        net = cct.Net("net.prototxt", case.meta["phase"])
+    finally:
+        os.chdir(cwd)
+    return {layer.name: layer.geom for layer in net.layers if layer.type in CONV_TYPES}
+
+
+def conv_strategies(layers) -> dict[str, str]:
+    """``{layer name: name of the lowering it ran}`` of the conv layers among ``layers``."""
+    return {layer.name: layer.lowering.name for layer in layers if layer.type in CONV_TYPES}
+
+
+def run_case(name: str) -> tuple[list[tuple[str, np.ndarray, np.ndarray]], dict[str, str]]:
+    """Any case, unit (layer by layer) or model (one net): its ``(what, cct, caffe)`` triples and the
+    strategies its conv layers ran."""
+    if name in list_cases("model"):
+        case, net, _ = run_model_case(name)
+        return compare_model_case(case, net), conv_strategies(net.layers)
+    built: list = []
+    results = run_case_layerwise(name, built=built)
+    return results, conv_strategies(layer for layer, _, _ in built)
+
+
+def main(names: list[str]) -> None:
+    """Print ``{case: {"max_rel_err": ..., "worst": what, "strategies": {...}}}`` as JSON."""
+    report = {}
+    for name in names:
+        results, strategies = run_case(name)
+        errs = {what: max_rel_err(ours, theirs) for what, ours, theirs in results}
+        worst = max(errs, key=errs.get) if errs else None
+        report[name] = {"max_rel_err": errs.get(worst, 0.0), "worst": worst, "compared": len(errs),
+                        "strategies": strategies}
+    print(json.dumps(report))
 
 
 def _host_copy(arr) -> np.ndarray:
     return np.array(to_numpy(arr))
 
 
-def _run_case_layerwise(name: str, xp):
+def _run_case_layerwise(name: str, xp, built: list):
     case = load_case(name)
     a = case.arrays
     phase = caffe_pb2.TRAIN if case.meta["phase"] == "TRAIN" else caffe_pb2.TEST
@@ -118,7 +209,6 @@ def _run_case_layerwise(name: str, xp):
             blobs[nm] = b
         return blobs[nm]
 
-    built = []
     for lp in layers:
         lp = caffe_pb2.LayerParameter.FromString(lp.SerializeToString())
         if not lp.HasField("phase"):
@@ -177,3 +267,7 @@ def _run_case_layerwise(name: str, xp):
             if key in a:
                 results.append((key, _host_copy(pb.diff), a[key]))
     return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

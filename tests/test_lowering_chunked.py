@@ -10,7 +10,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_lowering_types import GEOMS, make_geom, ref_backward, ref_forward
+from naive import make_geom, ref_backward, ref_forward
+from test_lowering_types import GEOMS
 
 from cct import blas
 from cct.io.prototxt import parse_text

@@ -7,10 +7,10 @@ Convolution layer. Where CuPy and a GPU are present the same tests run again wit
 memory (every strategy's array-module path).
 """
 import importlib
-import itertools
 
 import numpy as np
 import pytest
+from naive import make_geom, ref_backward, ref_forward
 
 from cct import blas
 from cct.backend import cupy_available, to_numpy
@@ -27,58 +27,6 @@ from cct.testing import check_gradient, make_blob
 
 TYPES = ("type1", "type2", "type3", "direct", "fft")
 ARRAY_MODULES = ("numpy",) + (("cupy",) if cupy_available() else ())
-
-
-def c_div(a, b):
-    q = abs(a) // abs(b)
-    return q if (a >= 0) == (b > 0) else -q
-
-
-def make_geom(cin, cout, group, in_shape, kernel, pad, stride, dil, bias=True):
-    out = tuple(c_div(i + 2 * p - (d * (k - 1) + 1), s) + 1
-                for i, k, p, s, d in zip(in_shape, kernel, pad, stride, dil))
-    return ConvGeometry(channels_in=cin, channels_out=cout, group=group, in_shape=tuple(in_shape),
-                        kernel=tuple(kernel), pad=tuple(pad), stride=tuple(stride), dilation=tuple(dil),
-                        out_shape=out, bias_term=bias)
-
-
-# -- direct reference (loops over output positions and kernel offsets) -------------------------
-def _taps(g):
-    """Yield (out index, kernel offset, input index) for every in-bounds tap."""
-    for o in itertools.product(*(range(v) for v in g.out_shape)):
-        for k in itertools.product(*(range(v) for v in g.kernel)):
-            idx = tuple(o[a] * g.stride[a] + k[a] * g.dilation[a] - g.pad[a] for a in range(len(o)))
-            if all(0 <= idx[a] < g.in_shape[a] for a in range(len(o))):
-                yield o, k, idx
-
-
-def ref_forward(x, w, b, g):
-    n = x.shape[0]
-    cg, mg = g.channels_in // g.group, g.channels_out // g.group
-    y = np.zeros((n, g.channels_out) + g.out_shape)
-    for o, k, idx in _taps(g):
-        for gi in range(g.group):
-            xs = x[(slice(None), slice(gi * cg, (gi + 1) * cg)) + idx]  # (n, cg)
-            ws = w[(slice(gi * mg, (gi + 1) * mg), slice(None)) + k]  # (mg, cg)
-            y[(slice(None), slice(gi * mg, (gi + 1) * mg)) + o] += xs @ ws.T
-    if b is not None:
-        y += b.reshape((1, -1) + (1,) * len(g.out_shape))
-    return y
-
-
-def ref_backward(dy, x, w, g):
-    cg, mg = g.channels_in // g.group, g.channels_out // g.group
-    dx = np.zeros(x.shape)
-    dw = np.zeros(w.shape)
-    for o, k, idx in _taps(g):
-        for gi in range(g.group):
-            dys = dy[(slice(None), slice(gi * mg, (gi + 1) * mg)) + o]  # (n, mg)
-            ws = w[(slice(gi * mg, (gi + 1) * mg), slice(None)) + k]  # (mg, cg)
-            xs = x[(slice(None), slice(gi * cg, (gi + 1) * cg)) + idx]  # (n, cg)
-            dx[(slice(None), slice(gi * cg, (gi + 1) * cg)) + idx] += dys @ ws
-            dw[(slice(gi * mg, (gi + 1) * mg), slice(None)) + k] += dys.T @ xs
-    db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)))
-    return dx, dw, db
 
 
 def random_geoms(count, seed):

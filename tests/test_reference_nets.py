@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from refcase import REFERENCE_DIR, list_cases, load_case, max_rel_err, reference_available
+from refcase import REFERENCE_DIR, list_cases, max_rel_err, reference_available, run_model_case
 
 import cct
 from cct.io.prototxt import read_net_prototxt
@@ -56,22 +56,9 @@ def test_upstream_net_shapes(key, phase):
 MODEL_CASES = [c for c in list_cases("model")] if reference_available() else []
 
 
-def _run_model_case(name):
-    case = load_case(name)
-    net = cct.Net(os.path.join(case.dir, "net.prototxt"), case.meta["phase"],
-                  weights=os.path.join(case.dir, case.meta["weights_file"]))
-    a = case.arrays
-    for blob in net.input_blob_names:
-        net.blobs[blob].data[...] = a[f"input/{blob}"]
-    loss = net.forward()
-    net.clear_param_diffs()
-    net.backward()
-    return case, net, loss
-
-
 @pytest.mark.parametrize("name", MODEL_CASES)
 def test_model_case_forward_matches_caffe(name):
-    case, net, loss = _run_model_case(name)
+    case, net, loss = run_model_case(name)
     a = case.arrays
     for blob in case.meta["blobs"]:
         key = f"data/{blob}"
@@ -83,7 +70,7 @@ def test_model_case_forward_matches_caffe(name):
 
 @pytest.mark.parametrize("name", MODEL_CASES)
 def test_model_case_backward_matches_caffe(name):
-    case, net, _ = _run_model_case(name)
+    case, net, _ = run_model_case(name)
     a = case.arrays
     checked = 0
     for key in a:
@@ -102,7 +89,7 @@ def test_model_case_backward_matches_caffe(name):
 
 
 def test_model_case_weights_round_trip(tmp_path):
-    case, net, _ = _run_model_case("lenet")
+    case, net, _ = run_model_case("lenet")
     path = tmp_path / "lenet.caffemodel"
     net.save(path)
     net2 = cct.Net(os.path.join(case.dir, "net.prototxt"), "TRAIN", weights=str(path))

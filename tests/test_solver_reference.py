@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cct.config import using_config
+from cct.lowering import strategy_names
 from cct.paths import shared_path
 
 REFERENCE = Path(os.environ.get("CCT_REFERENCE", shared_path("reference")))
@@ -26,8 +28,11 @@ def _rel_l2(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.mark.skipif(not CASES, reason="no reference solver runs available")
+@pytest.mark.parametrize("strategy", ["model"] + strategy_names())
 @pytest.mark.parametrize("case", CASES or ["none"])
-def test_solver_run_matches_caffe(case, tmp_path, monkeypatch):
+def test_solver_run_matches_caffe(case, strategy, tmp_path, monkeypatch):
+    """``strategy``: the cost model's choice per conv layer, or one strategy forced on every conv layer (the
+    optimizer's choice must not change the trajectory beyond float rounding)."""
     import cct.layers as L
     from cct.io.caffemodel import read_weights
     from cct.solver import get_solver
@@ -41,7 +46,12 @@ def test_solver_run_matches_caffe(case, tmp_path, monkeypatch):
     ref = json.loads((work / "losses.json").read_text())
     meta = json.loads((work / "meta.json").read_text())
 
-    solver = get_solver("solver.prototxt")
+    overrides = {} if strategy == "model" else {"*": strategy}
+    with using_config(engine={"overrides": overrides}):
+        solver = get_solver("solver.prototxt")
+    if strategy != "model":
+        ran = {layer.lowering.name for layer in solver.net.layers if layer.type == "Convolution"}
+        assert ran == {strategy}, f"the forced strategy did not run: {ran}"
     assert solver.type == meta.get("solver_type", solver.type)
     solver.net.copy_from("init.caffemodel")
     losses, rates = [], []

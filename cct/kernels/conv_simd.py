@@ -436,9 +436,11 @@ def _phase_split(piece, pieces, x, out, pd, ph, pw):  # pragma: no cover (compil
 @nb.njit(**_OPTS)
 def _phase_merge(piece, pieces, src, x, pd, ph, pw):  # pragma: no cover (compiled)
     """Inverse of :func:`phase_split` on the input's own elements: ``x[n, c, z, y, v] =
-    src[n, c, rd, rh, rw, i, j, k]`` with ``z + pd = i*sd + rd`` (and likewise per axis)."""
+    src[n, c, rd, rh, rw, i, j, k]`` with ``z + pd = i*sd + rd`` (and likewise per axis), and zero
+    where ``(i, j, k)`` lies past the planes' extent (input positions that no window reaches when
+    the stride does not tile the padded input)."""
     n_img, chans, dd, hh, ww = x.shape
-    sd, sh, sw = src.shape[2], src.shape[3], src.shape[4]
+    sd, sh, sw, ed, eh, ew = src.shape[2], src.shape[3], src.shape[4], src.shape[5], src.shape[6], src.shape[7]
     for t in range(n_img * chans * piece // pieces, n_img * chans * (piece + 1) // pieces):
         n = t // chans
         c = t % chans
@@ -446,9 +448,13 @@ def _phase_merge(piece, pieces, src, x, pd, ph, pw):  # pragma: no cover (compil
             i, rd = divmod(z + pd, sd)
             for y in range(hh):
                 j, rh = divmod(y + ph, sh)
-                for v in range(ww):
+                dst = x[n, c, z, y]
+                reached = min(ww, ew * sw - pw) if i < ed and j < eh else 0  # columns some window reads
+                for v in range(reached):
                     k, rw = divmod(v + pw, sw)
-                    x[n, c, z, y, v] = src[n, c, rd, rh, rw, i, j, k]
+                    dst[v] = src[n, c, rd, rh, rw, i, j, k]
+                for v in range(max(reached, 0), ww):
+                    dst[v] = 0
 
 
 @nb.njit(**_OPTS)
