@@ -2,7 +2,8 @@
 (per-pass mixes, ``b_p`` chunks, 1 and 2 partitions, the layer's fused ``*_into`` calls) equals a float64
 direct convolution on random geometries: 1-, 2- and 3-D; batch 1-3; groups; kernel 1-5; padding up to the
 dilated kernel's reach; stride 1-4 (strides that do not tile the input included); dilation 1-2; inputs
-from the smallest valid size up.
+from the smallest valid size up. Where CuPy and a GPU are present the plain passes also run on arrays in
+the GPU's memory.
 
 The tolerance is relative where the exact value is not near zero and absolute where it is: an element
 passes when ``|got - exact| <= rtol * |exact| + atol * scale``, with ``scale`` the size float rounding is
@@ -18,6 +19,7 @@ examples below (the geometries issue 28 found wrong). A long run::
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
@@ -26,6 +28,7 @@ from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 from naive import make_geom, naive_conv, ref_backward, ref_forward
 
+from cct.backend import cupy_available, to_numpy
 from cct.lowering import get_strategy, strategy_names
 from cct.lowering.optimizer import PerPassLowering, supports
 from cct.lowering.partition import BatchedLowering
@@ -33,6 +36,7 @@ from cct.lowering.partition import BatchedLowering
 EXAMPLES = int(os.environ.get("CCT_CONV_PROPERTY_EXAMPLES", "150"))
 TOLERANCE = {np.float32: (1e-4, 1e-5), np.float64: (1e-10, 1e-12)}  # (rtol, atol relative to the scale)
 STRATEGIES = tuple(strategy_names())
+DEVICE_XP = importlib.import_module("cupy") if cupy_available() else None  # the plain passes run there too
 
 
 @st.composite
@@ -76,7 +80,7 @@ def _case(args, batch, dtype, rseed):
 def _check(what, got, exact, dtype, label):
     ref, scale = exact[what]
     rtol, atol = TOLERANCE[dtype]
-    got = np.asarray(got)
+    got = to_numpy(got)
     assert got.shape == ref.shape, f"{label}: {what} has shape {got.shape}, expected {ref.shape}"
     assert got.dtype == dtype, f"{label}: {what} is {got.dtype}, expected {np.dtype(dtype)}"
     err = np.abs(got.astype(np.float64) - ref)
@@ -88,9 +92,9 @@ def _check(what, got, exact, dtype, label):
                     f"exact {ref[i]!r} (scale {scale:.3g})")
 
 
-def _run_plain(s, g, inputs, exact, dtype, label):
-    """The three whole-batch products."""
-    x, w, b, dy = (None if a is None else a.astype(dtype) for a in inputs)
+def _run_plain(s, g, inputs, exact, dtype, label, xp=np):
+    """The three whole-batch products (on arrays of ``xp``: numpy, or CuPy in a GPU's memory)."""
+    x, w, b, dy = (None if a is None else xp.asarray(a.astype(dtype)) for a in inputs)
     _check("y", s.forward(x, w, b, g), exact, dtype, f"{label} forward")
     _check("dx", s.backward_data(dy, w, g), exact, dtype, f"{label} backward_data")
     dw, db = s.backward_weights(dy, x, g)
@@ -149,6 +153,8 @@ def test_every_strategy_equals_the_direct_convolution(case, mix, b_p, partitions
     for name in supported:
         s = get_strategy(name)
         _run_plain(s, g, inputs, exact, dtype, name)
+        if DEVICE_XP is not None:
+            _run_plain(s, g, inputs, exact, dtype, f"{name} on the GPU", DEVICE_XP)
         batched = BatchedLowering(get_strategy(name), batch_partition=min(b_p, batch), partitions=partitions)
         try:
             _run_as_layer(batched, g, inputs, exact, dtype, f"{name} b_p={min(b_p, batch)} p={partitions}")
