@@ -146,7 +146,7 @@ def net3d(args, machine, rep) -> dict:
     import cct
     from cct.config import using_config
     from cct.io.prototxt import parse_text
-    from cct.lowering.partition import memory_budget
+    from cct.lowering.budget import memory_budget
     from cct.proto import caffe_pb2
 
     if args.budget:  # the engine's budget (until Config.memory_budget: $CCT_LOWERING_MEMORY)

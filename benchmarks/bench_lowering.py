@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", action="store_true",
                     help="score the optimizer's own plan (plan_convolution) of a layer running the pass against each "
                          "type measured as the engine would run it: the partition count and chunk size the cost "
-                         "model picks for that type (optimizer.choose_chunking), each partition on threads // p")
+                         "model picks for that type (chunking.choose_chunking), each partition on threads // p")
     ap.add_argument("--tune", action="store_true",
                     help="with --engine: also score the plan with its close calls measured on the layer "
                          "(cct.lowering.tune, as cct train runs it; measured now, not read from the cache)")
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     from cct.lowering import calibrate as cal
     from cct.lowering import get_strategy
     from cct.lowering import optimizer as opt
+    from cct.lowering.chunking import choose_chunking
     from cct.lowering.cost_model import predict_seconds
     from cct.lowering.partition import BatchedLowering
     from cct.lowering.tune import TuneCache, measure, run_pass
@@ -138,11 +139,13 @@ def main(argv=None) -> int:
         dy = rng.standard_normal((batch, o) + geom.out_shape, dtype=np.float32)
         for p in passes:
             if args.engine:  # (partitions, b_p, predicted seconds) per type, as plan_convolution decides them
-                chunking = {t: opt.choose_chunking({p: t}, geom, batch, blas.get_num_threads()) for t in types}
+                chunking = {t: choose_chunking({p: t}, geom, batch, blas.get_num_threads(), None, None,
+                                               opt.machine_for_threads) for t in types}
                 strategies = {t: BatchedLowering(get_strategy(t), batch_partition=chunking[t][1],
                                                  partitions=chunking[t][0]) for t in types}
             else:
-                strategies = {t: BatchedLowering(get_strategy(t), batch_partition="auto", partitions=1)
+                strategies = {t: BatchedLowering(get_strategy(t), batch_partition="auto", partitions=1,
+                                                 machine_for=opt.machine_for_threads)
                               if args.chunked else get_strategy(t) for t in types}
             fns = {t: functools.partial(run_pass, strategies[t], p, x, w, b, dy, geom) for t in types}
             for fn in fns.values():  # warm-up

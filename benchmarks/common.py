@@ -94,7 +94,7 @@ def time_call(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, min_time
 def sgemm_peak(threads: int | None = None, size: int = 2048, repeats: int = 3) -> float:
     """Measured GFLOPS of a large square SGEMM on the current backend (the device's practical peak)."""
     with blas.blas_threads(threads):
-        return blas.gemm_gflops([(size, size, size)], repeats=repeats)
+        return blas.gemm_gflops([(size, size, size)], repeats=repeats, backend=blas.get_backend())
 
 
 def conv_geom(n: int, k: int, d: int, o: int, pad: int = 0, stride: int = 1, group: int = 1) -> ConvGeometry:

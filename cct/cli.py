@@ -124,7 +124,8 @@ def _configure_engine(args, calibrate: bool):
     and settle the cost model's close calls by measuring them (cached) unless CCT_TUNE=0."""
     import os
 
-    from .lowering.engine import EngineConfig
+    from .config import EngineConfig
+    from .lowering.base import check_names
 
     parts = args.partitions if args.partitions in ("auto", "model") else _positive_int(args.partitions,
                                                                                         "--partitions")
@@ -133,8 +134,10 @@ def _configure_engine(args, calibrate: bool):
         overrides = args.lowering if "=" in args.lowering else {"*": args.lowering}
     try:
         calibrate = calibrate and os.environ.get("CCT_CALIBRATE", "1") != "0"
-        return EngineConfig(mode=args.lowering_mode, partitions=parts, overrides=overrides or {},
-                            calibrate=calibrate, tune=calibrate and os.environ.get("CCT_TUNE", "1") != "0")
+        cfg = EngineConfig(mode=args.lowering_mode, partitions=parts, overrides=overrides or {},
+                           calibrate=calibrate, tune=calibrate and os.environ.get("CCT_TUNE", "1") != "0")
+        check_names(cfg.overrides.values())
+        return cfg
     except (KeyError, ValueError) as e:
         raise CctError(f"--lowering/--partitions: {e}") from None
 

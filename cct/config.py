@@ -2,8 +2,7 @@
 
 A :class:`Config` holds everything that used to be process-wide state::
 
-    from cct.config import Config, using_config
-    from cct.lowering.engine import EngineConfig
+    from cct.config import Config, EngineConfig, using_config
 
     fast = Config(engine=EngineConfig(mode="cct"))
     caffe_like = fast.replace(engine={"mode": "caffe"}, blas={"backend": "openblas"})
@@ -31,15 +30,16 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import CctError
+from .membudget import default_budget
 
 if TYPE_CHECKING:
-    from .lowering.engine import EngineConfig
     from .scheduler.config import DeviceConfig
 
 BLAS_REQUESTS = ("openblas", "mkl", "auto")
@@ -60,30 +60,71 @@ class BlasConfig:
             object.__setattr__(self, "backend", name)
 
 
+LOWERING_MODES = ("cct", "caffe")
+
+
+def _env_flag(name: str, default: str = "0") -> bool:
+    """An on/off environment variable (``1``/``true``/``yes`` is on), read when a setting is built."""
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes")
+
+
+def parse_overrides(spec: str | None = None) -> dict[str, str]:
+    """Parse ``CCT_LOWERING`` (or ``spec``): ``"type1"`` -> ``{"*": "type1"}``; ``"conv1=type3,conv5=type1"``
+    -> per-layer mapping. The names are checked against the strategies registered when a layer is planned."""
+    spec = os.environ.get("CCT_LOWERING", "") if spec is None else spec
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if "=" in part:
+            k, v = part.split("=", 1)
+            out[k.strip()] = v.strip()
+        else:
+            out["*"] = part
+    return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine-wide lowering settings (:mod:`cct.lowering.engine`); part of a :class:`Config`.
+
+    ``mode``: ``"cct"`` (the cost model's plan) or ``"caffe"`` (type 1, one image per GEMM);
+    ``partitions``: ``"model"``, ``"auto"`` or a positive int; ``overrides``: ``{layer: strategy}`` (or the
+    ``CCT_LOWERING`` string form; the names are checked when a layer is planned); ``calibrate``, ``tune``,
+    ``tune_device``: default ``$CCT_CALIBRATE``, ``$CCT_TUNE``, ``$CCT_TUNE_DEVICE`` (read when the settings
+    are built). Validated when built (ValueError).
+    """
+
+    mode: str = "cct"
+    partitions: int | str = "model"
+    overrides: dict[str, str] = field(default_factory=dict)
+    calibrate: bool = field(default_factory=lambda: _env_flag("CCT_CALIBRATE"))
+    tune: bool = field(default_factory=lambda: _env_flag("CCT_TUNE"))
+    tune_device: bool = field(default_factory=lambda: _env_flag("CCT_TUNE_DEVICE"))
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOWERING_MODES:
+            raise ValueError(f"unknown lowering mode '{self.mode}' (use one of {', '.join(LOWERING_MODES)})")
+        p = self.partitions
+        if not (p in ("auto", "model") or (isinstance(p, int) and not isinstance(p, bool) and p >= 1)):
+            raise ValueError(f"partitions must be 'auto', 'model' or a positive int, got {p!r}")
+        parsed = parse_overrides(self.overrides) if isinstance(self.overrides, str) else dict(self.overrides)
+        object.__setattr__(self, "overrides", parsed)
+        object.__setattr__(self, "calibrate", bool(self.calibrate))
+        object.__setattr__(self, "tune", bool(self.tune))
+        object.__setattr__(self, "tune_device", bool(self.tune_device))
+
+
 def python_layers_from_env() -> bool:
     """``$CCT_PYTHON_LAYERS``: ``0``/``false``/``no``/``off`` refuse ``type: "Python"`` layers (default: allowed)."""
-    import os
-
     return os.environ.get("CCT_PYTHON_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _default_memory_budget() -> int | None:
-    from .membudget import default_budget
-
-    return default_budget()
-
-
-def _default_engine() -> EngineConfig:
-    from .lowering.engine import EngineConfig
-
-    return EngineConfig()
 
 
 @dataclass(frozen=True)
 class Config:
     """Everything a net or solver needs to know about how to run (see module docstring).
 
-    ``engine``: lowering settings (:class:`cct.lowering.engine.EngineConfig`); ``devices``: the
+    ``engine``: lowering settings (:class:`EngineConfig`); ``devices``: the
     devices each batch is split over (:class:`cct.scheduler.DeviceConfig`; None: the plain
     single-device path); ``blas``: the GEMM backend (:class:`BlasConfig`); ``python_layers``:
     whether ``type: "Python"`` layers may be built (the switch for nets from untrusted sources: a
@@ -92,11 +133,11 @@ class Config:
     ``$CCT_MEMORY_BUDGET``, else the physical memory; see :mod:`cct.membudget`).
     """
 
-    engine: EngineConfig = field(default_factory=_default_engine)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     devices: DeviceConfig | None = None
     blas: BlasConfig = field(default_factory=BlasConfig)
     python_layers: bool = field(default_factory=python_layers_from_env)
-    memory_budget: int | None = field(default_factory=_default_memory_budget)
+    memory_budget: int | None = field(default_factory=default_budget)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes``; a mapping for ``engine`` or ``blas`` changes only those fields

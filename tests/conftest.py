@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Building nets in tests and in the CLI subprocesses they start must not stall on a one-time
@@ -23,6 +25,16 @@ def _snapshot_artifacts() -> set[str]:
 
 
 _ARTIFACTS_BEFORE = _snapshot_artifacts()
+
+
+def pytest_configure(config):
+    """In CI (``CI`` set) the shared folder must be there: the real-Caffe parity tests skip without it, and
+    CI must run them, not skip them."""
+    from cct.paths import shared_path
+
+    if os.environ.get("CI", "").lower() not in ("", "0", "false") and not shared_path("reference").is_dir():
+        raise pytest.UsageError(f"CI run without the shared folder ({shared_path('reference')} is missing): "
+                                "the real-Caffe parity tests would be skipped")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,12 +1,13 @@
 """cct.blas: backend selection, GEMM correctness on both backends, caching, thread control."""
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from cct import blas, config
-from cct.blas import choice, mkl, multiply, openblas
+from cct.blas import choice, mkl, openblas, product
 from cct.errors import CctError
 
 BACKENDS = ["openblas"] + (["mkl"] if blas.mkl_available() else [])
@@ -58,7 +59,7 @@ def test_gemm_strided_operands_and_output(backend):
 
 def test_sgemm_uses_selected_backend(monkeypatch):
     calls = []
-    monkeypatch.setattr(multiply, "_mkl_gemm", lambda *a: calls.append(1) or a[2])
+    monkeypatch.setattr(product, "_mkl_gemm", lambda *a: calls.append(1) or a[2])
     blas.set_backend("openblas")
     x = np.ones((2, 3), np.float32)
     np.testing.assert_allclose(blas.sgemm(x, x, trans_b=True), np.full((2, 2), 3.0))
@@ -193,7 +194,9 @@ def test_gemm_timer_modes(backend):
     sustained = blas.gemm_gflops(shapes, duration=0.02, backend=backend)
     assert best > 0 and sustained > 0
     assert sustained < best * 5  # both time the same GEMMs; best-of is the faster measure
-    assert blas.best_time(lambda: None, 3) >= 0
+    calls = []
+    assert blas.best_time(lambda: calls.append(time.sleep(0.002)), 3) >= 0.002
+    assert len(calls) == 4  # one warm-up call, then the best of three
 
 
 def test_gemm_timer_aborts_the_barrier_when_setup_fails():
@@ -211,11 +214,11 @@ def test_cblas_operand_of_empty_and_strided_views():
     """Zero-size operands (numpy gives them zero strides) and strided slices of stacked arrays become
     row-major buffers without recursing; an accumulating GEMM over k = 0 only scales the output."""
     for shape in ((3, 0), (0, 3), (0, 0)):
-        a, _, ld = multiply._as_cblas_operand(np.zeros(shape, np.float32), False)
+        a, _, ld = product._as_cblas_operand(np.zeros(shape, np.float32), False)
         assert a.shape == shape and ld == max(shape[1], 1)
     stacked = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     view = stacked[:, 1, ::2]  # (2, 2), strides (48, 8): neither row- nor column-major
-    a, trans, ld = multiply._as_cblas_operand(view, False)
+    a, trans, ld = product._as_cblas_operand(view, False)
     np.testing.assert_array_equal(a, view)
     assert (trans, ld) == (False, 2)
     out = np.ones((3, 2), np.float32)

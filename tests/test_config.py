@@ -7,11 +7,10 @@ import pytest
 
 import cct
 from cct import blas, config, scheduler
-from cct.config import BlasConfig, Config, current, using_config
+from cct.config import BlasConfig, Config, EngineConfig, current, using_config
 from cct.errors import CctError
 from cct.io.prototxt import parse_text
 from cct.lowering import engine
-from cct.lowering.engine import EngineConfig
 from cct.proto import caffe_pb2
 from cct.scheduler import CpuDevice, DataParallelExecutor
 from cct.solver import get_solver
@@ -83,11 +82,11 @@ def test_two_nets_with_different_devices():
 
 @pytest.mark.skipif(not blas.mkl_available(), reason="needs MKL")
 def test_each_net_runs_its_gemms_on_its_own_blas_backend(monkeypatch):
-    from cct.blas import multiply
+    from cct.blas import product
 
     calls = []
-    real = multiply._mkl_gemm
-    monkeypatch.setattr(multiply, "_mkl_gemm", lambda *a: calls.append(1) or real(*a))
+    real = product._mkl_gemm
+    monkeypatch.setattr(product, "_mkl_gemm", lambda *a: calls.append(1) or real(*a))
     on_mkl = cct.Net(net_param(), cct.TEST, config=Config(blas=BlasConfig("mkl")))
     on_openblas = cct.Net(net_param(), cct.TEST, config=Config(blas=BlasConfig("openblas")))
     calls.clear()
@@ -113,8 +112,10 @@ def test_using_config_scopes_nests_and_restores_on_exceptions():
     assert current() is outer
     with pytest.raises(ValueError, match="lowering mode"):
         using_config(engine={"mode": "fast"})
-    with pytest.raises(KeyError, match="unknown lowering"):
-        EngineConfig(overrides="conv1=type9")
+    unknown = Config(engine=EngineConfig(overrides="conv1=type9"))  # the names are checked when planned
+    assert unknown.engine.overrides == {"conv1": "type9"}
+    with pytest.raises(CctError, match="layer 'conv1'.*unknown lowering 'type9'"):
+        cct.Net(net_param(), cct.TRAIN, config=unknown)
     with pytest.raises(TypeError):
         using_config()
 

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from naive import make_geom, naive_conv, ref_backward, ref_forward
 
 from cct.backend import cupy_available, to_numpy
-from cct.lowering import get_strategy, strategy_names
-from cct.lowering.optimizer import PerPassLowering, supports
+from cct.lowering import get_strategy, strategy_names, supports
+from cct.lowering.optimizer import PerPassLowering
 from cct.lowering.partition import BatchedLowering
 
 EXAMPLES = int(os.environ.get("CCT_CONV_PROPERTY_EXAMPLES", "150"))

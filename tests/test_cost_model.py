@@ -4,6 +4,7 @@ import math
 import numpy as np
 import pytest
 
+from cct.config import parse_overrides
 from cct.kernels import simd_tiles
 from cct.lowering import ConvGeometry, get_strategy
 from cct.lowering import calibrate as cal
@@ -11,6 +12,7 @@ from cct.lowering import cost_model as cm
 from cct.lowering import direct_layout as dl
 from cct.lowering import fft as fft_mod
 from cct.lowering import optimizer as opt
+from cct.lowering.base import check_names
 
 
 def square(n, k, d, o, pad=0, stride=1, group=1):
@@ -55,8 +57,8 @@ def test_ratio_d_over_o_decides_type1_vs_type3():
     mach = flat_machine()
     many_in = square(13, 3, 512, 16)
     many_out = square(13, 3, 16, 512)
-    assert opt.choose_lowering(many_in, 8, mach)[0] == "type3"
-    assert opt.choose_lowering(many_out, 8, mach)[0] == "type1"
+    assert opt.choose_plan(many_in, 8, mach, per_pass=False).single == "type3"
+    assert opt.choose_plan(many_out, 8, mach, per_pass=False).single == "type1"
     p_in = opt.predictions(many_in, 8, mach)
     assert p_in["type3"] < p_in["type1"]
 
@@ -93,33 +95,23 @@ def test_workspace_linear_in_batch():
         assert cm.workspace_bytes(t, g, 8) == 8 * cm.workspace_bytes(t, g, 1)
 
 
-def test_describe_choice_format():
-    preds = {"type1": 0.0130, "type2": 0.0121, "type3": 0.0112}
-    assert opt.describe_choice("conv5", "type3", preds) == \
-        "conv5: lowering type 3 (predicted fwd 11.2 ms; type 1 13.0, type 2 12.1)"
-    g = square(13, 3, 384, 256, pad=1)
-    name, p = opt.choose_lowering(g, 16, flat_machine())
-    assert name == min(p, key=p.get)
-    assert opt.describe_choice("conv5", name, p).startswith(f"conv5: lowering {opt._pretty(name)} (predicted fwd ")
-
-
 def test_overrides_and_per_pass_plans():
     g = square(13, 3, 384, 256, pad=1)
     mach = flat_machine()
-    name, _ = opt.choose_lowering(g, 4, mach, override="type2")
-    assert name == "type2"
-    assert opt.parse_overrides("type3") == {"*": "type3"}
-    assert opt.parse_overrides("conv1=type3, conv5=type1") == {"conv1": "type3", "conv5": "type1"}
-    with pytest.raises(KeyError):
-        opt.parse_overrides("conv1=type9")
-    strat, plan, line = opt.lowering_for_layer("conv1", g, 4, mach, overrides={"conv1": "type3"})
-    assert strat.name == "type3" and plan.single == "type3" and line.endswith("[override]")
-    strat, plan, line = opt.lowering_for_layer("conv2", g, 4, mach, overrides={})
-    assert line.startswith("conv2: lowering type ")
-    mixed = opt.LoweringPlan("type3", "type1", "type2", plan.predictions)
+    assert opt.choose_plan(g, 4, mach, override="type2").single == "type2"
+    assert parse_overrides("type3") == {"*": "type3"}
+    assert parse_overrides("conv1=type3, conv5=type1") == {"conv1": "type3", "conv5": "type1"}
+    with pytest.raises(KeyError, match="unknown lowering 'type9'"):
+        check_names(parse_overrides("conv1=type9").values())
+    plan = opt.plan_convolution(g, 4, mach, override="type3", partitions=1)
+    assert plan.strategy().name == "type3" and plan.single == "type3"
+    assert opt.describe_plan("conv1", plan).endswith("[override]")
+    plan = opt.plan_convolution(g, 4, mach, partitions=1)
+    assert opt.describe_plan("conv2", plan).startswith("conv2: ")
+    mixed = opt.Plan("type3", "type1", "type2", plan.predictions)
     s = mixed.strategy()
     assert isinstance(s, opt.PerPassLowering) and s.fwd.name == "type3" and s.bwd_weights.name == "type2"
-    assert "bwd_data type 1" in opt.describe_choice("convX", mixed)
+    assert "bwd_data type 1" in opt.describe_plan("convX", mixed)
     # per-pass only when it pays more than min_gain
     single = opt.choose_plan(g, 4, mach, per_pass=True, min_gain=1.0)
     assert single.single is not None
@@ -560,7 +552,8 @@ def test_calibration_times_its_largest_gemm_points_once(monkeypatch):
     """A grid point whose one GEMM is at least ONE_TIMING_FLOPS is timed once after its warm-up (a call
     long enough to average out what repeats would); smaller points keep the level's repeats."""
     seen = []
-    monkeypatch.setattr(cal.blas, "gemm_gflops", lambda shapes, repeats, operands=None: seen.append(repeats) or 1.0)
+    monkeypatch.setattr(cal.blas, "gemm_gflops",
+                        lambda shapes, repeats, operands=None, backend=None: seen.append(repeats) or 1.0)
     cal._gemm_gflops(4096, 240, 4096, 2)
     cal._gemm_gflops(256, 4096, 256, 2)
     assert 2.0 * 4096 * 240 * 4096 >= cal.ONE_TIMING_FLOPS > 2.0 * 256 * 4096 * 256
@@ -579,7 +572,7 @@ def test_first_run_calibration_defers_the_3x3_direct_rate_to_the_first_layer_tha
         asked.append(kernel_widths)
         return {"direct_gflops": 50.0, "direct_k3_gflops": 40.0 if kernel_widths else 0.0}
 
-    monkeypatch.setattr(rates_mod, "measure_rates", fake_rates)
+    monkeypatch.setattr(cal, "measure_rates", fake_rates)
     first, full = flat_machine(), flat_machine()
     first.info, full.info = {"level": "first"}, {"level": "full"}
     cal._add_rates(first)
@@ -589,7 +582,7 @@ def test_first_run_calibration_defers_the_3x3_direct_rate_to_the_first_layer_tha
     assert full.direct_k3_gflops == 40.0 and full.info["deferred_rates"] == []
 
     timed = []
-    monkeypatch.setattr(rates_mod, "direct_rate",
+    monkeypatch.setattr(cal, "direct_rate",
                         lambda pass_, layers, repeats=3: timed.append((pass_, layers)) or 30.0)
     five = ConvGeometry(4, 4, 1, (8, 8), (5, 5), (2, 2), (1, 1), (1, 1), (8, 8))
     three = ConvGeometry(4, 4, 1, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1), (8, 8))

@@ -17,9 +17,11 @@ from cct.backend import cupy_available, to_numpy
 from cct.config import using_config
 from cct.io.prototxt import parse_text
 from cct.layers.base import create_layer
-from cct.lowering import ConvGeometry, get_strategy
-from cct.lowering.optimizer import PerPassLowering, supports
-from cct.lowering.partition import BatchedLowering, caffe_mode, max_batch_partition, split
+from cct.lowering import ConvGeometry, get_strategy, supports
+from cct.lowering.budget import max_batch_partition
+from cct.lowering.chunking import split
+from cct.lowering.optimizer import PerPassLowering
+from cct.lowering.partition import BatchedLowering, caffe_mode
 from cct.lowering.type2 import PartialLowering, Type2Lowering
 from cct.lowering.type3 import Type3Lowering
 from cct.proto import caffe_pb2

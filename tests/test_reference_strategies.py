@@ -11,8 +11,7 @@ import pytest
 from refcase import conv_geometries, has_convolutions, list_cases, max_rel_err, reference_available, run_case
 
 from cct.config import using_config
-from cct.lowering import get_strategy, strategy_names
-from cct.lowering.optimizer import supports
+from cct.lowering import get_strategy, strategy_names, supports
 
 pytestmark = pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
 

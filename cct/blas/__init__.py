@@ -12,7 +12,8 @@ run configuration (:class:`cct.config.BlasConfig`; ``set_backend`` changes the p
 ``CCT_BLAS`` the fallback). One module per job:
 
 * :mod:`.choice` which backend a GEMM uses (``get_backend``, ``set_backend``, ``auto``'s measurement);
-* :mod:`.multiply` the GEMM itself (``gemm``, ``matmul``, ``sgemm``);
+* :mod:`.multiply` the GEMM on the selected backend (``gemm``, ``matmul``, ``sgemm``);
+* :mod:`.product` the GEMM on a named backend (``gemm_on``; MKL's and OpenBLAS's ``cblas_?gemm``);
 * :mod:`.timing` the one GEMM timer (``gemm_gflops``, ``best_time``) every measurement uses;
 * :mod:`.threads` thread limits (``blas_threads``, ``get_num_threads``, ``set_num_threads``);
 * :mod:`.spin` idle-worker spinning of OpenBLAS (``limit_openblas_spin``) and OpenMP (``set_openmp_spin_defaults``);

@@ -17,6 +17,7 @@ from .. import config as _config
 from ..errors import CctError
 from .cache import machine_key, read_cache, write_cache
 from .mkl import load_mkl, mkl_available
+from .timing import gemm_gflops
 
 BACKENDS = ("openblas", "mkl")
 _VALID_REQUESTS = BACKENDS + ("auto",)
@@ -74,8 +75,6 @@ def get_backend() -> str:
 
 def _time_backend(name: str) -> float:
     """GFLOPS of ``name`` on the micro-benchmark shapes."""
-    from .timing import gemm_gflops
-
     return gemm_gflops(_BENCH_SHAPES, repeats=3, backend=name)
 
 

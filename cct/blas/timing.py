@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .multiply import gemm
+from .product import gemm_on
 
 Shape = tuple[int, int, int]  # (M, N, K): C[M, N] = A[M, K] @ B[K, N]
 
@@ -64,7 +64,8 @@ def gemm_gflops(shapes: Sequence[Shape], *, repeats: int = 3, duration: float | 
                 operands: OperandPool | None = None) -> float:
     """GFLOPS of ``C = A @ B`` (float32, random operands) over ``shapes`` (see module docstring).
 
-    ``backend``: the CPU BLAS backend (None: the current one); ``asarray``/``synchronize``: a
+    ``backend``: the CPU BLAS backend (``"openblas"``, ``"mkl"``; None: numpy's own, OpenBLAS; the caller
+    resolves the selected one, :func:`cct.blas.get_backend`); ``asarray``/``synchronize``: a
     device's upload and wait (GPU arrays go through ``xp.matmul``); ``barrier``: waited on after
     the warm-up (aborted if the set-up fails) so that devices measured together start together;
     ``operands``: a pool to cut the operands from (default: a fresh one).
@@ -80,7 +81,7 @@ def gemm_gflops(shapes: Sequence[Shape], *, repeats: int = 3, duration: float | 
             c = to_device(np.empty((m, n), np.float32))
             ops.append((a, b, c, 2.0 * m * n * k))
         for a, b, c, _ in ops:  # warm-up
-            gemm(a, b, out=c, backend=backend)
+            gemm_on(backend, a, b, c)
         sync()
     except BaseException:
         if barrier is not None:
@@ -94,7 +95,7 @@ def gemm_gflops(shapes: Sequence[Shape], *, repeats: int = 3, duration: float | 
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                gemm(a, b, out=c, backend=backend)
+                gemm_on(backend, a, b, c)
                 sync()
                 best = min(best, time.perf_counter() - t0)
             secs += best
@@ -104,7 +105,7 @@ def gemm_gflops(shapes: Sequence[Shape], *, repeats: int = 3, duration: float | 
     elapsed = 0.0
     while elapsed < duration:
         for a, b, c, f in ops:
-            gemm(a, b, out=c, backend=backend)
+            gemm_on(backend, a, b, c)
             flops += f
         sync()
         elapsed = time.perf_counter() - t0

@@ -413,18 +413,6 @@ class DataTransformer:
         if self.scale != 1.0:
             out *= dt.type(self.scale)
 
-    def transform_datum(self, datum: caffe_pb2.Datum, out: np.ndarray) -> None:
-        """Transform a Datum (raw uint8, float_data, or encoded) into ``out``."""
-        self.transform(self.datum_array(datum), out)
-
-    def transform_image(self, img: np.ndarray, out: np.ndarray) -> None:
-        """Transform an HxWxC (or HxW) uint8 BGR image, OpenCV layout, into ``out`` (CxH'xW')."""
-        if img.ndim == 2:
-            img = img[..., None]
-        if img.dtype != np.uint8:
-            raise self._err(f"image data type must be unsigned byte, got {img.dtype}")
-        self.transform(img.transpose(2, 0, 1), out)
-
     def __call__(self, chw: np.ndarray, dtype=np.float32) -> np.ndarray:
         """Transform a CxHxW image into a new array of ``dtype``."""
         out = np.empty(self.infer_shape(chw), dtype=dtype)

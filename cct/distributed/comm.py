@@ -35,7 +35,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -110,11 +110,6 @@ class Request:
         if done:
             self._finish()
         return done
-
-    @staticmethod
-    def wait_all(requests: Sequence[Request]) -> list:
-        """Wait for every request; returns their results in order."""
-        return [r.wait() for r in requests]
 
 
 class Comm:

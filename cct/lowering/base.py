@@ -16,7 +16,7 @@ memory budget. Adding a strategy = one module that subclasses this and calls :fu
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..backend import get_array_module
@@ -103,19 +103,27 @@ _STRATEGIES: dict[str, Callable[[], LoweringStrategy]] = {}
 
 
 def register_strategy(name: str, factory: Callable[[], LoweringStrategy]) -> None:
-    """Register a lowering under ``name`` (a class or any zero-argument factory)."""
+    """Register a lowering under ``name`` (a class or any zero-argument factory); a name already taken is
+    refused (ValueError), as the layer registry refuses a second layer type of one name. The built-in
+    strategies register when :mod:`cct.lowering` is imported (which Python does before any of its modules)."""
+    if name in _STRATEGIES and _STRATEGIES[name] is not factory:
+        raise ValueError(f"a lowering named '{name}' is registered already ({_STRATEGIES[name]!r})")
     _STRATEGIES[name] = factory
+
+
+def unregister_strategy(name: str) -> None:
+    """Remove the lowering registered as ``name`` (KeyError naming the known ones)."""
+    registry_factory(name)
+    del _STRATEGIES[name]
 
 
 def strategy_names() -> list[str]:
     """Names of the registered lowerings."""
-    _ensure_builtin()
     return sorted(_STRATEGIES)
 
 
 def registry_factory(name: str) -> Callable[[], LoweringStrategy]:
     """The factory registered as ``name`` (KeyError naming the known ones)."""
-    _ensure_builtin()
     try:
         return _STRATEGIES[name]
     except KeyError:
@@ -124,14 +132,16 @@ def registry_factory(name: str) -> Callable[[], LoweringStrategy]:
 
 def get_strategy(name: str) -> LoweringStrategy:
     """A new instance of the lowering registered as ``name`` (KeyError naming the known ones)."""
-    _ensure_builtin()
-    try:
-        factory = _STRATEGIES[name]
-    except KeyError:
-        raise KeyError(f"unknown lowering '{name}' (known: {', '.join(sorted(_STRATEGIES))})") from None
-    return factory()
+    return registry_factory(name)()
 
 
-def _ensure_builtin() -> None:
-    # Importing the built-in lowerings registers them (avoids an import cycle with this module).
-    from . import direct, fft, type1, type2, type3  # noqa: F401
+def check_names(names: Iterable[str]) -> None:
+    """KeyError naming the known lowerings for the first of ``names`` that is not registered."""
+    for name in names:
+        registry_factory(name)
+
+
+def supports(strategy: LoweringStrategy, geom: ConvGeometry) -> bool:
+    """``strategy.supports(geom)`` when the strategy defines it, else True."""
+    fn = getattr(strategy, "supports", None)
+    return True if fn is None else bool(fn(geom))

@@ -30,9 +30,13 @@ from .. import blas, kernels
 from ..errors import CctError
 from ..flags import FlagParser, add_progress_flag, command_parser
 from ..progress import Progress
+from . import type1
 from .cost_model import Machine, detect_cache_bytes, nominal_machine
+from .direct import DirectConvolution
 from .geometry import ConvGeometry
-from .rates import RATES_VERSION
+from .im2col import col2im
+from .rates import DIRECT_K3_LAYERS, RATES_VERSION, direct_rate, measure_rates, overhead_layer
+from .type2 import Type2Lowering
 
 FULL_DIMS = [4, 16, 64, 256, 1024, 4096]
 QUICK_DIMS = [8, 64, 512]
@@ -93,7 +97,7 @@ ONE_TIMING_FLOPS = 2e9
 
 def _gemm_gflops(m: int, n: int, k: int, repeats: int, pool: blas.OperandPool | None = None) -> float:
     return blas.gemm_gflops([(m, n, k)], repeats=1 if 2.0 * m * n * k >= ONE_TIMING_FLOPS else repeats,
-                            operands=pool)
+                            operands=pool, backend=blas.get_backend())
 
 
 def _big(m: int, k: int, budget: float, lo: int, hi: int) -> int:
@@ -173,8 +177,6 @@ def measure_elementwise(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24), re
 
 
 def _calib_geom(d: int, n: int = 13, k: int = 3, pad: int = 1):
-    from .geometry import ConvGeometry
-
     m = n + 2 * pad - k + 1
     return ConvGeometry(channels_in=d, channels_out=d, group=1, in_shape=(n, n), kernel=(k, k), pad=(pad, pad),
                         stride=(1, 1), dilation=(1, 1), out_shape=(m, m), bias_term=True)
@@ -192,10 +194,6 @@ def measure_lowerings(sizes: tuple[tuple[int, int], ...] = ((32, 4), (256, 16), 
 
 
 def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) -> dict:
-    from . import type1
-    from .im2col import col2im
-    from .type2 import Type2Lowering
-
     out: dict[str, dict[str, list]] = {"type1": {"lower": [], "unlower": []}, "type2": {"lower": [], "unlower": []}}
     s2 = Type2Lowering()
     for d, b in sizes:
@@ -237,10 +235,6 @@ def warm_kernel(job: str) -> None:
     """Run, once and on small inputs, the compiled kernels that calibration's ``job`` (one of
     :data:`WARM_JOBS`) times, with the argument types it times them with: numba compiles them into its
     on-disk cache, where the calibrating process finds them."""
-    from . import type1
-    from .direct import DirectConvolution
-    from .im2col import col2im
-
     if job not in WARM_JOBS:
         raise CctError(f"unknown kernel warm-up job {job!r} (one of {', '.join(WARM_JOBS)})")
     if job.startswith("train:"):
@@ -254,7 +248,6 @@ def warm_kernel(job: str) -> None:
             dcol = np.ones((16,) + g.kernel + (2,) + g.out_shape, np.float32)
             col2im(type1._col_buffer_view(dcol, 2), g.in_shape, g.kernel, g.pad, g.stride, g.dilation)
         return
-    from .rates import overhead_layer
 
     x, w, b, dy, g = overhead_layer()  # the passes as measure_call_overheads runs them
     if job == "direct:wgrad":
@@ -415,8 +408,6 @@ DEFERRED_RATES = ("direct_k3_gflops",)
 def _add_rates(machine: Machine) -> Machine:
     """Measure the direct, FFT and complex-GEMM rates into ``machine`` (:mod:`cct.lowering.rates`), on
     its own BLAS and kernel thread counts; a first-run level leaves :data:`DEFERRED_RATES` for later."""
-    from .rates import measure_rates
-
     first = machine.info.get("level") == "first"
     with _threads(machine.threads):
         for key, value in measure_rates(kernel_widths=not first).items():
@@ -433,7 +424,6 @@ def ensure_kernel_width_rate(machine: Machine, geom: ConvGeometry) -> Machine:
     deferred = machine.info.get("deferred_rates") or []
     if "direct_k3_gflops" not in deferred or geom.kernel[-1] == 5:
         return machine
-    from .rates import DIRECT_K3_LAYERS, direct_rate
 
     t0 = time.perf_counter()
     with _threads(machine.threads):

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .base import get_strategy, registry_factory
 from .gemm_ops import PASSES
 from .geometry import ConvGeometry
 
@@ -302,8 +303,6 @@ def _interp2(dims, grid, a: float, b: float) -> float:
 # ----------------------------------------------------------------------------------------------
 def strategy(name: str) -> Any:
     """The registered strategy ``name`` (one shared instance per name, for pricing only)."""
-    from .base import get_strategy, registry_factory
-
     factory = registry_factory(name)
     hit = _priced.get(name)
     if hit is None or hit[0] is not factory:
@@ -373,13 +372,9 @@ def price(ops: list[tuple], machine: Machine, lowering: str | None = None) -> di
     return out
 
 
-def predict_breakdown(name: str, geom: ConvGeometry, batch: int, machine: Machine | None = None,
-                      pass_: str = "fwd") -> dict:
-    """Predicted seconds of one pass (or ``total``) of strategy ``name``, split as :func:`price` does."""
-    if machine is None:
-        from .calibrate import load_machine
-
-        machine = load_machine(measure_if_missing=False)
+def predict_breakdown(name: str, geom: ConvGeometry, batch: int, machine: Machine, pass_: str = "fwd") -> dict:
+    """Predicted seconds of one pass (or ``total``) of strategy ``name`` on ``machine``, split as
+    :func:`price` does."""
     passes = PASSES if pass_ == "total" else (pass_,)
     parts = [price(pass_ops(name, geom, batch, p), machine, name) for p in passes]
     out = {k: sum(p[k] for p in parts) for k in parts[0]}
@@ -389,7 +384,7 @@ def predict_breakdown(name: str, geom: ConvGeometry, batch: int, machine: Machin
     return out
 
 
-def predict_seconds(name: str | Mapping[str, str], geom: ConvGeometry, batch: int, machine: Machine | None = None,
+def predict_seconds(name: str | Mapping[str, str], geom: ConvGeometry, batch: int, machine: Machine,
                     pass_: str = "fwd") -> float:
     """Predicted seconds of ``pass_`` (``fwd``/``bwd_data``/``bwd_weights``/``total``) of a strategy, or of
     a per-pass mapping ``{pass: name}`` (``total`` then sums each pass's own strategy, over the passes
@@ -448,17 +443,6 @@ def best_batch_partition(name: str | Mapping[str, str], geom: ConvGeometry, batc
 def workspace_bytes(name: str, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
     """Peak temporary bytes of one pass of strategy ``name`` on ``batch`` images (its ``workspace_bytes``)."""
     return int(strategy(name).workspace_bytes(geom, batch, itemsize))
-
-
-def describe_ops(name: str, geom: ConvGeometry, batch: int, pass_: str = "fwd") -> str:
-    """Human-readable list of the primitive operations (debugging aid)."""
-    parts = []
-    for op in pass_ops(name, geom, batch, pass_):
-        if op[0] == "gemm":
-            parts.append(f"{op[4]}x gemm({op[1]}x{op[3]} @ {op[3]}x{op[2]})")
-        else:
-            parts.append(f"{op[0]} {op[1]:.3g}")
-    return "; ".join(parts)
 
 
 def as_dict(machine: Machine | Any) -> dict:

@@ -30,49 +30,22 @@ more of them; benchmarks/README.md).
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass, field
+from typing import Any
 
-from ..config import current, update_default
-from .base import LoweringStrategy, get_strategy
+from .. import blas
+from ..config import LOWERING_MODES, EngineConfig, current, parse_overrides, update_default
+from .base import LoweringStrategy, check_names, get_strategy
+from .budget import memory_budget
+from .calibrate import load_machine
 from .gemm_ops import PASSES
 from .geometry import ConvGeometry
+from .optimizer import describe_plan, machine_for_threads, plan_convolution
+from .partition import BatchedLowering
+from .tune import device_cache, device_name, pick_on_device
 
 log = logging.getLogger("cct")
 
-MODES = ("cct", "caffe")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine-wide lowering settings (see module docstring); part of a :class:`cct.config.Config`.
-
-    Validated when built (ValueError, or KeyError naming the known lowerings); ``overrides`` may be
-    given as the ``CCT_LOWERING`` string form.
-    """
-
-    mode: str = "cct"
-    partitions: int | str = "model"
-    overrides: dict[str, str] = field(default_factory=dict)
-    calibrate: bool = os.environ.get("CCT_CALIBRATE", "0").lower() in ("1", "true", "yes")
-    tune: bool = os.environ.get("CCT_TUNE", "0").lower() in ("1", "true", "yes")
-    tune_device: bool = os.environ.get("CCT_TUNE_DEVICE", "0").lower() in ("1", "true", "yes")
-
-    def __post_init__(self) -> None:
-        from .optimizer import parse_overrides
-
-        if self.mode not in MODES:
-            raise ValueError(f"unknown lowering mode '{self.mode}' (use one of {', '.join(MODES)})")
-        p = self.partitions
-        if not (p in ("auto", "model") or (isinstance(p, int) and not isinstance(p, bool) and p >= 1)):
-            raise ValueError(f"partitions must be 'auto', 'model' or a positive int, got {p!r}")
-        parsed = parse_overrides(self.overrides) if isinstance(self.overrides, str) else dict(self.overrides)
-        for name in parsed.values():
-            get_strategy(name)  # unknown names fail here, naming the known ones
-        object.__setattr__(self, "overrides", parsed)
-        object.__setattr__(self, "calibrate", bool(self.calibrate))
-        object.__setattr__(self, "tune", bool(self.tune))
-        object.__setattr__(self, "tune_device", bool(self.tune_device))
+MODES = LOWERING_MODES
 
 
 def configure(mode: str | None = None, partitions: int | str | None = None,
@@ -99,11 +72,6 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
     :class:`~cct.lowering.partition.BatchedLowering` that executes it; logs the plan report. ``passes``:
     the passes the layer runs (default all three; a layer whose bottom needs no gradient leaves out
     ``bwd_data``), the ones the plan is priced on."""
-    from .. import blas
-    from .calibrate import load_machine
-    from .optimizer import describe_plan, parse_overrides, plan_convolution
-    from .partition import BatchedLowering
-
     cfg = config if config is not None else current().engine
     blas.limit_openblas_spin()  # once per process: idle OpenBLAS workers must not spin for ~0.1 s
     if cfg.mode == "caffe":
@@ -111,11 +79,12 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
         return BatchedLowering(get_strategy("type1"), batch_partition="caffe", partitions=1)
     overrides = dict(parse_overrides())  # CCT_LOWERING from the environment
     overrides.update(cfg.overrides)
+    check_names(overrides.values())
     machine = load_machine(measure_if_missing=cfg.calibrate)
     if cfg.calibrate and cfg.partitions == "model" and machine.threads > 1:
         # constants for two partitions too (more partitions are only considered once calibrated)
         load_machine(measure_if_missing=True, threads=machine.threads // 2)
-    budget = memory_budget_of(current())
+    budget = lowering_budget(current())
     plan = plan_convolution(geom, batch, machine, override=overrides.get(layer_name, overrides.get("*")),
                             budget=budget, partitions=cfg.partitions, passes=passes or PASSES,
                             tune=cfg.tune and not getattr(machine, "nominal", False))
@@ -123,7 +92,8 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
         lowering = BatchedLowering(plan.strategy(), batch_partition=plan.b_p, partitions=plan.partitions,
                                    budget=plan.budget)
     else:  # partitions "auto": measured by the wrapper on the first call
-        lowering = BatchedLowering(plan.strategy(), batch_partition="auto", partitions=cfg.partitions, budget=budget)
+        lowering = BatchedLowering(plan.strategy(), batch_partition="auto", partitions=cfg.partitions, budget=budget,
+                                   machine_for=machine_for_threads)
     lowering.plan_report = describe_plan(layer_name, plan)
     lowering.chosen_plan = plan
     log.info("%s", lowering.plan_report)
@@ -137,12 +107,9 @@ def plan_device_lowering(layer_name: str, geom: ConvGeometry, batch: int, xp: ob
     run over the whole batch: the override for the layer if any (``mode`` "caffe": type 1), else with
     ``tune_device`` the fastest measured there (:func:`cct.lowering.tune.pick_on_device`, cached per GPU
     model), else type 1; logs the choice."""
-    from .optimizer import parse_overrides
-    from .partition import BatchedLowering
-    from .tune import device_cache, device_name, pick_on_device
-
     cfg = config if config is not None else current().engine
     overrides = {**parse_overrides(), **cfg.overrides}
+    check_names(overrides.values())
     forced = overrides.get(layer_name, overrides.get("*"))
     measured: dict[str, float] = {}
     if cfg.mode == "caffe":
@@ -162,8 +129,8 @@ def plan_device_lowering(layer_name: str, geom: ConvGeometry, batch: int, xp: ob
     return lowering
 
 
-def memory_budget_of(cfg: object) -> int | str | None:
-    """The memory budget of a :class:`cct.config.Config` (its ``memory_budget`` field, when the config has
-    one; None: ``$CCT_LOWERING_MEMORY`` or a quarter of the available RAM, see
-    :func:`cct.lowering.partition.memory_budget`)."""
-    return getattr(cfg, "memory_budget", None)
+def lowering_budget(cfg: Any) -> int:
+    """Bytes one conv pass's temporary buffers may use under the :class:`cct.config.Config` ``cfg``:
+    ``$CCT_LOWERING_MEMORY``, else a quarter of the available RAM, at most a quarter of the config's
+    ``memory_budget`` (:func:`cct.lowering.budget.memory_budget`)."""
+    return memory_budget(None, getattr(cfg, "memory_budget", None))

@@ -20,7 +20,6 @@ import numpy as np
 
 from .. import kernels
 from ..backend import get_array_module
-from .geometry import ConvGeometry
 
 
 def _c_div(a: int, b: int) -> int:
@@ -137,13 +136,3 @@ def col2im(col: Any, in_shape: Sequence[int], kernel: Sequence[int], pad: Sequen
         return res
     out[...] = res
     return out
-
-
-def im2col_geom(x: Any, geom: ConvGeometry, out: Any = None) -> Any:
-    """:func:`im2col` with the parameters of ``geom`` (x is ``(N, C, *geom.in_shape)``)."""
-    return im2col(x, geom.kernel, geom.pad, geom.stride, geom.dilation, geom.out_shape, out=out)
-
-
-def col2im_geom(col: Any, geom: ConvGeometry, out: Any = None) -> Any:
-    """:func:`col2im` with the parameters of ``geom``."""
-    return col2im(col, geom.in_shape, geom.kernel, geom.pad, geom.stride, geom.dilation, out=out)

@@ -6,31 +6,27 @@ picks the cheapest -- per pass (forward, data gradient, weight gradient) when mi
 more than ``min_gain`` of the total, else one lowering for all passes. All lowerings compute
 the same function, so mixing them is exact.
 
-Overrides: a ``{layer_name: lowering}`` mapping, or the ``CCT_LOWERING`` environment variable
-(``type1`` for every layer, or ``conv1=type3,conv5=type1``); an override wins over the model.
-
-Log line format (:func:`describe_choice`)::
-
-    conv5: lowering type 3 (predicted fwd 11.2 ms; type 1 13.0, type 2 12.1)
+An override (the engine's ``{layer_name: lowering}`` mapping, :attr:`cct.config.EngineConfig.overrides`,
+or ``CCT_LOWERING``) wins over the model. :func:`plan_convolution` makes a layer's whole :class:`Plan`
+(strategy per pass, then partitions and ``b_p`` by :func:`cct.lowering.chunking.choose_chunking`, close
+calls settled by :mod:`cct.lowering.tune`); :func:`describe_plan` is its log line.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import LoweringStrategy, get_strategy, strategy_names
+from .. import blas
+from .base import LoweringStrategy, get_strategy, strategy_names, supports
+from .budget import max_batch_partition, memory_budget
+from .calibrate import ensure_kernel_width_rate, load_machine
+from .chunking import choose_chunking
 from .cost_model import PASSES, Machine, best_batch_partition, chunked_seconds, predict_seconds
 from .cost_model import strategy as priced_strategy
 from .geometry import ConvGeometry
-
-
-def supports(strategy: LoweringStrategy, geom: ConvGeometry) -> bool:
-    """``strategy.supports(geom)`` when the strategy defines it, else True."""
-    fn = getattr(strategy, "supports", None)
-    return True if fn is None else bool(fn(geom))
+from .tune import TuneCache, cache_for, refine
 
 
 def candidates(geom: ConvGeometry, names: list[str] | None = None) -> list[str]:
@@ -51,7 +47,7 @@ def predictions(geom: ConvGeometry, batch: int, machine: Machine | None = None, 
     Chunk-aware: every lowering is priced as the ``b_p``-image chunks
     :class:`~cct.lowering.partition.BatchedLowering` would run -- the chunk size with the least
     predicted time among those whose workspace fits the memory budget
-    (:func:`cct.lowering.partition.memory_budget`), see
+    (:func:`cct.lowering.budget.memory_budget`), see
     :func:`cct.lowering.cost_model.best_batch_partition`.
     """
     machine = _machine(machine)
@@ -60,33 +56,12 @@ def predictions(geom: ConvGeometry, batch: int, machine: Machine | None = None, 
 
 def _chunked_seconds(name: str, geom: ConvGeometry, batch: int, machine: Machine, pass_: str,
                      budget: int | str | None) -> float:
-    from .partition import max_batch_partition
-
     if batch <= 1:
         return predict_seconds(name, geom, max(batch, 1), machine, pass_)
     cap = max_batch_partition(get_strategy(name), geom, batch, 4, budget)
     # the chunk size is chosen once for the whole iteration (all three passes), as BatchedLowering does
     bp, _ = best_batch_partition(name, geom, batch, machine, "total", max_bp=cap)
     return chunked_seconds(name, geom, batch, bp, machine, pass_)
-
-
-def choose_lowering(geom: ConvGeometry, batch: int, machine: Machine | None = None, pass_: str = "fwd",
-                    names: list[str] | None = None, override: str | None = None,
-                    budget: int | str | None = None) -> tuple[str, dict[str, float]]:
-    """``(name, {name: predicted seconds})``: the cheapest lowering for ``pass_``.
-
-    ``pass_``: ``fwd``, ``bwd_data``, ``bwd_weights`` or ``total``. ``override`` (a lowering
-    name) is returned as is when it supports ``geom`` (ValueError otherwise).
-    """
-    preds = predictions(geom, batch, machine, pass_, names, budget)
-    if override:
-        if not supports(get_strategy(override), geom):
-            raise ValueError(f"lowering '{override}' cannot compute this convolution")
-        return override, preds
-    if not preds:
-        raise ValueError("no lowering supports this convolution")
-    best = min(preds, key=lambda n: (preds[n], n))
-    return best, preds
 
 
 @dataclass
@@ -142,15 +117,6 @@ class Plan:
         return max((self.workspace.get(n, 0) for n in set(self.names.values())), default=0)
 
 
-LoweringPlan = Plan  # the name of the per-pass choice before plans carried b_p and partitions
-
-
-def _budget_bytes(budget: int | str | None) -> int:
-    from .partition import memory_budget
-
-    return memory_budget(budget)
-
-
 def choose_plan(geom: ConvGeometry, batch: int, machine: Machine | None = None, per_pass: bool = True,
                 min_gain: float = 0.05, override: str | None = None,
                 names: list[str] | None = None, budget: int | str | None = None,
@@ -159,11 +125,9 @@ def choose_plan(geom: ConvGeometry, batch: int, machine: Machine | None = None, 
     among the candidates whose workspace fits the memory budget at one image per chunk; the fastest
     that fits wins (ZNNi's memory-aware choice). When none fits, the one with the smallest workspace."""
     machine = _machine(machine)
-    cap = _budget_bytes(budget)
+    cap = memory_budget(budget)
     preds = {p: predictions(geom, batch, machine, p, names, cap) for p in PASSES}
     common = [n for n in preds["fwd"] if all(n in preds[p] for p in PASSES)]
-    from .partition import max_batch_partition
-
     ws = {}
     for n in common:
         bp = max_batch_partition(get_strategy(n), geom, max(batch, 1), 4, cap) if batch > 1 else 1
@@ -192,49 +156,8 @@ def choose_plan(geom: ConvGeometry, batch: int, machine: Machine | None = None, 
     return plan
 
 
-def choose_chunking(names: dict[str, str], geom: ConvGeometry, batch: int, threads: int,
-                    budget: int | str | None = None, partitions: int | None = None,
-                    machine_for: Callable[[int], Machine] | None = None) -> tuple[int, int, float]:
-    """``(partitions, b_p, predicted seconds)`` for running the passes ``names`` on ``batch`` images:
-    each candidate partition count ``p`` (or the given one) priced with the constants measured for
-    ``threads // p`` BLAS threads (counts without measured constants are skipped), its chunk size by
-    :func:`cost_model.best_batch_partition` within ``budget / p``. The one place both are decided."""
-    from .cost_model import detect_cache_bytes, price
-    from .partition import max_batch_partition, reduction_ops, split
-
-    machine_for = machine_for or _machine_for_threads
-    cap = _budget_bytes(budget)
-    handoff = getattr(machine_for(threads), "partition_overhead_s", Machine.partition_overhead_s)  # whole machine
-    pool = [partitions] if partitions else _partition_candidates(threads, batch)
-    best: tuple[int, int, float] | None = None
-    for p in pool:
-        per = max(1, threads // p)
-        mach = machine_for(per)
-        if p > 1 and partitions is None and getattr(mach, "nominal", False):
-            continue  # no measured constants for this thread count: do not guess
-        if p > 1 and hasattr(mach, "cache_bytes"):  # concurrent partitions share the last-level cache
-            mach = dataclasses.replace(mach, cache_bytes=max(1, (mach.cache_bytes or detect_cache_bytes()) // p))
-        per_part = max((e - s for s, e in split(batch, p)), default=0) if batch else 0
-        if per_part < 1:
-            bp, t = 1, 0.0
-        else:
-            bp_cap = min(max_batch_partition(get_strategy(n), geom, per_part, 4, cap // p) for n in set(names.values()))
-            bp, t = best_batch_partition(names, geom, per_part, mach, "total", max_bp=bp_cap)
-        t += handoff * p if p > 1 else 0.0
-        if "bwd_weights" in names and per_part >= 1:  # the partitions' weight gradients summed, once a call
-            t += price(reduction_ops(get_strategy(names["bwd_weights"]), geom, p), mach)["total"]
-        if best is None or t < best[2]:
-            best = (p, bp, t)
-    return best if best is not None else (1, max(1, batch), 0.0)
-
-
-def _partition_candidates(threads: int, batch: int) -> tuple[int, ...]:
-    return tuple(sorted({p for p in (1, 2, 4, 8, 16, threads) if 1 <= p <= max(1, min(threads, batch))}))
-
-
-def _machine_for_threads(threads: int) -> Machine:
-    from .calibrate import load_machine
-
+def machine_for_threads(threads: int) -> Machine:
+    """The calibrated constants cached for ``threads`` BLAS threads (the nominal model when none are)."""
     return load_machine(measure_if_missing=False, threads=threads)
 
 
@@ -249,9 +172,6 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
     ``"auto"`` leaves both to measurement by the executing wrapper: ``b_p = 0``). ``tune``: settle the
     close calls by running them (:func:`cct.lowering.tune.refine`; cached per calibrated machine, or in the
     given :class:`~cct.lowering.tune.TuneCache`)."""
-    from .. import blas
-    from .calibrate import ensure_kernel_width_rate
-
     if machine is not None:
         machine = ensure_kernel_width_rate(machine, geom)
     plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override,
@@ -264,12 +184,10 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
         full = machine.threads
 
         def machine_for(t: int, _m=machine, _full=full) -> Machine:
-            return _m if t == _full or getattr(_m, "nominal", False) else _machine_for_threads(t)
+            return _m if t == _full or getattr(_m, "nominal", False) else machine_for_threads(t)
     given = machine_for
-    machine_for = None if given is None else (lambda t: ensure_kernel_width_rate(given(t), geom))
+    machine_for = machine_for_threads if given is None else (lambda t: ensure_kernel_width_rate(given(t), geom))
     if tune:
-        from .tune import TuneCache, cache_for, refine
-
         def chunking(run: dict[str, str]) -> tuple[int, int]:
             return choose_chunking(run, geom, batch, total, plan.budget, fixed, machine_for)[:2]
 
@@ -360,35 +278,6 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
 
 
-def describe_choice(layer_name: str, name: str | LoweringPlan, preds: Mapping[str, float] | None = None,
-                    pass_: str = "fwd") -> str:
-    """The optimizer's log line, e.g.
-    ``conv5: lowering type 3 (predicted fwd 11.2 ms; type 1 13.0, type 2 12.1)``.
-
-    Accepts ``(layer, name, predictions, pass_)`` or ``(layer, plan)``; a per-pass plan adds
-    one clause per pass whose choice differs from the forward one.
-    """
-    if isinstance(name, LoweringPlan):
-        plan = name
-        line = describe_choice(layer_name, plan.fwd, plan.predictions.get("fwd", {}), "fwd")
-        extra = []
-        for p in ("bwd_data", "bwd_weights"):
-            chosen = getattr(plan, p)
-            if chosen != plan.fwd:
-                others = ", ".join(f"{_pretty(n)} {_ms(v)}" for n, v in sorted(plan.predictions[p].items())
-                                   if n != chosen)
-                extra.append(f"{p} {_pretty(chosen)} (predicted {_ms(plan.predictions[p][chosen])} ms; {others})")
-        if plan.overridden:
-            line += " [override]"
-        return line + ("; " + "; ".join(extra) if extra else "")
-    preds = dict(preds or {})
-    head = f"{layer_name}: lowering {_pretty(name)}"
-    if name not in preds:
-        return head
-    others = ", ".join(f"{_pretty(n)} {_ms(v)}" for n, v in sorted(preds.items()) if n != name)
-    return f"{head} (predicted {pass_} {_ms(preds[name])} ms" + (f"; {others})" if others else ")")
-
-
 def _mib(b: float) -> str:
     return f"{b / 2**20:.1f} MiB"
 
@@ -425,39 +314,7 @@ def describe_plan(layer_name: str, plan: Plan) -> str:
     return line
 
 
-def parse_overrides(spec: str | None = None) -> dict[str, str]:
-    """Parse ``CCT_LOWERING`` (or ``spec``): ``"type1"`` -> ``{"*": "type1"}``;
-    ``"conv1=type3,conv5=type1"`` -> per-layer mapping."""
-    spec = os.environ.get("CCT_LOWERING", "") if spec is None else spec
-    out: dict[str, str] = {}
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        if "=" in part:
-            k, v = part.split("=", 1)
-            out[k.strip()] = v.strip()
-        else:
-            out["*"] = part
-    for v in out.values():
-        get_strategy(v)  # KeyError naming the known lowerings
-    return out
-
-
-def lowering_for_layer(layer_name: str, geom: ConvGeometry, batch: int, machine: Machine | None = None,
-                       overrides: Mapping[str, str] | None = None, per_pass: bool = True,
-                       min_gain: float = 0.05,
-                       budget: int | str | None = None) -> tuple[LoweringStrategy, LoweringPlan, str]:
-    """``(strategy, plan, log line)`` for one conv layer (what an engine calls at setup)."""
-    ov = dict(parse_overrides()) if overrides is None else dict(overrides)
-    override = ov.get(layer_name, ov.get("*"))
-    plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override,
-                       budget=budget)
-    return plan.strategy(), plan, describe_choice(layer_name, plan)
-
-
 def _machine(machine: Machine | None) -> Machine:
     if machine is not None:
         return machine
-    from .calibrate import load_machine
-
     return load_machine(measure_if_missing=True)

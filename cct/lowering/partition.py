@@ -4,8 +4,8 @@ Two knobs, both provided by the wrapper strategy :class:`BatchedLowering`:
 
 * ``b_p`` (``batch_partition``): how many images one lowering + GEMM covers. CcT lowers the
   whole batch at once (``b_p = N``) as long as the lowered matrices fit a memory budget
-  (:func:`memory_budget`: ``$CCT_LOWERING_MEMORY`` or a quarter of the available RAM), else
-  the largest ``b_p`` that fits (:func:`max_batch_partition`). ``b_p = 1`` is Caffe's mode
+  (:func:`cct.lowering.budget.memory_budget`), else the largest ``b_p`` that fits
+  (:func:`cct.lowering.budget.max_batch_partition`). ``b_p = 1`` is Caffe's mode
   (lower and multiply one image at a time), kept for the benchmarks that compare against it.
   With ``batch_partition="auto"`` the cost model picks ``b_p`` among the sizes that fit the
   budget (:func:`cct.lowering.cost_model.best_batch_partition`): per-chunk sweeps are priced by
@@ -35,9 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -46,95 +43,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import blas
+from .. import blas, kernels
 from ..backend import get_array_module
 from ..config import submit_in_context
 from .base import IntoLowering, LoweringStrategy
+from .budget import max_batch_partition, memory_budget, workspace_bytes
+from .chunking import choose_chunking, chunks, partition_candidates, split
+from .cost_model import PASSES, Machine, nominal_machine
 from .geometry import ConvGeometry
-
-DEFAULT_FRACTION = 0.25
-MIN_BUDGET = 64 << 20
-
-
-def parse_bytes(text: str) -> int:
-    """``"512M"``, ``"2G"``, ``"1.5GiB"``, ``"1000000"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(text))
-    if not m:
-        raise ValueError(f"cannot parse a memory size from {text!r}")
-    mult = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
-    return int(float(m.group(1)) * mult)
-
-
-def available_memory() -> int:
-    """Bytes of RAM available now (MemAvailable, else free pages via os.sysconf)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover
-        return 4 << 30
-
-
-def memory_budget(budget: int | str | None = None) -> int:
-    """Bytes the lowered matrices of one conv pass may use.
-
-    ``budget`` (bytes or a size string) wins; then ``$CCT_LOWERING_MEMORY``; else a quarter of
-    the available RAM (at least 64 MiB).
-    """
-    if budget is not None:
-        return parse_bytes(budget) if isinstance(budget, str) else int(budget)
-    env = os.environ.get("CCT_LOWERING_MEMORY")
-    if env:
-        return parse_bytes(env)
-    return max(MIN_BUDGET, int(available_memory() * DEFAULT_FRACTION))
-
-
-def workspace_bytes(strategy: LoweringStrategy, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
-    """Temporary memory of one pass of ``strategy`` on ``batch`` images (0 when it does not declare it:
-    a hand-set strategy without a cost model is not held to the budget)."""
-    try:
-        return int(strategy.workspace_bytes(geom, batch, itemsize))
-    except NotImplementedError:
-        return 0
-
-
-def max_batch_partition(strategy: LoweringStrategy, geom: ConvGeometry, batch: int, itemsize: int = 4,
-                        budget: int | str | None = None) -> int:
-    """Largest ``b_p`` in ``[1, batch]`` whose workspace fits the budget (1 if none does)."""
-    cap = memory_budget(budget)
-    if batch <= 1 or workspace_bytes(strategy, geom, batch, itemsize) <= cap:
-        return max(1, batch)
-    lo, hi = 1, batch  # invariant: answer in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if workspace_bytes(strategy, geom, mid, itemsize) <= cap:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def split(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous near-equal ``[start, stop)`` ranges covering ``range(n)`` (no empties)."""
-    parts = max(1, min(parts, n)) if n else 1
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        stop = start + base + (1 if i < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
-
-
-def chunks(start: int, stop: int, size: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` in pieces of at most ``size``."""
-    size = max(1, size)
-    return [(s, min(s + size, stop)) for s in range(start, stop, size)]
 
 
 class BatchedLowering(IntoLowering):
@@ -154,7 +70,8 @@ class BatchedLowering(IntoLowering):
 
     def __init__(self, inner: LoweringStrategy, batch_partition: int | str = "auto",
                  partitions: int | str = 1, threads: int | None = None, budget: int | str | None = None,
-                 candidates: tuple[int, ...] | None = None, machine: Any = None):
+                 candidates: tuple[int, ...] | None = None, machine: Any = None,
+                 machine_for: Callable[[int], Machine] | None = None):
         self.inner = inner
         self.name = inner.name
         if batch_partition == "caffe":
@@ -169,7 +86,10 @@ class BatchedLowering(IntoLowering):
         self.threads = threads
         self.budget = budget
         self.candidates = candidates
-        self.machine = machine  # cost-model constants (default: the calibrated ones per thread count)
+        # cost-model constants for "auto"/"model": one machine, or one per BLAS thread count (the engine gives
+        # the calibrated ones); neither: the nominal model
+        self.machine = machine
+        self.machine_for = machine_for
         self._pool: ThreadPoolExecutor | None = None
         self._chosen: dict[tuple, int] = {}
         self._plans: dict[tuple, dict] = {}
@@ -193,8 +113,6 @@ class BatchedLowering(IntoLowering):
 
     def _pass_names(self) -> dict[str, str] | None:
         """The strategy run by each pass (a per-pass plan mixes them), or None if one has no cost model."""
-        from .cost_model import PASSES
-
         names = {}
         for q in PASSES:
             s = getattr(self.inner, q, None)
@@ -205,11 +123,13 @@ class BatchedLowering(IntoLowering):
         return names
 
     def _model_chunking(self, geom: ConvGeometry, batch: int, partitions: int | None) -> tuple[int, int, float]:
-        """``(p, b_p, predicted s)`` by the optimizer's one chooser (:func:`optimizer.choose_chunking`)."""
-        from .optimizer import choose_chunking
-
+        """``(p, b_p, predicted s)`` by the one chooser (:func:`cct.lowering.chunking.choose_chunking`)."""
         names = self._pass_names()
-        machine_for = (lambda t: self.machine) if self.machine is not None else None
+        if self.machine_for is not None:
+            machine_for = self.machine_for
+        else:
+            fixed = self.machine if self.machine is not None else nominal_machine()
+            machine_for = lambda t: fixed  # noqa: E731
         if names is None:  # no cost model: CcT's default, the largest chunk that fits
             p = partitions or 1
             per_part = max((e - s for s, e in split(batch, p)), default=1)
@@ -318,7 +238,7 @@ class BatchedLowering(IntoLowering):
         if dkey in disk:
             self._chosen[key] = int(disk[dkey])
             return self._chosen[key], False
-        cands = self.candidates or _default_candidates(self.total_threads(), batch)
+        cands = self.candidates or partition_candidates(self.total_threads(), batch)
         timings = {c: measure(c) for c in cands}
         best = min(timings, key=timings.get)
         self.last_timings = timings
@@ -444,17 +364,6 @@ class BatchedLowering(IntoLowering):
         return f"<lowering {self.name} b_p={self.batch_partition} p={self.partitions}>"
 
 
-def reduction_ops(strategy: LoweringStrategy, geom: ConvGeometry, partitions: int) -> list[tuple]:
-    """The sweeps :meth:`BatchedLowering.backward_into` adds to a weight-gradient pass over its chunks,
-    once per call: each partition's private gradient zeroed and summed into ``dw`` -- for a strategy
-    that accumulates the transposed gradient (``transposed_weight_grad``) one transposing add at the
-    end, even with one partition."""
-    w = math.prod(geom.weight_shape)
-    if getattr(strategy, "transposed_weight_grad", False) and getattr(strategy, "backward_into", None):
-        return [("zero", partitions * w), ("add", (partitions - 1) * w), ("add", w)]
-    return [("zero", partitions * w), ("add", partitions * w)] if partitions > 1 else []
-
-
 def _in_device_memory(a: Any) -> bool:
     """True for arrays in a GPU's memory: there one lowering + GEMM covers the whole batch (the
     host's cache-sized chunks and thread partitions do not apply; kernel launches favour few big calls)."""
@@ -463,10 +372,6 @@ def _in_device_memory(a: Any) -> bool:
 
 def _kernel_threads(n: int):
     """Limit cct's compiled (numba) kernels to ``n`` threads in the calling thread, if they are on."""
-    try:
-        from .. import kernels
-    except ImportError:  # pragma: no cover
-        return contextlib.nullcontext()
     if not kernels.enabled():
         return contextlib.nullcontext()
     return kernels.num_threads(n)
@@ -475,12 +380,6 @@ def _kernel_threads(n: int):
 def caffe_mode(inner: LoweringStrategy) -> BatchedLowering:
     """Caffe's convolution batching: lower + GEMM one image at a time (``b_p = 1``)."""
     return BatchedLowering(inner, batch_partition=1, partitions=1)
-
-
-def _default_candidates(threads: int, batch: int) -> tuple[int, ...]:
-    from .optimizer import _partition_candidates
-
-    return _partition_candidates(threads, batch)
 
 
 def _partition_cache_name() -> str:
@@ -497,5 +396,4 @@ def describe(strategy: LoweringStrategy, geom: ConvGeometry, batch: int, itemsiz
     return f"b_p={batch} p=1 workspace {ws / 2**30:.2f} GiB"
 
 
-__all__ = ["BatchedLowering", "available_memory", "caffe_mode", "chunks", "describe", "max_batch_partition",
-           "memory_budget", "parse_bytes", "split", "workspace_bytes"]
+__all__ = ["BatchedLowering", "caffe_mode", "describe"]

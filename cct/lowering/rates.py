@@ -37,8 +37,13 @@ from typing import Any
 import numpy as np
 
 from .. import blas, kernels
+from .base import get_strategy, strategy_names
 from .cost_model import FFT_LARGE_POINTS, FFT_POINTS
+from .direct import DirectConvolution
+from .direct_layout import Scratch
+from .fft import _fft_flops, half_shape, inverse_spectrum, spectrum
 from .geometry import ConvGeometry
+from .partition import BatchedLowering
 
 #: bumped when a measured kernel changes enough that cached rates mislead (2: register-blocked direct;
 #: 3: its weight gradient; 4: rates over the multiply-adds the tiles compute; 5: the FFT rate best of three passes;
@@ -70,8 +75,6 @@ def direct_rate(pass_: str, layers: tuple[tuple[int, int, int], ...], repeats: i
     """GFLOPS of the direct kernels' ``pass_`` over ``layers`` (``(channels, size, kernel)``, 32 images
     each), each timed beside its twins (:func:`loaded_best_time`), counting the multiply-adds the tiles
     compute as :meth:`~cct.lowering.direct.DirectConvolution.pass_ops` declares them."""
-    from .direct import DirectConvolution
-
     rng = np.random.default_rng(0)
     seconds = flops = 0.0
     for c, n, k in layers:
@@ -92,9 +95,6 @@ def measure_rates(repeats: int = 3, kernel_widths: bool = True) -> dict[str, flo
     the module docstring). Complex GEMMs are priced from the real GEMM grids (a complex multiply-add
     is four real ones). Without ``kernel_widths`` the 3x3 forward rate is left out (0.0: measured when a
     layer first needs it, :func:`cct.lowering.calibrate.ensure_kernel_width_rate`)."""
-    from .direct_layout import Scratch
-    from .fft import _fft_flops, half_shape, inverse_spectrum, spectrum
-
     blas.limit_openblas_spin()  # as in a net: GEMM workers spinning after the grids would slow the kernels
     rng = np.random.default_rng(0)
     # conv-like transforms as FFTConvolution runs them: 14x14 planes zero-extended to 18x18 written
@@ -129,9 +129,6 @@ def measure_partition_overhead(repeats: int = 20) -> float:
     """Seconds per partition of running a pass in parallel batch partitions, one per core, with no work
     in them (:meth:`~cct.lowering.partition.BatchedLowering`'s hand-off to its worker threads and the
     join; a 2-core Zen 5 VM: 30-33 us a partition); 0 on one core."""
-    from .base import get_strategy
-    from .partition import BatchedLowering
-
     p = os.cpu_count() or 1
     if p < 2:
         return 0.0
@@ -145,9 +142,6 @@ def measure_chunk_overhead(repeats: int = 10, chunks: int = 4) -> float:
     """Seconds :class:`~cct.lowering.partition.BatchedLowering` adds per chunk beyond the strategy's own
     call: a forward pass of type 1 on ``chunks`` one-image chunks of a trivial layer against ``chunks``
     calls of type 1 alone (0 when within noise)."""
-    from .base import get_strategy
-    from .partition import BatchedLowering
-
     rng = np.random.default_rng(2)
     g = rate_geometry(8, 8, 4, 5)
     x = rng.standard_normal((chunks, 8, 4, 4), dtype=np.float32)
@@ -199,8 +193,6 @@ def overhead_layer() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Co
 
 def measure_call_overheads(repeats: int = 10) -> dict[str, dict[str, float]]:
     """``{strategy: {pass: seconds}}`` of one call of every registered strategy on a trivial layer."""
-    from .base import get_strategy, strategy_names
-
     x, w, b, dy, g = overhead_layer()
     out: dict[str, dict[str, float]] = {}
     for _ in range(2):  # two sweeps over the strategies, each call keeping its best

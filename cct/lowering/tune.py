@@ -29,8 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from .. import blas
+from .base import get_strategy, strategy_names, supports
 from .cost_model import PASSES, Machine
 from .geometry import ConvGeometry
+from .partition import BatchedLowering
 
 log = logging.getLogger("cct")
 
@@ -137,25 +140,21 @@ class TuneCache:
         return cache
 
     def _load(self, name: str, stamp: str, persist: bool) -> None:
-        from ..blas import read_cache
-
         self.persist, self.name, self.stamp = persist, name, stamp
-        data = read_cache(self.name) if self.persist else None
+        data = blas.read_cache(self.name) if self.persist else None
         self.entries: dict[str, dict] = data["entries"] if data and data.get("stamp") == self.stamp else {}
 
     def get(self, key: str) -> dict | None:
         return self.entries.get(key)
 
     def put(self, key: str, entry: dict) -> None:
-        from ..blas import read_cache, write_cache
-
         self.entries[key] = entry
         if self.persist:
-            data = read_cache(self.name)  # another process may have added entries since
+            data = blas.read_cache(self.name)  # another process may have added entries since
             if data and data.get("stamp") == self.stamp:
                 self.entries = {**data["entries"], **self.entries}
             try:
-                write_cache(self.name, {"stamp": self.stamp, "entries": self.entries})
+                blas.write_cache(self.name, {"stamp": self.stamp, "entries": self.entries})
             except OSError as e:  # a read-only cache dir: the outcome is kept for this process only
                 log.warning("could not save the measured lowering picks: %s", e)
 
@@ -205,10 +204,6 @@ def pick_on_device(geom: ConvGeometry, batch: int, passes: tuple[str, ...], xp: 
     is the pick where it beats ``default`` by more than :data:`MIN_GAIN`. A candidate that runs out of
     device memory is dropped; one more than 3x slower than the fastest on its first timed call is not
     timed again. The rounds are bounded by :data:`LAYER_SECONDS`."""
-    from .base import get_strategy, strategy_names
-    from .optimizer import supports
-    from .partition import BatchedLowering
-
     pool = [n for n in (names if names is not None else strategy_names()) if supports(get_strategy(n), geom)]
     if default not in pool or batch < 1 or len(pool) < 2:
         return default, {}
@@ -301,8 +296,6 @@ def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[s
     ``plan.measured`` records ``{label: seconds}``. ``chunking({pass: name}) -> (partitions, b_p)`` is
     how the engine would run a candidate. A layer whose measurements would exceed :data:`LAYER_SECONDS`
     keeps the model's plan; an overridden plan is returned as is."""
-    from .partition import BatchedLowering
-
     if plan.overridden or batch < 1:
         return plan
     run = plan.passes
