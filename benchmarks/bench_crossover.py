@@ -161,8 +161,7 @@ def net3d(args, machine, rep) -> dict:
             try:
                 with using_config(engine={"overrides": overrides}):
                     net = cct.Net(param, cct.TEST)
-                    ws = [lay.lowering.chosen_plan.chosen_workspace() for lay in net.layers
-                          if getattr(getattr(lay, "_lowering", None), "chosen_plan", None) is not None]
+                    ws = [lay.plan.chosen_workspace() for lay in net.layers if getattr(lay, "plan", None) is not None]
                     if name != "optimizer" and max(ws, default=0) > budget:
                         points.append({"size": s, "strategy": name, "skipped": "over budget"})
                         continue

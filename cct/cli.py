@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import env
 from .errors import CctError, LayerError
 from .flags import FlagParser, add_progress_flag, command_parser
 from .progress import Progress
@@ -122,7 +123,6 @@ def _wants_progress(args: argparse.Namespace) -> bool:
 def _configure_engine(args, calibrate: bool):
     """The engine settings of the lowering flags; calibrate the machine once (cached) unless CCT_CALIBRATE=0,
     and settle the cost model's close calls by measuring them (cached) unless CCT_TUNE=0."""
-    import os
 
     from .config import EngineConfig
     from .lowering.base import check_names
@@ -133,9 +133,9 @@ def _configure_engine(args, calibrate: bool):
     if args.lowering:
         overrides = args.lowering if "=" in args.lowering else {"*": args.lowering}
     try:
-        calibrate = calibrate and os.environ.get("CCT_CALIBRATE", "1") != "0"
+        calibrate = calibrate and not env.is_off("CCT_CALIBRATE")
         cfg = EngineConfig(mode=args.lowering_mode, partitions=parts, overrides=overrides or {},
-                           calibrate=calibrate, tune=calibrate and os.environ.get("CCT_TUNE", "1") != "0")
+                           calibrate=calibrate, tune=calibrate and not env.is_off("CCT_TUNE"))
         check_names(cfg.overrides.values())
         return cfg
     except (KeyError, ValueError) as e:
@@ -446,7 +446,7 @@ def run_time(args: argparse.Namespace) -> int:
     log.info("Average Forward-Backward: %g ms.", total * 1e3 / n)
     log.info("Total Time: %g ms.", total * 1e3)
     for i, layer in enumerate(net.layers):  # the engine's plan per conv layer, next to its measured time
-        report = getattr(getattr(layer, "_lowering", None), "plan_report", None)
+        report = getattr(layer, "plan_report", None)
         if report:
             log.info("Plan %s; measured %g ms", report, (fwd[i] + bwd[i]) * 1e3 / n)
     log.info("*** Benchmark ends ***")

@@ -30,12 +30,12 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import env
 from .errors import CctError
 from .membudget import default_budget
 
@@ -63,15 +63,10 @@ class BlasConfig:
 LOWERING_MODES = ("cct", "caffe")
 
 
-def _env_flag(name: str, default: str = "0") -> bool:
-    """An on/off environment variable (``1``/``true``/``yes`` is on), read when a setting is built."""
-    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes")
-
-
 def parse_overrides(spec: str | None = None) -> dict[str, str]:
     """Parse ``CCT_LOWERING`` (or ``spec``): ``"type1"`` -> ``{"*": "type1"}``; ``"conv1=type3,conv5=type1"``
     -> per-layer mapping. The names are checked against the strategies registered when a layer is planned."""
-    spec = os.environ.get("CCT_LOWERING", "") if spec is None else spec
+    spec = env.text("CCT_LOWERING") if spec is None else spec
     out: dict[str, str] = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
@@ -98,9 +93,9 @@ class EngineConfig:
     mode: str = "cct"
     partitions: int | str = "model"
     overrides: dict[str, str] = field(default_factory=dict)
-    calibrate: bool = field(default_factory=lambda: _env_flag("CCT_CALIBRATE"))
-    tune: bool = field(default_factory=lambda: _env_flag("CCT_TUNE"))
-    tune_device: bool = field(default_factory=lambda: _env_flag("CCT_TUNE_DEVICE"))
+    calibrate: bool = field(default_factory=lambda: env.flag("CCT_CALIBRATE"))
+    tune: bool = field(default_factory=lambda: env.flag("CCT_TUNE"))
+    tune_device: bool = field(default_factory=lambda: env.flag("CCT_TUNE_DEVICE"))
 
     def __post_init__(self) -> None:
         if self.mode not in LOWERING_MODES:
@@ -117,7 +112,7 @@ class EngineConfig:
 
 def python_layers_from_env() -> bool:
     """``$CCT_PYTHON_LAYERS``: ``0``/``false``/``no``/``off`` refuse ``type: "Python"`` layers (default: allowed)."""
-    return os.environ.get("CCT_PYTHON_LAYERS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return not env.is_off("CCT_PYTHON_LAYERS")
 
 
 @dataclass(frozen=True)

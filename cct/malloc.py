@@ -20,6 +20,8 @@ import os
 import platform
 import threading
 
+from . import env
+
 log = logging.getLogger("cct")
 
 M_TRIM_THRESHOLD = -1
@@ -38,7 +40,7 @@ def tune_malloc() -> bool:
         if _done:
             return False
         _done = True
-        if os.environ.get("CCT_MALLOC_TUNE", "1").strip().lower() in ("0", "off", "no", "false"):
+        if env.is_off("CCT_MALLOC_TUNE"):
             return False
         if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
             return False

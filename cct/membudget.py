@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 
+from . import env
 from .errors import MemoryBudgetError
 
 INT_MAX = 2**31 - 1
@@ -50,9 +51,8 @@ def physical_memory() -> int | None:
 
 def default_budget() -> int | None:
     """``$CCT_MEMORY_BUDGET`` if set, else :func:`physical_memory`."""
-    env = os.environ.get("CCT_MEMORY_BUDGET")
-    if env is not None:
-        return parse_size(env)
+    if env.is_set("CCT_MEMORY_BUDGET"):
+        return parse_size(env.text("CCT_MEMORY_BUDGET"))
     return physical_memory()
 
 

@@ -5,8 +5,9 @@ Tests, benchmarks and docs derive every path to it from :func:`shared_dir`, neve
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from . import env
 
 
 def repo_root() -> Path:
@@ -16,8 +17,9 @@ def repo_root() -> Path:
 
 def shared_dir() -> Path:
     """The shared folder: ``$CCT_SHARED_DIR`` if set, else ``<repo>/../shared`` (may not exist)."""
-    env = os.environ.get("CCT_SHARED_DIR")
-    return Path(env).expanduser() if env else repo_root().parent / "shared"
+    if env.is_set("CCT_SHARED_DIR"):
+        return Path(env.text("CCT_SHARED_DIR")).expanduser()
+    return repo_root().parent / "shared"
 
 
 def shared_path(*parts: str) -> Path:

@@ -15,16 +15,17 @@ handlers it redirects are restored when it closes.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import IO, Any
+
+from . import env
 
 __all__ = ["Progress", "progress_enabled"]
 
 
 def progress_enabled(requested: bool = True, stream: IO[str] | None = None) -> bool:
     """Whether a bar should be drawn on ``stream`` (default stderr): requested, a TTY, CCT_PROGRESS != 0."""
-    if not requested or os.environ.get("CCT_PROGRESS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not requested or env.is_off("CCT_PROGRESS"):
         return False
     stream = sys.stderr if stream is None else stream
     try:

@@ -61,6 +61,7 @@ def test_two_nets_with_different_configs_in_one_process():
     assert caffe_mode.layer_by_name("conv1").lowering.batch_partition == 1  # one image per GEMM
     conv1 = a.layer_by_name("conv1").lowering  # cct mode: the chunk size the optimizer's plan chose
     assert conv1.batch_partition == conv1.chosen_plan.b_p >= 1
+    assert a.layer_by_name("conv1").plan is conv1.chosen_plan and not a.layer_by_name("conv1").lowering_set_by_user
 
 
 def test_two_nets_with_different_devices():

@@ -317,7 +317,7 @@ def test_registered_toy_strategy_is_chosen_when_cheapest():
         line = opt.describe_plan("conv", plan)
         assert line.startswith("conv: toy, b_p=") and "type 1" in line and "workspace" in line
     finally:
-        del base._STRATEGIES["toy"]
+        base.unregister_strategy("toy")
     assert "toy" not in opt.candidates(g)
 
 

@@ -145,3 +145,65 @@ def test_no_new_global_statement():
             found[path.relative_to(ROOT).as_posix()] = n
     grown = {f: n for f, n in found.items() if n > GLOBAL_STATEMENTS.get(f, 0)}
     assert not grown, f"new `global` statements (pass state as objects instead): {grown}"
+
+
+def test_the_strategy_registry_refuses_a_second_strategy_of_one_name():
+    from cct.lowering import base, get_strategy
+
+    class Other(base.LoweringStrategy):
+        name = "type1"
+
+    with pytest.raises(ValueError, match="'type1' is registered already"):
+        base.register_strategy("type1", Other)
+    assert type(get_strategy("type1")).__name__ == "Type1Lowering"
+    base.register_strategy("type1", base.registry_factory("type1"))  # the same factory again: a no-op
+    with pytest.raises(KeyError, match="unknown lowering 'nope'"):
+        base.unregister_strategy("nope")
+
+
+# -- environment variables: declared once (cct/env.py), read through it --------------------------------------
+def _cct_literals(tree: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and n.value.startswith("CCT_") and n.value.rstrip("_").replace("_", "").isalnum() and n.value.isupper()}
+
+
+def test_every_cct_variable_is_declared_and_read_through_cct_env():
+    from cct import env
+
+    declared = {k.name for k in env.KNOBS}
+    for mod, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        unknown = _cct_literals(tree) - declared
+        assert not unknown, f"{path.relative_to(ROOT)}: {sorted(unknown)} not declared in cct/env.py"
+        if mod == "cct.env":
+            continue
+        for node in ast.walk(tree):
+            direct = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                      and ast.unparse(node.func.value) == "os.environ" and node.args
+                      and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("CCT_"))
+            direct |= (isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ"
+                       and isinstance(node.slice, ast.Constant) and str(node.slice.value).startswith("CCT_"))
+            assert not direct, f"{path.relative_to(ROOT)}:{node.lineno}: read CCT_* through cct.env"
+
+
+def test_the_variables_table_is_in_the_command_reference():
+    from cct import env
+
+    assert env.markdown_table() in (ROOT / "docs" / "commands.md").read_text()
+
+
+def test_env_reads_values_when_called(monkeypatch):
+    from cct import env
+
+    monkeypatch.delenv("CCT_BLAS", raising=False)
+    assert env.text("CCT_BLAS") == "auto" and not env.is_set("CCT_BLAS")
+    monkeypatch.setenv("CCT_BLAS", " MKL ")
+    assert env.text("CCT_BLAS") == "MKL" and env.is_set("CCT_BLAS")
+    monkeypatch.setenv("CCT_TUNE", "yes")
+    assert env.flag("CCT_TUNE") and not env.is_off("CCT_TUNE")
+    monkeypatch.setenv("CCT_TUNE", "off")
+    assert not env.flag("CCT_TUNE") and env.is_off("CCT_TUNE")
+    monkeypatch.delenv("CCT_PROGRESS", raising=False)
+    assert not env.is_off("CCT_PROGRESS")  # unset is not off
+    with pytest.raises(KeyError, match="CCT_NOPE is not one of cct's environment variables"):
+        env.text("CCT_NOPE")

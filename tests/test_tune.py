@@ -41,7 +41,7 @@ def _isolated(monkeypatch, tmp_path):
     base.register_strategy("slow", _SlowType1)
     _SlowType1.calls = 0
     yield
-    del base._STRATEGIES["slow"]
+    base.unregister_strategy("slow")
 
 
 def _plan(preds: dict[str, float], passes=("fwd",)) -> opt.Plan:
@@ -257,8 +257,11 @@ def test_pick_on_device_drops_a_strategy_that_runs_out_of_memory(monkeypatch):
         def forward_into(self, x, w, b, geom, out):
             raise MemoryError("out of device memory (test)")
 
-    monkeypatch.setitem(base._STRATEGIES, "oom", _OutOfMemory)
-    g = square(8, 3, 4, 4)
-    assert tune.pick_on_device(g, 4, ("fwd",), np, names=["oom", "type1"]) == ("type1", {})
-    pick, seconds = tune.pick_on_device(g, 4, ("fwd",), np, names=["oom", "slow", "type1"])
-    assert pick == "type1" and set(seconds) == {"slow", "type1"}
+    base.register_strategy("oom", _OutOfMemory)
+    try:
+        g = square(8, 3, 4, 4)
+        assert tune.pick_on_device(g, 4, ("fwd",), np, names=["oom", "type1"]) == ("type1", {})
+        pick, seconds = tune.pick_on_device(g, 4, ("fwd",), np, names=["oom", "slow", "type1"])
+        assert pick == "type1" and set(seconds) == {"slow", "type1"}
+    finally:
+        base.unregister_strategy("oom")

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import env
+
 
 def cache_dir() -> Path:
     """The per-user cache dir: $CCT_CACHE_DIR, else $XDG_CACHE_HOME/cct, else ~/.cache/cct."""
-    if os.environ.get("CCT_CACHE_DIR"):
-        return Path(os.environ["CCT_CACHE_DIR"])
+    if env.is_set("CCT_CACHE_DIR"):
+        return Path(env.text("CCT_CACHE_DIR"))
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "cct"
     return Path.home() / ".cache" / "cct"

@@ -9,11 +9,11 @@ convolution-shaped GEMMs on each (well under 2 s), cached as JSON in the user ca
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 from .. import config as _config
+from .. import env
 from ..errors import CctError
 from .cache import machine_key, read_cache, write_cache
 from .mkl import load_mkl, mkl_available
@@ -35,7 +35,7 @@ def _requested() -> str:
     req = _config.current().blas.backend
     if req is not None:
         return req
-    req = os.environ.get("CCT_BLAS", "auto").strip().lower() or "auto"
+    req = env.text("CCT_BLAS").lower()
     if req not in _VALID_REQUESTS:
         raise CctError(f"CCT_BLAS={req!r}: expected one of {', '.join(_VALID_REQUESTS)}")
     return req

@@ -5,6 +5,7 @@ import os
 import threading
 from collections.abc import MutableMapping
 
+from .. import env
 from .openblas import numpy_openblas_cdll
 
 DEFAULT_THREAD_TIMEOUT = 16  # 2**16 cycles (~20 us) of spinning before an idle OpenBLAS worker sleeps
@@ -42,11 +43,11 @@ def limit_openblas_spin(exponent: int | None = None) -> bool:
                 for t in threading.enumerate()):
             return False
         _spin_done = True
-        env = os.environ.get("CCT_BLAS_THREAD_TIMEOUT", "").strip().lower()
-        if env in ("0", "off", "no", "false") or "OPENBLAS_THREAD_TIMEOUT" in os.environ:
+        setting = env.text("CCT_BLAS_THREAD_TIMEOUT").lower()
+        if setting in ("0", "off", "no", "false") or "OPENBLAS_THREAD_TIMEOUT" in os.environ:
             return False
         if exponent is None:
-            exponent = int(env) if env.isdigit() else DEFAULT_THREAD_TIMEOUT
+            exponent = int(setting) if setting.isdigit() else DEFAULT_THREAD_TIMEOUT
         lib = numpy_openblas_cdll()
         if lib is None:
             return False
@@ -88,14 +89,14 @@ def set_openmp_spin_defaults(environ: MutableMapping[str, str] | None = None) ->
     ``KMP_BLOCKTIME`` already, or with ``CCT_OMP_SPINCOUNT=off``. A runtime that another library
     loaded before cct (e.g. PyTorch's own libgomp) keeps what it read.
     """
-    env = os.environ if environ is None else environ
+    environ = os.environ if environ is None else environ
     done: dict[str, str] = {}
-    req = env.get("CCT_OMP_SPINCOUNT", "").strip().lower()
+    req = (environ.get("CCT_OMP_SPINCOUNT", "") or env.knob("CCT_OMP_SPINCOUNT").default).strip().lower()
     if req in _OFF:
         return done
-    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+    if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:
         count = int(req) if req.isdigit() else DEFAULT_OMP_SPINCOUNT
-        env["GOMP_SPINCOUNT"] = done["GOMP_SPINCOUNT"] = str(count)
-    if "KMP_BLOCKTIME" not in env:
-        env["KMP_BLOCKTIME"] = done["KMP_BLOCKTIME"] = "0"
+        environ["GOMP_SPINCOUNT"] = done["GOMP_SPINCOUNT"] = str(count)
+    if "KMP_BLOCKTIME" not in environ:
+        environ["KMP_BLOCKTIME"] = done["KMP_BLOCKTIME"] = "0"
     return done

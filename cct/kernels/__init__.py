@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import env
+
 log = logging.getLogger("cct")
 
 ENV_VAR = "CCT_KERNELS"
@@ -65,7 +67,7 @@ def set_mode(mode: str | None) -> None:
 
 def mode() -> str:
     """``"numpy"`` when the kernels are switched off (``CCT_KERNELS`` or :func:`set_mode`), else ``"auto"``."""
-    m = _forced if _forced is not None else os.environ.get(ENV_VAR, "auto").strip().lower()
+    m = _forced if _forced is not None else env.text(ENV_VAR).lower()
     return "numpy" if m in _OFF else "auto"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -71,6 +72,22 @@ class _BaseConvolution(Layer):
     def lowering(self, strategy: LoweringStrategy | str) -> None:
         self._lowering = get_strategy(strategy) if isinstance(strategy, str) else strategy
         self._user_lowering = True
+
+    @property
+    def lowering_set_by_user(self) -> bool:
+        """Whether the lowering was set by hand (``layer.lowering = ...``) rather than planned."""
+        return self._user_lowering
+
+    @property
+    def plan(self) -> Any:
+        """The engine's :class:`~cct.lowering.optimizer.Plan` for the current shape (None for a lowering
+        set by hand or one running in a GPU's memory)."""
+        return getattr(self._lowering, "chosen_plan", None)
+
+    @property
+    def plan_report(self) -> str | None:
+        """The plan's log line (``cct time`` prints it next to the measured time), or None."""
+        return getattr(self._lowering, "plan_report", None) or None
 
     def _plan_lowering(self) -> None:
         if self._user_lowering or self.geom is None:

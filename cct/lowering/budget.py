@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from .. import env
 from ..errors import MemoryBudgetError
 from ..membudget import parse_size
 from .base import LoweringStrategy
@@ -46,9 +47,8 @@ def memory_budget(budget: int | str | None = None, run_budget: int | None = None
     run's :attr:`~cct.config.Config.memory_budget`."""
     if budget is not None:
         return _size(budget, "lowering memory budget") if isinstance(budget, str) else int(budget)
-    env = os.environ.get("CCT_LOWERING_MEMORY")
-    if env:
-        return _size(env, "CCT_LOWERING_MEMORY")
+    if env.is_set("CCT_LOWERING_MEMORY"):
+        return _size(env.text("CCT_LOWERING_MEMORY"), "CCT_LOWERING_MEMORY")
     avail = available_memory()
     if run_budget:
         avail = min(avail, int(run_budget))

@@ -88,15 +88,14 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
     plan = plan_convolution(geom, batch, machine, override=overrides.get(layer_name, overrides.get("*")),
                             budget=budget, partitions=cfg.partitions, passes=passes or PASSES,
                             tune=cfg.tune and not getattr(machine, "nominal", False))
+    report = describe_plan(layer_name, plan)
     if plan.b_p:
         lowering = BatchedLowering(plan.strategy(), batch_partition=plan.b_p, partitions=plan.partitions,
-                                   budget=plan.budget)
+                                   budget=plan.budget, chosen_plan=plan, plan_report=report)
     else:  # partitions "auto": measured by the wrapper on the first call
         lowering = BatchedLowering(plan.strategy(), batch_partition="auto", partitions=cfg.partitions, budget=budget,
-                                   machine_for=machine_for_threads)
-    lowering.plan_report = describe_plan(layer_name, plan)
-    lowering.chosen_plan = plan
-    log.info("%s", lowering.plan_report)
+                                   machine_for=machine_for_threads, chosen_plan=plan, plan_report=report)
+    log.info("%s", report)
     return lowering
 
 
@@ -121,11 +120,11 @@ def plan_device_lowering(layer_name: str, geom: ConvGeometry, batch: int, xp: ob
         why = "measured on " + device_name(xp)
     else:
         name, why = "type1", "default"
-    lowering = BatchedLowering(get_strategy(name), batch_partition=max(1, batch), partitions=1)
     times = "".join(f" {n} {t * 1e3:.3g} ms" for n, t in sorted(measured.items(), key=lambda kv: kv[1]))
-    lowering.plan_report = (f"{layer_name}: {name} over the whole batch of {batch} in device memory ({why})"
-                            + (f" [measured{times}]" if times else ""))
-    log.info("%s", lowering.plan_report)
+    report = (f"{layer_name}: {name} over the whole batch of {batch} in device memory ({why})"
+              + (f" [measured{times}]" if times else ""))
+    lowering = BatchedLowering(get_strategy(name), batch_partition=max(1, batch), partitions=1, plan_report=report)
+    log.info("%s", report)
     return lowering
 
 

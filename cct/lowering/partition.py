@@ -71,7 +71,8 @@ class BatchedLowering(IntoLowering):
     def __init__(self, inner: LoweringStrategy, batch_partition: int | str = "auto",
                  partitions: int | str = 1, threads: int | None = None, budget: int | str | None = None,
                  candidates: tuple[int, ...] | None = None, machine: Any = None,
-                 machine_for: Callable[[int], Machine] | None = None):
+                 machine_for: Callable[[int], Machine] | None = None, chosen_plan: Any = None,
+                 plan_report: str = ""):
         self.inner = inner
         self.name = inner.name
         if batch_partition == "caffe":
@@ -90,6 +91,8 @@ class BatchedLowering(IntoLowering):
         # the calibrated ones); neither: the nominal model
         self.machine = machine
         self.machine_for = machine_for
+        self.chosen_plan = chosen_plan  # the optimizer's Plan this wrapper executes (None: built by hand)
+        self.plan_report = plan_report  # its log line
         self._pool: ThreadPoolExecutor | None = None
         self._chosen: dict[tuple, int] = {}
         self._plans: dict[tuple, dict] = {}

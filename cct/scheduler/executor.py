@@ -485,7 +485,7 @@ def _pin_lowering(layer: Layer, shadow: Layer) -> None:
     count from several device threads at once."""
     if not isinstance(getattr(type(shadow), "lowering", None), property):
         return
-    if getattr(layer, "_user_lowering", False):
+    if getattr(layer, "lowering_set_by_user", False):
         src = layer.lowering
         if getattr(shadow, "_cct_lowering_src", None) is not src:
             shadow.lowering = copy.copy(src)
