@@ -15,7 +15,9 @@ from .product import gemm_on
 
 
 def _cpu_float(a: Any, b: Any) -> bool:
-    return get_array_module(a, b) is np and a.dtype == b.dtype and a.dtype in (np.float32, np.float64)
+    """numpy float32/float64 operands of one dtype (what the CPU backends multiply)."""
+    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+            and a.dtype in (np.float32, np.float64))
 
 
 def gemm(a: Any, b: Any, out: Any = None, trans_a: bool = False, trans_b: bool = False,
@@ -37,9 +39,8 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     With MKL selected, numpy float operands are multiplied slice by slice through cblas_sgemm;
     otherwise this is ``xp.matmul`` (numpy's OpenBLAS, or cuBLAS for cupy).
     """
-    xp = get_array_module(a, b)
     if not (_cpu_float(a, b) and a.ndim >= 2 and b.ndim >= 2 and get_backend() == "mkl"):
-        return xp.matmul(a, b, out=out)
+        return get_array_module(a, b).matmul(a, b, out=out)
     if a.ndim == 2 and b.ndim == 2:
         return gemm_on("mkl", a, b, out)
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
