@@ -113,7 +113,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="cct: cost-model choice + whole-batch lowering; caffe: type 1, one image per GEMM")
     p.add_argument("--partitions", default="model",
                    help="batch partitions run in parallel per conv layer: 'model' (the cost model's choice "
-                        "per layer), 'auto' (measured on the first batch) or an int")
+                        "per layer), 'auto' (measured on each conv layer when the net is set up) or an int")
 
 
 def _wants_progress(args: argparse.Namespace) -> bool:

@@ -209,3 +209,17 @@ def test_a_deconvolution_above_the_data_prices_its_forward_as_the_data_gradient(
     param = parse_text(NET.replace('type: "Convolution"', 'type: "Deconvolution"'), caffe_pb2.NetParameter())
     plan = cct.Net(param, cct.TRAIN, config=Config()).layer_by_name("conv1").lowering.chosen_plan
     assert plan.passes == ("bwd_data", "bwd_weights")
+
+
+def test_auto_partitions_are_measured_when_the_net_is_set_up(monkeypatch):
+    """``partitions="auto"``: each conv layer's partition counts run whole iterations when the net is built
+    (the plan carries the seconds); its forward only executes the count chosen."""
+    monkeypatch.setattr(blas, "get_num_threads", lambda: 2)
+    net = cct.Net(net_param(), cct.TRAIN, config=Config(engine=EngineConfig(partitions="auto")))
+    conv1 = net.layer_by_name("conv1")
+    assert set(conv1.plan.partition_seconds) == {1, 2}
+    assert conv1.plan.partitions == min(conv1.plan.partition_seconds, key=conv1.plan.partition_seconds.get)
+    assert "[partitions measured p=1 " in conv1.plan_report
+    assert conv1.lowering.partitions == conv1.plan.partitions  # an int: nothing left to decide in forward
+    net.forward()
+    net.backward()

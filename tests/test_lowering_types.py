@@ -20,8 +20,10 @@ from cct.layers.base import create_layer
 from cct.lowering import ConvGeometry, get_strategy, supports
 from cct.lowering.budget import max_batch_partition
 from cct.lowering.chunking import split
+from cct.lowering.cost_model import nominal_machine
 from cct.lowering.optimizer import PerPassLowering
 from cct.lowering.partition import BatchedLowering, caffe_mode
+from cct.lowering.tune import TuneCache, measure_partitions
 from cct.lowering.type2 import PartialLowering, Type2Lowering
 from cct.lowering.type3 import Type3Lowering
 from cct.proto import caffe_pb2
@@ -171,19 +173,27 @@ def test_batch_partition_respects_budget():
         [(0, 3)], [(3, 6)], [(6, 8)], [(8, 10)]]
 
 
-def test_auto_partitions_measured_and_reused(tmp_path, monkeypatch):
+def test_auto_partitions_measured_at_planning_and_reused(tmp_path, monkeypatch):
+    """``partitions="auto"`` is measured by the planner (whole iterations of the passes per count), cached;
+    the wrapper only executes a count it is given."""
     monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
     g = make_geom(3, 4, 1, (6, 6), (3, 3), (1, 1), (1, 1), (1, 1))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 3, 6, 6)).astype(np.float32)
     w = rng.standard_normal(g.weight_shape).astype(np.float32)
-    s = BatchedLowering(get_strategy("type1"), partitions="auto", threads=2, candidates=(1, 2))
+    cache = TuneCache.named("partitions-test.json", "stamp")
+    p, seconds = measure_partitions(lambda: get_strategy("type1"), g, 4, ("fwd",), 2, lambda t: nominal_machine(),
+                                    candidates=(1, 2), cache=cache)
+    assert set(seconds) == {1, 2} and p == min(seconds, key=seconds.get) and all(t > 0 for t in seconds.values())
+    assert (tmp_path / "partitions-test.json").is_file()
+    again = TuneCache.named("partitions-test.json", "stamp")  # read back from the cache dir: not measured again
+    assert measure_partitions(lambda: get_strategy("type1"), g, 4, ("fwd",), 2, lambda t: nominal_machine(),
+                              candidates=(1, 2), cache=again) == (p, seconds)  # the same seconds: from the cache
+    s = BatchedLowering(get_strategy("type1"), partitions=p, threads=2)
     y = s.forward(x, w, None, g)
-    assert set(s.last_timings) == {1, 2}
     np.testing.assert_allclose(y, get_strategy("type1").forward(x, w, None, g), rtol=1e-5, atol=1e-5)
-    s2 = BatchedLowering(get_strategy("type1"), partitions="auto", threads=2, candidates=(1, 2))
-    s2.forward(x, w, None, g)
-    assert s2.last_timings == {}  # read from the on-disk cache
+    with pytest.raises(ValueError, match="measuring them is the planner's job"):
+        BatchedLowering(get_strategy("type1"), partitions="auto")
 
 
 # -- gradient check through the Convolution layer ----------------------------------------------

@@ -8,7 +8,7 @@ of the :class:`cct.config.Config` a net is given):
   ``"caffe"`` (Caffe-style: type 1, one image per GEMM, the baseline benchmarks compare against);
 * ``partitions``: batch partitions run in parallel (int; ``"model"``, the default: the cost model
   picks per layer, pricing ``p`` partitions with the constants calibrated for ``threads / p`` BLAS
-  threads; ``"auto"``: measured on the first call and cached);
+  threads; ``"auto"``: measured on the layer when it is planned, cached);
 * ``overrides``: ``{"conv1": "type3", "*": "type1"}`` (also ``CCT_LOWERING=conv1=type3,...``);
 * OpenBLAS's idle-worker spinning is shortened once per process (:func:`cct.blas.limit_openblas_spin`;
   ``CCT_BLAS_THREAD_TIMEOUT=off`` keeps it);
@@ -39,7 +39,7 @@ from .budget import memory_budget
 from .calibrate import load_machine
 from .gemm_ops import PASSES
 from .geometry import ConvGeometry
-from .optimizer import describe_plan, machine_for_threads, plan_convolution
+from .optimizer import describe_plan, plan_convolution
 from .partition import BatchedLowering
 from .tune import device_cache, device_name, pick_on_device
 
@@ -89,12 +89,8 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
                             budget=budget, partitions=cfg.partitions, passes=passes or PASSES,
                             tune=cfg.tune and not getattr(machine, "nominal", False))
     report = describe_plan(layer_name, plan)
-    if plan.b_p:
-        lowering = BatchedLowering(plan.strategy(), batch_partition=plan.b_p, partitions=plan.partitions,
-                                   budget=plan.budget, chosen_plan=plan, plan_report=report)
-    else:  # partitions "auto": measured by the wrapper on the first call
-        lowering = BatchedLowering(plan.strategy(), batch_partition="auto", partitions=cfg.partitions, budget=budget,
-                                   machine_for=machine_for_threads, chosen_plan=plan, plan_report=report)
+    lowering = BatchedLowering(plan.strategy(), batch_partition=plan.b_p, partitions=plan.partitions,
+                               budget=plan.budget, chosen_plan=plan, plan_report=report)
     log.info("%s", report)
     return lowering
 

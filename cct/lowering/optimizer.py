@@ -26,7 +26,7 @@ from .chunking import choose_chunking
 from .cost_model import PASSES, Machine, best_batch_partition, chunked_seconds, predict_seconds
 from .cost_model import strategy as priced_strategy
 from .geometry import ConvGeometry
-from .tune import TuneCache, cache_for, refine
+from .tune import TuneCache, cache_for, measure_partitions, refine
 
 
 def candidates(geom: ConvGeometry, names: list[str] | None = None) -> list[str]:
@@ -87,6 +87,7 @@ class Plan:
     fits: bool = True
     passes: tuple[str, ...] = PASSES  # the passes the layer runs (no data gradient below a data layer)
     measured: dict[str, float] = field(default_factory=dict)  # {candidate: s} of a close call (tune.refine)
+    partition_seconds: dict[int, float] = field(default_factory=dict)  # {p: s} measured for partitions="auto"
 
     @property
     def single(self) -> str | None:
@@ -169,15 +170,14 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
                      tune: bool | Any = False) -> Plan:
     """The whole plan of one conv layer, chosen once: strategy per pass (:func:`choose_plan`), then
     the partition count and ``b_p`` (:func:`choose_chunking`; ``partitions`` an int fixes the count,
-    ``"auto"`` leaves both to measurement by the executing wrapper: ``b_p = 0``). ``tune``: settle the
-    close calls by running them (:func:`cct.lowering.tune.refine`; cached per calibrated machine, or in the
-    given :class:`~cct.lowering.tune.TuneCache`)."""
+    ``"model"`` prices the candidates, ``"auto"`` measures them on the layer now,
+    :func:`cct.lowering.tune.measure_partitions`). ``tune``: settle the close calls by running them
+    (:func:`cct.lowering.tune.refine`; cached per calibrated machine, or in the given
+    :class:`~cct.lowering.tune.TuneCache`)."""
     if machine is not None:
         machine = ensure_kernel_width_rate(machine, geom)
     plan = choose_plan(geom, batch, machine, per_pass=per_pass, min_gain=min_gain, override=override,
                        budget=budget, passes=passes, names=names)
-    if partitions == "auto":
-        return plan
     total = int(threads or max(1, blas.get_num_threads()))
     fixed = int(partitions) if isinstance(partitions, int) else (1 if total <= 1 or batch <= 1 else None)
     if machine is not None and machine_for is None:
@@ -193,6 +193,9 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
 
         cache = tune if isinstance(tune, TuneCache) else cache_for(_machine(machine))
         plan = refine(plan, geom, batch, chunking, budget, cache)
+    if partitions == "auto" and fixed is None:
+        fixed, plan.partition_seconds = measure_partitions(plan.strategy, geom, batch, passes, total, machine_for,
+                                                           plan.budget, cache=cache_for(_machine(machine)))
     run = {p: n for p, n in plan.names.items() if p in passes}
     p, bp, _t = choose_chunking(run, geom, batch, total, plan.budget, fixed, machine_for)
     plan.partitions, plan.b_p = p, bp
@@ -307,6 +310,9 @@ def describe_plan(layer_name: str, plan: Plan) -> str:
     line += ("; " + ", ".join(others) if others else "") + ")"
     if plan.measured:  # the close calls settled by running them: one iteration of the layer's passes each
         line += " [measured " + ", ".join(f"{_pretty(n)} {_ms(t)}" for n, t in sorted(plan.measured.items())) + " ms]"
+    if plan.partition_seconds:  # partitions "auto": each count's iteration measured at setup
+        timed = ", ".join(f"p={p} {_ms(t)}" for p, t in sorted(plan.partition_seconds.items()))
+        line += f" [partitions measured {timed} ms]"
     if plan.overridden:
         line += " [override]"
     if not plan.fits:

@@ -14,10 +14,10 @@ Two knobs, both provided by the wrapper strategy :class:`BatchedLowering`:
 * ``p`` (``partitions``): split the batch into ``p`` partitions processed concurrently by ``p``
   Python threads (numpy releases the GIL in the copies and in BLAS), each partition's GEMMs
   using ``threads // p`` BLAS threads (and ``threads // p`` threads for cct's compiled
-  lowering kernels, whose count numba keeps per calling thread). ``partitions="auto"`` times each candidate ``p`` on the
-  first real call and keeps the fastest (cached on disk per machine and layer shape);
-  ``partitions="model"`` lets the cost model decide, pricing each ``p`` with the constants
-  calibrated for ``threads // p`` BLAS threads (the calling thread runs partition 0 itself).
+  lowering kernels, whose count numba keeps per calling thread). ``partitions="model"`` lets the cost
+  model decide, pricing each ``p`` with the constants calibrated for ``threads // p`` BLAS threads (the
+  calling thread runs partition 0 itself). The wrapper never measures: the engine's ``partitions="auto"``
+  measures the candidates when the layer is planned (:func:`cct.lowering.tune.measure_partitions`).
 
 Thread limits, as measured (see benchmarks/README.md): numpy's OpenBLAS is a pthreads build
 whose thread count is *process-wide* (threadpoolctl, ``openblas_set_num_threads``; its
@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -48,7 +47,7 @@ from ..backend import get_array_module
 from ..config import submit_in_context
 from .base import IntoLowering, LoweringStrategy
 from .budget import max_batch_partition, memory_budget, workspace_bytes
-from .chunking import choose_chunking, chunks, partition_candidates, split
+from .chunking import choose_chunking, chunks, split
 from .cost_model import PASSES, Machine, nominal_machine
 from .geometry import ConvGeometry
 
@@ -58,9 +57,9 @@ class BatchedLowering(IntoLowering):
 
     ``batch_partition``: ``"auto"`` (the cost model's best size that fits :func:`memory_budget`),
     ``"budget"`` (the largest size that fits, CcT's whole-batch lowering), an int, or ``"caffe"``
-    (= 1). ``partitions``: an int, ``"auto"`` (measured on the first call) or ``"model"`` (cost
-    model). ``threads``: total BLAS threads (default: the current BLAS setting); each partition's
-    GEMMs get ``threads // p``. Results equal ``inner``'s up to float rounding.
+    (= 1). ``partitions``: an int or ``"model"`` (the cost model's count). ``threads``: total BLAS threads
+    (default: the current BLAS setting); each partition's GEMMs get ``threads // p``. Results equal
+    ``inner``'s up to float rounding.
 
     Besides the three products, :meth:`forward_into` and :meth:`backward_into` write into given
     arrays (the layer's top / parameter diffs / bottom diff) and, when ``inner`` has them too,
@@ -70,7 +69,7 @@ class BatchedLowering(IntoLowering):
 
     def __init__(self, inner: LoweringStrategy, batch_partition: int | str = "auto",
                  partitions: int | str = 1, threads: int | None = None, budget: int | str | None = None,
-                 candidates: tuple[int, ...] | None = None, machine: Any = None,
+                 machine: Any = None,
                  machine_for: Callable[[int], Machine] | None = None, chosen_plan: Any = None,
                  plan_report: str = ""):
         self.inner = inner
@@ -80,13 +79,13 @@ class BatchedLowering(IntoLowering):
         if not (batch_partition in ("auto", "budget") or (isinstance(batch_partition, int) and batch_partition >= 1)):
             raise ValueError(f"batch_partition must be 'auto', 'budget', 'caffe' or a positive int, "
                              f"got {batch_partition!r}")
-        if not (partitions in ("auto", "model") or (isinstance(partitions, int) and partitions >= 1)):
-            raise ValueError(f"partitions must be 'auto', 'model' or a positive int, got {partitions!r}")
+        if not (partitions == "model" or (isinstance(partitions, int) and partitions >= 1)):
+            raise ValueError(f"partitions must be 'model' or a positive int, got {partitions!r} (measuring them is "
+                             f"the planner's job: cct.lowering.tune.measure_partitions)")
         self.batch_partition = batch_partition
         self.partitions = partitions
         self.threads = threads
         self.budget = budget
-        self.candidates = candidates
         # cost-model constants for "auto"/"model": one machine, or one per BLAS thread count (the engine gives
         # the calibrated ones); neither: the nominal model
         self.machine = machine
@@ -97,7 +96,6 @@ class BatchedLowering(IntoLowering):
         self._chosen: dict[tuple, int] = {}
         self._plans: dict[tuple, dict] = {}
         self._total_threads: int | None = None
-        self.last_timings: dict[int, float] = {}
         self._lock = threading.Lock()
 
     # -- planning ---------------------------------------------------------------------------
@@ -151,8 +149,6 @@ class BatchedLowering(IntoLowering):
                     model = batch > 1 and self.batch_partition == "auto" and self.total_threads() > 1
                     self._chosen[key] = self._model_chunking(geom, batch, None)[0] if model else 1
                 partitions = self._chosen[key]
-            else:
-                partitions = self._chosen.get((geom, batch, itemsize), 1)
         key = (geom, batch, itemsize, partitions)
         cached = self._plans.get(key)
         if cached is not None:
@@ -225,41 +221,6 @@ class BatchedLowering(IntoLowering):
                 rest = [f.result() for f in futures]
             return [first] + rest
 
-    def _partitions_for(self, geom: ConvGeometry, batch: int, itemsize: int,
-                        measure: Callable[[int], float]) -> tuple[int, bool]:
-        """``(p, measured)``: ``measured`` means the candidates just ran (outputs are filled)."""
-        if isinstance(self.partitions, int):
-            return int(self.partitions), False
-        if self.partitions == "model":
-            return self.plan(geom, batch, itemsize)["p"], False
-        key = (geom, batch, itemsize)
-        if key in self._chosen:
-            return self._chosen[key], False
-        cache_name = _partition_cache_name()
-        disk = blas.read_cache(cache_name) or {}
-        dkey = f"{self.inner.name}|{geom}|{batch}|{itemsize}|{self.total_threads()}"
-        if dkey in disk:
-            self._chosen[key] = int(disk[dkey])
-            return self._chosen[key], False
-        cands = self.candidates or partition_candidates(self.total_threads(), batch)
-        timings = {c: measure(c) for c in cands}
-        best = min(timings, key=timings.get)
-        self.last_timings = timings
-        self._chosen[key] = best
-        disk[dkey] = best
-        try:
-            blas.write_cache(cache_name, disk)
-        except OSError:
-            pass
-        return best, True
-
-    def _current_partitions(self, geom: ConvGeometry, batch: int, itemsize: int) -> int:
-        if isinstance(self.partitions, int):
-            return self.partitions
-        if self.partitions == "model":
-            return self.plan(geom, batch, itemsize)["p"]
-        return self._chosen.get((geom, batch, itemsize), 1)
-
     # -- the three passes -----------------------------------------------------------------------
     def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
         """``out[...] = conv(x, w) + b``, chunk by chunk (``out`` ``(N, M, *out)``, C-contiguous)."""
@@ -272,18 +233,11 @@ class BatchedLowering(IntoLowering):
             else:
                 out[s:e] = self.inner.forward(x[s:e], w, b, geom)
 
-        def measure(p):
-            t0 = time.perf_counter()
-            self._run(geom, n, x.itemsize, work, p)
-            return time.perf_counter() - t0
-
         self.inner.prepare(w, geom, "fwd")
         if _in_device_memory(x):
             work(0, n)
             return out
-        p, measured = self._partitions_for(geom, n, x.itemsize, measure)
-        if not measured:
-            self._run(geom, n, x.itemsize, work, p)
+        self._run(geom, n, x.itemsize, work)
         return out
 
     def backward_into(self, dy: Any, x: Any, w: Any, geom: ConvGeometry, dw: Any = None, db: Any = None,
@@ -300,7 +254,7 @@ class BatchedLowering(IntoLowering):
         if on_device:
             plan = {"p": 1, "b_p": n, "ranges": [[(0, n)]]}
         else:
-            plan = self.plan(geom, n, dy.itemsize, self._current_partitions(geom, n, dy.itemsize))
+            plan = self.plan(geom, n, dy.itemsize)
         parts = plan["p"]
         inner_into = getattr(self.inner, "backward_into", None)
         # the inner lowering accumulates dW^T per partition (one transpose-add at the end, not per chunk)
@@ -383,10 +337,6 @@ def _kernel_threads(n: int):
 def caffe_mode(inner: LoweringStrategy) -> BatchedLowering:
     """Caffe's convolution batching: lower + GEMM one image at a time (``b_p = 1``)."""
     return BatchedLowering(inner, batch_partition=1, partitions=1)
-
-
-def _partition_cache_name() -> str:
-    return f"partitions-{blas.machine_key()}.json"
 
 
 def describe(strategy: LoweringStrategy, geom: ConvGeometry, batch: int, itemsize: int = 4) -> str:

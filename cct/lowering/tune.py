@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import blas
 from .base import get_strategy, strategy_names, supports
+from .chunking import partition_candidates
 from .cost_model import PASSES, Machine
 from .geometry import ConvGeometry
 from .partition import BatchedLowering
@@ -337,3 +338,35 @@ def refine(plan: Any, geom: ConvGeometry, batch: int, chunking: Callable[[dict[s
     if "bwd_data" not in run:  # not run: follows the weight gradient (one fused backward)
         plan.bwd_data = plan.bwd_weights
     return plan
+
+
+def measure_partitions(strategy: Callable[[], Any], geom: ConvGeometry, batch: int, passes: tuple[str, ...],
+                       threads: int, machine_for: Callable[[int], Machine], budget: int | str | None = None,
+                       candidates: tuple[int, ...] | None = None, cache: TuneCache | None = None,
+                       repeats: int = 3) -> tuple[int, dict[int, float]]:
+    """``(p, {p: seconds})``: the batch-partition count (of ``candidates``, default
+    :func:`~cct.lowering.chunking.partition_candidates`) whose whole iterations of ``passes`` on random data run
+    fastest, each with the chunk size the cost model gives it (``strategy()`` makes the lowering to wrap);
+    the engine's ``partitions="auto"``, measured when the layer is planned, never in its forward. Cached in
+    ``cache`` (then the seconds are those measured when it was filled)."""
+    pool = tuple(candidates or partition_candidates(threads, batch))
+    if batch < 1 or len(pool) < 2:
+        return pool[0] if pool else 1, {}
+    key = _key(geom, batch, "partitions:" + "+".join(passes), [f"{strategy().name}", f"t{threads}"]
+               + [str(p) for p in pool])
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        x, w, b, dy = layer_inputs(geom, batch)
+        out, dw, dx = np.empty_like(dy), np.zeros_like(w), np.empty_like(x)
+        lowerings = {p: BatchedLowering(strategy(), batch_partition="auto", partitions=p, threads=threads,
+                                        budget=budget, machine_for=machine_for) for p in pool}
+        try:
+            seconds = measure({str(p): functools.partial(run_layer, s, passes, x, w, b, dy, geom, out, dw, dx)
+                               for p, s in lowerings.items()}, repeats)
+        finally:
+            for s in lowerings.values():
+                s.close()
+        hit = {"seconds": seconds, "pick": min(seconds, key=seconds.get)}
+        if cache is not None:
+            cache.put(key, hit)
+    return int(hit["pick"]), {int(p): t for p, t in hit["seconds"].items()}
