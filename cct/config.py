@@ -110,6 +110,24 @@ class EngineConfig:
         object.__setattr__(self, "tune_device", bool(self.tune_device))
 
 
+class PlanningCaches:
+    """What planning convolutions learns once and reuses, owned by a :class:`Config` (not by a module): the
+    calibrated machines by cache name (``machines``), the measured-pick caches (``tunings``) and the
+    strategy instances the cost model prices (``priced``). A config and its :meth:`Config.replace` copies
+    share one; a new ``Config()`` starts empty (it reads the on-disk caches again)."""
+
+    def __init__(self) -> None:
+        self.machines: dict[str, Any] = {}
+        self.tunings: dict[tuple, Any] = {}
+        self.priced: dict[str, tuple] = {}
+
+    def clear(self) -> None:
+        """Forget everything (as a new process would)."""
+        self.machines.clear()
+        self.tunings.clear()
+        self.priced.clear()
+
+
 def python_layers_from_env() -> bool:
     """``$CCT_PYTHON_LAYERS``: ``0``/``false``/``no``/``off`` refuse ``type: "Python"`` layers (default: allowed)."""
     return not env.is_off("CCT_PYTHON_LAYERS")
@@ -133,6 +151,7 @@ class Config:
     blas: BlasConfig = field(default_factory=BlasConfig)
     python_layers: bool = field(default_factory=python_layers_from_env)
     memory_budget: int | None = field(default_factory=default_budget)
+    caches: PlanningCaches = field(default_factory=PlanningCaches, compare=False, repr=False)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes``; a mapping for ``engine`` or ``blas`` changes only those fields

@@ -27,6 +27,18 @@ def _snapshot_artifacts() -> set[str]:
 _ARTIFACTS_BEFORE = _snapshot_artifacts()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_config():
+    """Each test starts from a fresh default :class:`cct.config.Config` (its own planning caches, the
+    environment read anew) and leaves the process default as it found it."""
+    from cct import config
+
+    saved = config.default()
+    config.set_default(None)
+    yield
+    config.set_default(saved)
+
+
 def pytest_configure(config):
     """In CI (``CI`` set) the shared folder must be there: the real-Caffe parity tests skip without it, and
     CI must run them, not skip them."""

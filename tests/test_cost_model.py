@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from cct.config import parse_overrides
+from cct.config import current, parse_overrides
 from cct.kernels import simd_tiles
 from cct.lowering import ConvGeometry, get_strategy
 from cct.lowering import calibrate as cal
@@ -30,7 +30,7 @@ def flat_machine(gflops=100.0, copy_ns=1.0, add_ns=1.0):
 @pytest.fixture(autouse=True)
 def _cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cal, "_memo", {})
+    current().caches.clear()
 
 
 def test_figure6_formulas():
@@ -193,10 +193,10 @@ def test_machine_cache_roundtrip(tmp_path):
     fake = flat_machine(123.0)
     fake.threads = m.threads
     blas.write_cache(cal._cache_name(blas.get_num_threads(), blas.get_backend()), fake.to_json())
-    cal._memo.clear()
+    current().caches.clear()
     loaded = cal.load_machine(measure_if_missing=False)
     assert loaded.gemm_bign[0][0] == 123.0
-    cal._memo.clear()
+    current().caches.clear()
     for f in tmp_path.glob("machine-*.json"):
         f.unlink()
     assert cal.load_machine(measure_if_missing=False).nominal
@@ -364,16 +364,16 @@ def test_first_run_level_is_cached_and_full_grid(monkeypatch, caplog):
     # the first run measures at the "first" level (here shrunk to the quick grid to stay fast) and caches it
     monkeypatch.setitem(cal.LEVELS, "first", cal.CalibrationLevel(
         "first", lv["quick"].dims, 1, 1, 2e7, 256, 8192, (32,), (1 << 14,), ((16, 2),), True))
-    cal._memo.clear()
+    current().caches.clear()
     with caplog.at_level("INFO", logger="cct"):
         m = cal.load_machine(measure_if_missing=True, threads=1)
     assert m.info["level"] == "first" and not m.nominal and m.direct_gflops > 0
     assert "first-run level" in caplog.text
     cached = blas.read_cache(cal._cache_name(1, blas.get_backend()))
     assert cached is not None and cached["info"]["level"] == "first"
-    cal._memo.clear()
+    current().caches.clear()
     assert cal.load_machine(measure_if_missing=True, threads=1).gemm_bign == m.gemm_bign  # read, not re-measured
-    cal._memo.clear()
+    current().caches.clear()
 
 
 def test_unknown_calibration_level_is_a_clean_error():
@@ -389,11 +389,11 @@ def test_corrupt_calibration_cache_is_reported(caplog):
     path = blas.cache_dir() / cal._cache_name(1, blas.get_backend())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("{not json")
-    cal._memo.clear()
+    current().caches.clear()
     with caplog.at_level("WARNING", logger="cct"):
         m = cal.load_machine(measure_if_missing=False, threads=1)
     assert m.nominal and "unreadable" in caplog.text and str(path) in caplog.text
-    cal._memo.clear()
+    current().caches.clear()
 
 
 def test_call_overheads_are_measured_and_priced():
@@ -519,7 +519,7 @@ def test_cache_from_older_grids_is_calibrated_anew(monkeypatch):
     m.info = {"rates_version": cal.RATES_VERSION, "curves_version": cal.CURVES_VERSION}
     blas.write_cache(cal._cache_name(1, m.backend), m.to_json())
     assert cal.load_machine(measure_if_missing=False, threads=1).gemm_bign[0][0] == 77.0
-    cal._memo.clear()
+    current().caches.clear()
     calls, fresh = [], flat_machine(gflops=99.0)
     fresh.info = {"seconds": 0.1}
     monkeypatch.setattr(cal, "calibrate", lambda **kw: calls.append(kw) or fresh)
@@ -587,7 +587,7 @@ def test_first_run_calibration_defers_the_3x3_direct_rate_to_the_first_layer_tha
     five = ConvGeometry(4, 4, 1, (8, 8), (5, 5), (2, 2), (1, 1), (1, 1), (8, 8))
     three = ConvGeometry(4, 4, 1, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1), (8, 8))
     assert cal.ensure_kernel_width_rate(first, five) is first and timed == []  # a 5x5 layer needs only the 5x5 rate
-    cal._memo[cal._cache_name(first.threads, first.backend)] = first  # the process's machine for its thread count
+    cal.remember(first)  # the configuration's machine for its thread count
     opt.plan_convolution(three, 8, first, partitions=1)
     assert timed == [("fwd", rates_mod.DIRECT_K3_LAYERS)] and first.direct_k3_gflops == 30.0
     assert first.info["deferred_rates"] == []

@@ -4,8 +4,8 @@ import time
 import numpy as np
 import pytest
 
+from cct.config import current
 from cct.lowering import base, tune
-from cct.lowering import calibrate as cal
 from cct.lowering import optimizer as opt
 from cct.lowering.cost_model import Machine
 from cct.lowering.geometry import ConvGeometry
@@ -36,8 +36,7 @@ class _SlowType1(type(base.get_strategy("type1"))):
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cal, "_memo", {})
-    monkeypatch.setattr(tune, "_CACHES", {})
+    current().caches.clear()
     base.register_strategy("slow", _SlowType1)
     _SlowType1.calls = 0
     yield
@@ -106,7 +105,7 @@ def test_refined_picks_are_cached_per_calibration():
     first = tune.refine(_plan({"slow": 1e-3, "type1": 1.1e-3}), g, 4, lambda names: (1, 4), cache=tune.cache_for(m))
     assert first.fwd == "type1" and _SlowType1.calls > 0
     _SlowType1.calls = 0
-    tune._CACHES.clear()  # a new process: read back from the cache file
+    current().caches.tunings.clear()  # a new process: read back from the cache file
     again = tune.refine(_plan({"slow": 1e-3, "type1": 1.1e-3}), g, 4, lambda names: (1, 4), cache=tune.cache_for(m))
     assert again.fwd == "type1" and again.measured == first.measured and _SlowType1.calls == 0
     m2 = _machine()
@@ -225,7 +224,7 @@ def test_device_picks_are_cached_per_device_model():
     first = tune.pick_on_device(g, 4, ("fwd",), np, names=["slow", "type1"], cache=tune.device_cache(np))
     assert _SlowType1.calls > 0
     _SlowType1.calls = 0
-    tune._CACHES.clear()  # a new process: read back from the cache file
+    current().caches.tunings.clear()  # a new process: read back from the cache file
     again = tune.pick_on_device(g, 4, ("fwd",), np, names=["slow", "type1"], cache=tune.device_cache(np))
     assert again == first and _SlowType1.calls == 0
     assert tune.device_name(np) == "numpy"

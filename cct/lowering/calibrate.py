@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import blas, kernels
+from ..config import current
 from ..errors import CctError
 from ..flags import FlagParser, add_progress_flag, command_parser
 from ..progress import Progress
@@ -77,7 +78,9 @@ LEVELS = {
     "full": CalibrationLevel("full", tuple(FULL_DIMS), 3, 2, 2e8, 512, 65536, (16, 64, 256, 1024, 4096),
                              FULL_ELEM_SIZES, FULL_LOWERING_SIZES, True),
 }
-_memo: dict[str, Machine] = {}
+def _memo() -> dict[str, Machine]:
+    """The calibrated machines of the current configuration (:class:`cct.config.PlanningCaches`)."""
+    return current().caches.machines
 
 log = logging.getLogger("cct")
 
@@ -391,7 +394,7 @@ def _sweeps_measured(level: CalibrationLevel, backend: str) -> dict | None:
     ``level`` or a more thorough one: numpy's sweeps run on one thread whatever the BLAS or kernel
     thread count, so a second calibration reuses them (a first run calibrates two counts)."""
     rank = list(LEVELS)
-    for m in _memo.values():
+    for m in _memo().values():
         lvl = m.info.get("level", "full")
         if (m.backend == backend and m.key == blas.machine_key() and lvl in rank and level.name in rank
                 and rank.index(lvl) >= rank.index(level.name) and m.info.get("curves_version") == CURVES_VERSION
@@ -432,7 +435,7 @@ def ensure_kernel_width_rate(machine: Machine, geom: ConvGeometry) -> Machine:
     log.info("Measured the direct kernels' 3x3 forward rate (threads: %d), which the first-run calibration "
              "left for the first layer that needs it: %.0f GFLOPS in %.1f s", machine.threads,
              machine.direct_k3_gflops, time.perf_counter() - t0)
-    if _memo.get(_cache_name(machine.threads, machine.backend)) is machine:
+    if _memo().get(_cache_name(machine.threads, machine.backend)) is machine:
         _store(machine, machine.backend, True)
     return machine
 
@@ -475,8 +478,13 @@ def _store(machine: Machine, backend: str, save: bool) -> Machine:
             blas.write_cache(_cache_name(machine.threads, backend), machine.to_json())
         except OSError:
             pass
-    _memo[_cache_name(machine.threads, backend)] = machine
+    _memo()[_cache_name(machine.threads, backend)] = machine
     return machine
+
+
+def remember(machine: Machine) -> Machine:
+    """Make ``machine`` the current configuration's machine for its thread count and backend (not saved)."""
+    return _store(machine, machine.backend, False)
 
 
 def load_machine(measure_if_missing: bool = True, threads: int | None = None) -> Machine:
@@ -487,8 +495,9 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
     backend = blas.get_backend()
     n = threads if threads is not None else blas.get_num_threads()
     name = _cache_name(n, backend)
-    if name in _memo:
-        return _memo[name]
+    memo = _memo()
+    if name in memo:
+        return memo[name]
     cached = blas.read_cache(name)
     m, outdated = None, False
     if cached is not None:
@@ -504,7 +513,7 @@ def load_machine(measure_if_missing: bool = True, threads: int | None = None) ->
                 return _store(_add_rates(m), backend, True)
             if measure_if_missing and m.info.get("curves_version", 1) != CURVES_VERSION:
                 return _store(_remeasure_curves(m), backend, True)
-            _memo[name] = m
+            memo[name] = m
             return m
     if not outdated and (blas.cache_dir() / name).exists():
         log.warning("The calibration cache %s is unreadable; %s", blas.cache_dir() / name,

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..config import current
 from .base import get_strategy, registry_factory
 from .gemm_ops import PASSES
 from .geometry import ConvGeometry
@@ -304,13 +305,13 @@ def _interp2(dims, grid, a: float, b: float) -> float:
 def strategy(name: str) -> Any:
     """The registered strategy ``name`` (one shared instance per name, for pricing only)."""
     factory = registry_factory(name)
-    hit = _priced.get(name)
+    priced = current().caches.priced
+    hit = priced.get(name)
     if hit is None or hit[0] is not factory:
-        hit = _priced[name] = (factory, get_strategy(name))
+        hit = priced[name] = (factory, get_strategy(name))
     return hit[1]
 
 
-_priced: dict[str, tuple] = {}
 
 
 def lowered_axes(name: str, geom: ConvGeometry) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .. import blas
+from ..config import current
 from .base import get_strategy, strategy_names, supports
 from .chunking import partition_candidates
 from .cost_model import PASSES, Machine
@@ -160,26 +161,27 @@ class TuneCache:
                 log.warning("could not save the measured lowering picks: %s", e)
 
 
-_CACHES: dict[tuple[str, int, str], TuneCache] = {}  # (machine key or gpu-<model>, threads, stamp)
 
 
 def cache_for(machine: Machine) -> TuneCache:
-    """The (process-shared) :class:`TuneCache` of ``machine``'s calibration."""
+    """The :class:`TuneCache` of ``machine``'s calibration, kept in the current configuration's caches."""
     k = (machine.key, machine.threads, _stamp(machine))
-    if k not in _CACHES:
-        _CACHES[k] = TuneCache(machine)
-    return _CACHES[k]
+    caches = current().caches.tunings  # (machine key or gpu-<model>, threads, stamp) -> TuneCache
+    if k not in caches:
+        caches[k] = TuneCache(machine)
+    return caches[k]
 
 
 def device_cache(xp: Any) -> TuneCache:
-    """The (process-shared) :class:`TuneCache` of the current device of array module ``xp`` (a GPU:
-    ``tuned-gpu-<model>.json``, invalidated by another CuPy version)."""
+    """The :class:`TuneCache` of the current device of array module ``xp`` (a GPU: ``tuned-gpu-<model>.json``,
+    invalidated by another CuPy version), kept in the current configuration's caches."""
     name, version = device_name(xp), getattr(xp, "__version__", "")
     slug = "".join(ch if ch.isalnum() else "-" for ch in name).strip("-").lower() or "device"
     k = (f"gpu-{slug}", 0, version)
-    if k not in _CACHES:
-        _CACHES[k] = TuneCache.named(f"tuned-gpu-{slug}.json", f"{xp.__name__} {version}|{TUNE_VERSION}")
-    return _CACHES[k]
+    caches = current().caches.tunings
+    if k not in caches:
+        caches[k] = TuneCache.named(f"tuned-gpu-{slug}.json", f"{xp.__name__} {version}|{TUNE_VERSION}")
+    return caches[k]
 
 
 def device_name(xp: Any) -> str:
