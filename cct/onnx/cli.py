@@ -1,0 +1,34 @@
+"""``cct export_onnx``: a net prototxt + caffemodel -> an ONNX model checked by ``onnx.checker``."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..flags import FlagParser
+from ..net import Net
+from ..proto import caffe_pb2
+from ..tools import add_bool_flag, add_flag, tool_parser
+from .export import DEFAULT_OPSET, export
+
+log = logging.getLogger("cct")
+
+
+def build_export_parser() -> FlagParser:
+    """The arguments of ``cct export_onnx``."""
+    p = tool_parser("export_onnx", "Export a Caffe net (prototxt + caffemodel) to ONNX; a layer ONNX cannot "
+                    "express exactly is an error naming it.", progress=False)
+    add_flag(p, "model", required=True, help="the net prototxt (a deploy net: Input layers, no loss)")
+    add_flag(p, "weights", required=True, help="the trained weights (.caffemodel or .h5)")
+    add_flag(p, "out", required=True, help="the ONNX file to write")
+    add_flag(p, "opset", type=int, default=DEFAULT_OPSET, help="the ONNX opset to target (13 or newer)")
+    add_bool_flag(p, "dynamic_batch", "make the batch axis of every input and output symbolic")
+    add_flag(p, "phase", default="TEST", choices=["TEST", "TRAIN"], help="the phase to build the net in")
+    return p
+
+
+def run_export(a: argparse.Namespace) -> int:
+    """``cct export_onnx`` on parsed arguments."""
+    net = Net(a.model, caffe_pb2.TEST if a.phase == "TEST" else caffe_pb2.TRAIN, weights=a.weights)
+    export(net, a.out, opset=a.opset, dynamic_batch=a.dynamic_batch)
+    log.info("Wrote ONNX model (opset %d%s) to %s", a.opset, ", dynamic batch" if a.dynamic_batch else "", a.out)
+    return 0

@@ -1,0 +1,250 @@
+"""ONNX export (cct.onnx, ``cct export_onnx``) checked by ONNX Runtime against cct's own forward.
+
+* Every real-Caffe unit case of ../shared/reference whose layers are exportable: ORT's outputs equal
+  cct's forward (which itself equals Caffe's, tests/test_reference_layers.py) to 1e-5 relative; the
+  cases with a refused layer must fail with the clean error naming that layer.
+* The zoo nets and models/ deploy nets with random weights, exported with a dynamic batch and run at
+  batch 1 and 4 (the costliest at batch 1 only), compared on the outputs and the logits before softmax.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from refcase import case_dir, list_cases, load_case, reference_available
+
+import cct
+from cct.errors import CctError, LayerError
+from cct.io import read_net_prototxt
+from cct.io.prototxt import parse_text
+from cct.paths import shared_path
+from cct.proto import caffe_pb2
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from cct.onnx import export, to_onnx  # noqa: E402  (after the optional-dependency skip)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ZOO = str(shared_path("zoo"))
+RTOL = 1e-5
+
+ADDED_CASES = ["infogain_axis2", "lstm_t3_n2", "lstmunit", "rnn_t3_n2", "spp_max_h2", "pool_max_round_floor",
+               "pool_ave_round_floor"]
+UNIT_CASES = list_cases("unit") + ADDED_CASES if reference_available() else []
+# case -> the layer type the exporter must refuse (with its reason); every other unit case must match ORT.
+REFUSED_CASES = {
+    "accuracy_top3": "Accuracy", "batchnorm_train_scale_bias": "BatchNorm",
+    "contrastive_loss_margin1": "ContrastiveLoss",
+    "euclidean_loss": "EuclideanLoss", "hinge_loss_l1": "HingeLoss", "hinge_loss_l2": "HingeLoss",
+    "infogain_loss_Hfile": "InfogainLoss", "infogain_axis2": "InfogainLoss",
+    "multinomial_logistic_loss": "MultinomialLogisticLoss", "pool_max_with_mask_8x8k3s2": "Pooling",
+    "sigmoid_cross_entropy_loss": "SigmoidCrossEntropyLoss", "softmaxloss_ignore255_valid": "SoftmaxWithLoss",
+    "softmaxloss_plain": "SoftmaxWithLoss", "lstm_t3_n2": "LSTM", "lstmunit": "LSTMUnit", "rnn_t3_n2": "RNN",
+    "spp_max_h2": "SPP",
+}
+
+
+def rel_err(actual, expected) -> float:
+    """max|a - e| / max|e| (the reference README's per-array check)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"shape {actual.shape} != {expected.shape}"
+    scale = np.abs(expected).max() if expected.size else 0.0
+    diff = np.abs(actual - expected).max() if expected.size else 0.0
+    return float(diff / scale) if scale else float(diff)
+
+
+def run_ort(model, feeds: dict, extra_outputs=()) -> dict:
+    """Run ``model`` in ONNX Runtime (CPU); ``extra_outputs``: inner values to return as well."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for name in extra_outputs:
+        m.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(None, feeds)))
+
+
+# -- the reference cases -----------------------------------------------------------------------------
+@pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
+@pytest.mark.parametrize("case", UNIT_CASES)
+def test_reference_case_onnx_equals_cct(case, monkeypatch):
+    ref = load_case(case)
+    monkeypatch.chdir(case_dir(case))  # relative sources, as Caffe ran the case
+    phase = caffe_pb2.TRAIN if ref.meta["phase"] == "TRAIN" else caffe_pb2.TEST
+    net = cct.Net(ref.net, phase, weights=ref.meta.get("weights_file", "weights.caffemodel"))
+    if case in REFUSED_CASES:
+        with pytest.raises(LayerError, match="cannot be exported to ONNX") as err:
+            to_onnx(net)
+        assert err.value.layer_type == REFUSED_CASES[case]
+        assert "\n" not in str(err.value)
+        return
+    feeds = {b: ref.arrays[f"input/{b}"] for b in net.input_blob_names}
+    for b, v in feeds.items():
+        net.blobs[b].data[...] = v
+    net.forward()
+    model = to_onnx(net)
+    outs = run_ort(model, feeds)
+    graph_outputs = [o.name for o in model.graph.output]
+    assert len(graph_outputs) == len(net.output_blob_names) >= 1
+    for blob, value in zip(net.output_blob_names, graph_outputs):
+        ours = net.blobs[blob].data
+        assert np.abs(ours).max() > 0 or case.startswith("threshold"), f"{case}: {blob} is all zero"
+        err = rel_err(outs[value], ours)
+        assert err <= RTOL, f"{case}: ONNX Runtime's {blob} differs from cct's by {err:.3g}"
+        # and cct's forward is Caffe's (the stored reference), so ORT equals Caffe too
+        assert rel_err(outs[value], ref.arrays[f"data/{blob}"]) <= 1e-4
+
+
+# -- public nets, random weights, dynamic batch ---------------------------------------------------------
+def _nets() -> list:
+    zoo = [  # (path, input H x W (None: as written), fc layers narrowed to 64 outputs, batches)
+        ("zoo/squeezenet11_deploy.prototxt", (67, 67), (), (1, 4)),
+        ("zoo/mobilenet_v2.prototxt", (64, 64), (), (1, 4)),
+        ("zoo/densenet121_roundmode.prototxt", (64, 64), (), (1,)),
+        ("zoo/resnet50_deploy.prototxt", None, (), (1,)),
+        ("zoo/inception_v3.prototxt", None, (), (1,)),
+        # at 32x32 VGG16's fc6 sees 1x1 (not 7x7): its weights are built for that
+        ("zoo/vgg16_official_v1.prototxt", (32, 32), ("fc6", "fc7"), (1,)),
+    ]
+    models = [
+        ("models/lenet/lenet.prototxt", None, (), (1, 4)),
+        ("models/cifar10_quick/cifar10_quick.prototxt", None, (), (1, 4)),
+        ("models/caffenet/deploy.prototxt", None, ("fc6", "fc7"), (1, 4)),
+        ("models/alexnet/deploy.prototxt", None, ("fc6", "fc7"), (1,)),
+    ]
+    return zoo + models
+
+
+def _load(path: str, hw, narrowed) -> caffe_pb2.NetParameter:
+    full = os.path.join(ZOO, path[4:]) if path.startswith("zoo/") else os.path.join(REPO, path)
+    if not os.path.exists(full):
+        pytest.skip(f"{path} not present")
+    param = read_net_prototxt(full)
+    for layer in param.layer:
+        if layer.type == "Input" and hw is not None:
+            for shape in layer.input_param.shape:
+                shape.dim[2], shape.dim[3] = hw
+        if layer.name in narrowed:
+            layer.inner_product_param.num_output = 64
+    return param
+
+
+@pytest.mark.parametrize("path,hw,narrowed,batches", _nets(), ids=[n[0] for n in _nets()])
+def test_public_net_onnx_equals_cct(path, hw, narrowed, batches):
+    param = _load(path, hw, narrowed)
+    cct.set_random_seed(5)
+    net = cct.Net(param, cct.TEST)
+    for layer in net.layers:  # finite statistics for deep random nets
+        if layer.type == "BatchNorm":
+            layer.blobs[0].data[...] = 0
+            layer.blobs[1].data[...] = 1
+            layer.blobs[2].data[...] = 1
+    model = to_onnx(net, dynamic_batch=True)
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "N"
+    # A random deep net's logits reach ~1e3, so its softmax turns their round-off (1e-6 relative) into
+    # a visible change of the probabilities: the logits are compared to RTOL, each softmax output
+    # within its 1-Lipschitz bound of the logits' difference (the Softmax layer itself is exact, see
+    # the reference cases above).
+    softmax_of = {net.top_names[i][0]: net.bottom_names[i][0] for i, layer in enumerate(net.layers)
+                  if layer.type == "Softmax" and net.top_names[i][0] in net.output_blob_names}
+    rng = np.random.default_rng(3)
+    for batch in batches:
+        feeds = {}
+        for name in net.input_blob_names:
+            shape = (batch,) + tuple(net.blobs[name].shape[1:])
+            net.blobs[name].reshape(shape)
+            feeds[name] = rng.standard_normal(shape).astype(np.float32)
+            net.blobs[name].data[...] = feeds[name]
+        net.reshape()
+        net.forward()
+        outs = run_ort(model, feeds, list(softmax_of.values()))
+        for blob in net.output_blob_names:
+            ours = net.blobs[blob].data
+            assert ours.shape[0] == batch
+            checked = softmax_of.get(blob, blob)
+            err = rel_err(outs[checked], net.blobs[checked].data)
+            assert err <= RTOL, f"{path} batch {batch}: ONNX Runtime's {checked} differs from cct's by {err:.3g}"
+            if checked != blob:
+                bound = np.abs(outs[checked] - net.blobs[checked].data).max() + 1e-6
+                assert np.abs(outs[blob] - ours).max() <= bound, f"{path} batch {batch}: {blob}"
+
+
+# -- clean errors, files and the command ----------------------------------------------------------------
+def _tiny_net(layers: str, phase=cct.TEST) -> cct.Net:
+    text = ('name: "t" layer { name: "x" type: "Input" top: "x" '
+            'input_param { shape { dim: 2 dim: 3 dim: 4 dim: 5 } } }\n')
+    param = caffe_pb2.NetParameter()
+    parse_text(text + layers, param)
+    return cct.Net(param, phase)
+
+
+def test_dropout_in_train_phase_is_refused_by_name():
+    net = _tiny_net('layer { name: "drop" type: "Dropout" bottom: "x" top: "y" }', cct.TRAIN)
+    with pytest.raises(LayerError, match=r"layer 'drop' \(type Dropout\).*TRAIN phase"):
+        to_onnx(net)
+
+
+def test_fixed_batch_reshape_is_refused_with_dynamic_batch_but_exported_without():
+    net = _tiny_net('layer { name: "r" type: "Reshape" bottom: "x" top: "y" '
+                    'reshape_param { shape { dim: 6 dim: 20 } } }')
+    with pytest.raises(LayerError, match=r"layer 'r' \(type Reshape\).*batch size cannot be dynamic"):
+        to_onnx(net, dynamic_batch=True)
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    net.blobs["x"].data[...] = x
+    net.forward()
+    out = run_ort(to_onnx(net), {"x": x})
+    np.testing.assert_array_equal(out["y"], x.reshape(6, 20))
+
+
+def test_unsupported_opset_is_a_clean_error():
+    net = _tiny_net('layer { name: "s" type: "Sigmoid" bottom: "x" top: "y" }')
+    with pytest.raises(CctError, match="opset 12 is not supported"):
+        to_onnx(net, opset=12)
+
+
+@pytest.mark.parametrize("opset", [13, 18, 21])
+def test_other_opsets_export_reductions_and_mvn(opset):
+    net = _tiny_net('layer { name: "m" type: "MVN" bottom: "x" top: "m" }\n'
+                    'layer { name: "r" type: "Reduction" bottom: "m" top: "r" '
+                    'reduction_param { operation: ASUM axis: 1 } }')
+    x = np.random.default_rng(1).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    net.blobs["x"].data[...] = x
+    net.forward()
+    model = to_onnx(net, opset=opset)
+    assert model.opset_import[0].version == opset
+    centred = x - x.mean(axis=(2, 3), keepdims=True)
+    naive = np.abs(centred / (np.sqrt((centred ** 2).mean(axis=(2, 3), keepdims=True)) + 1e-9)).reshape(2, -1).sum(1)
+    assert rel_err(run_ort(model, {"x": x})["r"], naive) <= RTOL
+
+
+def test_a_refused_export_leaves_no_file(tmp_path):
+    net = _tiny_net('layer { name: "f" type: "Flatten" bottom: "x" top: "y" flatten_param { axis: 0 } }')
+    out = tmp_path / "m.onnx"
+    with pytest.raises(LayerError, match="merges the batch axis"):
+        export(net, out, dynamic_batch=True)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_export_onnx_command(tmp_path):
+    from cct.cli import main
+
+    net = cct.Net(os.path.join(REPO, "models/lenet/lenet.prototxt"), cct.TEST)
+    weights = tmp_path / "lenet.caffemodel"
+    net.save(str(weights))
+    out = tmp_path / "lenet.onnx"
+    assert main(["export_onnx", "--model", os.path.join(REPO, "models/lenet/lenet.prototxt"),
+                 "--weights", str(weights), "--out", str(out), "--opset", "18", "--dynamic_batch"]) == 0
+    model = onnx.load(str(out))
+    onnx.checker.check_model(model, full_check=True)
+    assert model.opset_import[0].version == 18
+    x = np.random.default_rng(2).standard_normal((4, 1, 28, 28)).astype(np.float32)
+    net.blobs["data"].reshape(x.shape)
+    net.blobs["data"].data[...] = x
+    net.reshape()
+    net.forward()
+    assert rel_err(run_ort(model, {"data": x}, ["ip2"])["ip2"], net.blobs["ip2"].data) <= RTOL
+    # a missing weights file: a one-line error, exit status 1, nothing written
+    assert main(["export_onnx", "--model", os.path.join(REPO, "models/lenet/lenet.prototxt"),
+                 "--weights", str(tmp_path / "missing.caffemodel"), "--out", str(tmp_path / "x.onnx")]) == 1
+    assert not (tmp_path / "x.onnx").exists()
