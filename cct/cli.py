@@ -78,6 +78,8 @@ COMMANDS: dict[str, Command] = {
     "draw": Command("draw a net as a graph (PNG/SVG/...; the [draw] extra)", "cct.tools.draw"),
     "export_onnx": Command("export a net and its weights to ONNX (the [onnx] extra)", "cct.onnx.cli",
                            "build_export_parser", "run_export"),
+    "import_onnx": Command("convert an ONNX model into a prototxt and caffemodel (the [onnx] extra)", "cct.onnx.cli",
+                           "build_import_parser", "run_import"),
 }
 
 

@@ -1,4 +1,4 @@
-"""``cct export_onnx``: a net prototxt + caffemodel -> an ONNX model checked by ``onnx.checker``."""
+"""``cct export_onnx`` (net prototxt + caffemodel -> ONNX, checked by ``onnx.checker``) and ``cct import_onnx``."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ from ..net import Net
 from ..proto import caffe_pb2
 from ..tools import add_bool_flag, add_flag, tool_parser
 from .export import DEFAULT_OPSET, export
+from .importer import import_onnx
 
 log = logging.getLogger("cct")
 
@@ -31,4 +32,21 @@ def run_export(a: argparse.Namespace) -> int:
     net = Net(a.model, caffe_pb2.TEST if a.phase == "TEST" else caffe_pb2.TRAIN, weights=a.weights)
     export(net, a.out, opset=a.opset, dynamic_batch=a.dynamic_batch)
     log.info("Wrote ONNX model (opset %d%s) to %s", a.opset, ", dynamic batch" if a.dynamic_batch else "", a.out)
+    return 0
+
+
+def build_import_parser() -> FlagParser:
+    """The arguments of ``cct import_onnx``."""
+    p = tool_parser("import_onnx", "Convert an ONNX model into a Caffe deploy prototxt and caffemodel where BVLC "
+                    "layers express it exactly; an op they cannot is an error naming the node.", progress=False)
+    p.add_argument("onnx_model", metavar="MODEL.onnx", help="the ONNX model to convert")
+    add_flag(p, "out_model", required=True, help="the deploy prototxt to write")
+    add_flag(p, "out_weights", required=True, help="the caffemodel to write")
+    return p
+
+
+def run_import(a: argparse.Namespace) -> int:
+    """``cct import_onnx`` on parsed arguments."""
+    import_onnx(a.onnx_model, a.out_model, a.out_weights)
+    log.info("Wrote %s and %s", a.out_model, a.out_weights)
     return 0

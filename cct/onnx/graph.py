@@ -34,6 +34,7 @@ class GraphBuilder:
         self.inputs: list = []
         self.outputs: list = []
         self._used: set[str] = set()
+        self._node_names: set[str] = set()
 
     def reserve(self, name: str) -> str:
         """Mark ``name`` as taken (graph inputs and blob values are named before they are produced)."""
@@ -66,9 +67,18 @@ class GraphBuilder:
         """Append node ``op``; ``outputs`` given names, a count hint string, or None (one fresh value)."""
         if outputs is None or isinstance(outputs, str):
             outputs = [self.fresh(outputs or f"{name or op}_out")]
-        node = self.onnx.helper.make_node(op, list(inputs), list(outputs), name=self.fresh(name or op), **attrs)
+        node = self.onnx.helper.make_node(op, list(inputs), list(outputs), name=self._node_name(name or op), **attrs)
         self.nodes.append(node)
         return list(outputs)
+
+    def _node_name(self, hint: str) -> str:
+        """Node names are unique among nodes (a layer's first node carries the layer's name)."""
+        name, k = hint, 1
+        while name in self._node_names:
+            name = f"{hint}_{k}"
+            k += 1
+        self._node_names.add(name)
+        return name
 
     def one(self, op: str, inputs: Sequence[str], output: str | None = None, name: str = "", **attrs) -> str:
         """:meth:`node` for a single-output node; returns that output's name."""

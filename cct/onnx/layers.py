@@ -139,7 +139,8 @@ def _pool(c: LayerContext) -> None:
     # (those cells count), then pool without counting ONNX's own end padding (the ceil overhang).
     x = c.bottoms[0]
     if ph or pw:
-        x = c.node("Pad", [x, c.g.ints(f"{c.name}.pads", [0, 0, ph, pw, 0, 0, ph, pw])], mode="constant")
+        x = c.g.one("Pad", [x, c.g.ints(f"{c.name}.pads", [0, 0, ph, pw, 0, 0, ph, pw])], name=f"{c.name}/pad",
+                    mode="constant")
     end_h, end_w = max(0, (oh - 1) * sh + kh - h - 2 * ph), max(0, (ow - 1) * sw + kw - w - 2 * pw)
     c.node("AveragePool", [x], 0, kernel_shape=[kh, kw], strides=[sh, sw], pads=[0, 0, end_h, end_w],
            count_include_pad=0)
@@ -169,13 +170,14 @@ def _inner_product(c: LayerContext) -> None:
     if axis == 0:
         c.fixes_batch("InnerProduct with axis 0 flattens the batch axis")
     if axis == 1:
-        flat = c.node("Flatten", [c.bottoms[0]], axis=1)
+        flat = c.g.one("Flatten", [c.bottoms[0]], name=f"{c.name}/flatten", axis=1)
         inputs = [flat, c.param(0)] + ([c.param(1)] if p.bias_term else [])
         c.node("Gemm", inputs, 0, transB=0 if p.transpose else 1)
         return
-    flat = _reshape(c, c.bottoms[0], [0] * axis + [k])
-    w = c.blob(0)
-    wk = c.g.const(f"{c.name}.blobs.0", w if p.transpose else np.ascontiguousarray(w.T))
+    flat = c.g.one("Reshape", [c.bottoms[0], c.g.ints(f"{c.name}.shape", [0] * axis + [k])], name=f"{c.name}/reshape")
+    wk = c.param(0)  # (K, N) with transpose, else (N, K): a Transpose node keeps the stored layout and bits
+    if not p.transpose:
+        wk = c.g.one("Transpose", [wk], name=f"{c.name}/weight_t", perm=[1, 0])
     y = c.node("MatMul", [flat, wk], None if p.bias_term else 0)
     if p.bias_term:
         c.node("Add", [y, c.param(1)], 0)
