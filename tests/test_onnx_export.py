@@ -248,3 +248,35 @@ def test_export_onnx_command(tmp_path):
     assert main(["export_onnx", "--model", os.path.join(REPO, "models/lenet/lenet.prototxt"),
                  "--weights", str(tmp_path / "missing.caffemodel"), "--out", str(tmp_path / "x.onnx")]) == 1
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_layers_without_a_reference_case_match_cct():
+    """Swish, Clip, Parameter, Silence, 3-D convolution and pooling, Power with scale 0, the in-place chain."""
+    net = _tiny_net(
+        'layer { name: "sw" type: "Swish" bottom: "x" top: "sw" swish_param { beta: 1.5 } }\n'
+        'layer { name: "cl" type: "Clip" bottom: "sw" top: "cl" clip_param { min: -0.3 max: 0.4 } }\n'
+        'layer { name: "p0" type: "Power" bottom: "x" top: "p0" power_param { power: 2 scale: 0 shift: 3 } }\n'
+        'layer { name: "par" type: "Parameter" top: "par" parameter_param { shape { dim: 2 dim: 3 dim: 4 dim: 5 } } }\n'
+        'layer { name: "sum" type: "Eltwise" bottom: "cl" bottom: "par" bottom: "p0" top: "sum" }\n'
+        'layer { name: "relu" type: "ReLU" bottom: "sum" top: "sum" relu_param { negative_slope: 0.1 } }\n'
+        'layer { name: "r5" type: "Reshape" bottom: "sum" top: "v" reshape_param { shape { dim: 0 dim: 1 dim: 3 '
+        'dim: 4 dim: 5 } } }\n'
+        'layer { name: "c3" type: "Convolution" bottom: "v" top: "c3" convolution_param { num_output: 2 '
+        'kernel_size: 2 pad: 1 stride: 2 weight_filler { type: "gaussian" std: 0.3 } '
+        'bias_filler { type: "gaussian" } } }\n'
+        'layer { name: "sil" type: "Silence" bottom: "c3" }\n'
+        'layer { name: "pool" type: "Pooling" bottom: "sum" top: "pool" pooling_param { pool: AVE kernel_size: 3 '
+        'stride: 2 pad: 1 } }')
+    cct.set_random_seed(0)
+    net.layers[net.layer_names.index("par")].blobs[0].data[...] = np.random.default_rng(4).standard_normal((2, 3, 4, 5))
+    x = np.random.default_rng(5).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    net.blobs["x"].data[...] = x
+    net.forward()
+    model = to_onnx(net)
+    assert {n.op_type for n in model.graph.node} >= {"Sigmoid", "Clip", "Conv", "Sum", "LeakyRelu", "AveragePool"}
+    out = run_ort(model, {"x": x}, ["c3", "p0", "cl"])
+    naive_swish = x / (1 + np.exp(-1.5 * x))
+    assert rel_err(out["cl"], np.clip(naive_swish, -0.3, 0.4)) <= RTOL
+    np.testing.assert_array_equal(out["p0"], np.full_like(x, 9.0))
+    for blob in ("pool", "c3"):
+        assert rel_err(out[blob], net.blobs[blob].data) <= RTOL, blob
