@@ -116,7 +116,8 @@ def _nets() -> list:
     return zoo + models
 
 
-def _load(path: str, hw, narrowed) -> caffe_pb2.NetParameter:
+def load_public_net(path: str, hw, narrowed) -> caffe_pb2.NetParameter:
+    """A zoo/ or models/ net at input size ``hw`` (None: as written), the layers ``narrowed`` at 64 outputs."""
     full = os.path.join(ZOO, path[4:]) if path.startswith("zoo/") else os.path.join(REPO, path)
     if not os.path.exists(full):
         pytest.skip(f"{path} not present")
@@ -132,7 +133,7 @@ def _load(path: str, hw, narrowed) -> caffe_pb2.NetParameter:
 
 @pytest.mark.parametrize("path,hw,narrowed,batches", _nets(), ids=[n[0] for n in _nets()])
 def test_public_net_onnx_equals_cct(path, hw, narrowed, batches):
-    param = _load(path, hw, narrowed)
+    param = load_public_net(path, hw, narrowed)
     cct.set_random_seed(5)
     net = cct.Net(param, cct.TEST)
     for layer in net.layers:  # finite statistics for deep random nets
@@ -171,7 +172,8 @@ def test_public_net_onnx_equals_cct(path, hw, narrowed, batches):
 
 
 # -- clean errors, files and the command ----------------------------------------------------------------
-def _tiny_net(layers: str, phase=cct.TEST) -> cct.Net:
+def tiny_net(layers: str, phase=cct.TEST) -> cct.Net:
+    """A net of ``layers`` after an Input blob ``x`` of shape (2, 3, 4, 5)."""
     text = ('name: "t" layer { name: "x" type: "Input" top: "x" '
             'input_param { shape { dim: 2 dim: 3 dim: 4 dim: 5 } } }\n')
     param = caffe_pb2.NetParameter()
@@ -180,13 +182,13 @@ def _tiny_net(layers: str, phase=cct.TEST) -> cct.Net:
 
 
 def test_dropout_in_train_phase_is_refused_by_name():
-    net = _tiny_net('layer { name: "drop" type: "Dropout" bottom: "x" top: "y" }', cct.TRAIN)
+    net = tiny_net('layer { name: "drop" type: "Dropout" bottom: "x" top: "y" }', cct.TRAIN)
     with pytest.raises(LayerError, match=r"layer 'drop' \(type Dropout\).*TRAIN phase"):
         to_onnx(net)
 
 
 def test_fixed_batch_reshape_is_refused_with_dynamic_batch_but_exported_without():
-    net = _tiny_net('layer { name: "r" type: "Reshape" bottom: "x" top: "y" '
+    net = tiny_net('layer { name: "r" type: "Reshape" bottom: "x" top: "y" '
                     'reshape_param { shape { dim: 6 dim: 20 } } }')
     with pytest.raises(LayerError, match=r"layer 'r' \(type Reshape\).*batch size cannot be dynamic"):
         to_onnx(net, dynamic_batch=True)
@@ -198,14 +200,14 @@ def test_fixed_batch_reshape_is_refused_with_dynamic_batch_but_exported_without(
 
 
 def test_unsupported_opset_is_a_clean_error():
-    net = _tiny_net('layer { name: "s" type: "Sigmoid" bottom: "x" top: "y" }')
+    net = tiny_net('layer { name: "s" type: "Sigmoid" bottom: "x" top: "y" }')
     with pytest.raises(CctError, match="opset 12 is not supported"):
         to_onnx(net, opset=12)
 
 
 @pytest.mark.parametrize("opset", [13, 18, 21])
 def test_other_opsets_export_reductions_and_mvn(opset):
-    net = _tiny_net('layer { name: "m" type: "MVN" bottom: "x" top: "m" }\n'
+    net = tiny_net('layer { name: "m" type: "MVN" bottom: "x" top: "m" }\n'
                     'layer { name: "r" type: "Reduction" bottom: "m" top: "r" '
                     'reduction_param { operation: ASUM axis: 1 } }')
     x = np.random.default_rng(1).standard_normal((2, 3, 4, 5)).astype(np.float32)
@@ -219,7 +221,7 @@ def test_other_opsets_export_reductions_and_mvn(opset):
 
 
 def test_a_refused_export_leaves_no_file(tmp_path):
-    net = _tiny_net('layer { name: "f" type: "Flatten" bottom: "x" top: "y" flatten_param { axis: 0 } }')
+    net = tiny_net('layer { name: "f" type: "Flatten" bottom: "x" top: "y" flatten_param { axis: 0 } }')
     out = tmp_path / "m.onnx"
     with pytest.raises(LayerError, match="merges the batch axis"):
         export(net, out, dynamic_batch=True)
@@ -252,7 +254,7 @@ def test_export_onnx_command(tmp_path):
 
 def test_layers_without_a_reference_case_match_cct():
     """Swish, Clip, Parameter, Silence, 3-D convolution and pooling, Power with scale 0, the in-place chain."""
-    net = _tiny_net(
+    net = tiny_net(
         'layer { name: "sw" type: "Swish" bottom: "x" top: "sw" swish_param { beta: 1.5 } }\n'
         'layer { name: "cl" type: "Clip" bottom: "sw" top: "cl" clip_param { min: -0.3 max: 0.4 } }\n'
         'layer { name: "p0" type: "Power" bottom: "x" top: "p0" power_param { power: 2 scale: 0 shift: 3 } }\n'

@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 from refcase import case_dir, load_case, reference_available
-from test_onnx_export import REFUSED_CASES, REPO, RTOL, UNIT_CASES, rel_err, run_ort
+from test_onnx_export import REFUSED_CASES, REPO, RTOL, UNIT_CASES, load_public_net, rel_err, run_ort, tiny_net
 
 import cct
 from cct.io.caffemodel import read_caffemodel
@@ -111,10 +111,8 @@ def test_reference_case_round_trip(case, monkeypatch):
     ("models/caffenet/deploy.prototxt", None, ("fc6", "fc7")),
 ])
 def test_public_net_round_trip(path, hw, narrowed):
-    from test_onnx_export import _load
-
     cct.set_random_seed(7)
-    net = cct.Net(_load(path, hw, narrowed), cct.TEST)
+    net = cct.Net(load_public_net(path, hw, narrowed), cct.TEST)
     for layer in net.layers:
         if layer.type == "BatchNorm":
             layer.blobs[0].data[...] = np.linspace(-1, 1, layer.blobs[0].count, dtype=np.float32)
@@ -233,3 +231,15 @@ def test_import_onnx_command(tmp_path):
     assert main(["import_onnx", str(tmp_path / "junk.onnx"), "--out_model", str(tmp_path / "j.prototxt"),
                  "--out_weights", str(tmp_path / "j.caffemodel")]) == 1
     assert not (tmp_path / "j.prototxt").exists() and not (tmp_path / "j.caffemodel").exists()
+
+
+def test_constant_power_round_trips_as_a_constant():
+    net = tiny_net('layer { name: "p0" type: "Power" bottom: "x" top: "p0" '
+                    'power_param { power: 2 scale: 0 shift: 3 } }')
+    model = to_onnx(net)
+    back, param = imported_net(model)
+    assert [lp.type for lp in param.layer] == ["Input", "Power"]
+    x = np.full((2, 3, 4, 5), np.nan, np.float32)  # Caffe writes the constant whatever x holds
+    forward(back, {"x": x})
+    np.testing.assert_array_equal(back.blobs["p0"].data, np.full_like(x, 9.0))
+    np.testing.assert_array_equal(run_ort(model, {"x": x})["p0"], np.full_like(x, 9.0))

@@ -646,6 +646,23 @@ def _tile(imp: _Importer, i: int, node) -> None:
     lp.tile_param.axis, lp.tile_param.tiles = axis, int(reps[axis])
 
 
+def _shape(imp: _Importer, i: int, node) -> None:
+    user = imp.only_consumer(node.output[0])
+    if user is None or user.op_type != "ConstantOfShape" or len(node.attribute):
+        raise imp.fail(node, "a blob's shape as a tensor has no BVLC layer (only Shape -> ConstantOfShape maps)")
+
+
+def _constant_of_shape(imp: _Importer, i: int, node) -> None:
+    src = imp.producer(node.input[0])
+    if src is None or src.op_type != "Shape" or len(src.attribute):
+        raise imp.fail(node, "only a constant shaped like a blob (Shape -> ConstantOfShape) maps onto Power")
+    value = imp.attr(node, "value")
+    v = np.float32(0) if value is None else imp.onnx.numpy_helper.to_array(value).reshape(-1)[0]
+    if np.asarray(v).dtype != np.float32:
+        raise imp.fail(node, "a non-float constant")
+    _power(imp, node, src.input[0], scale=0.0, shift=float(v), power=1.0)  # Caffe: pow(shift, 1) everywhere
+
+
 HANDLERS: dict[str, Handler] = {
     "Conv": _conv, "ConvTranspose": _conv, "MaxPool": _pool, "AveragePool": _pool, "GlobalMaxPool": _pool,
     "GlobalAveragePool": _pool, "Gemm": _gemm, "MatMul": _matmul, "BatchNormalization": _batchnorm,
@@ -655,7 +672,7 @@ HANDLERS: dict[str, Handler] = {
     "Exp": _simple("Exp"), "Log": _simple("Log"), "Clip": _clip, "Softmax": _simple("Softmax", _softmax),
     "LRN": _simple("LRN", _lrn), "Concat": _concat, "Split": _split, "Reshape": _reshape, "Flatten": _reshape,
     "Squeeze": _reshape, "Unsqueeze": _reshape, "Identity": _identity, "Dropout": _dropout, "Tile": _tile,
-    "Pad": _pad, "Transpose": _transpose,
+    "Pad": _pad, "Transpose": _transpose, "Shape": _shape, "ConstantOfShape": _constant_of_shape,
 }
 IMPORTABLE_OPS = sorted(HANDLERS) + ["Constant"]
 

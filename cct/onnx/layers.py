@@ -131,6 +131,8 @@ def _pool(c: LayerContext) -> None:
     h, w = shape[2], shape[3]
     # Caffe's output size (ceil or floor rounding, last window dropped when it starts in the padding)
     # is written as explicit end padding with floor rounding: the same windows, no ceil_mode rule.
+    if (oh - 1) * sh - ph >= h or (ow - 1) * sw - pw >= w:
+        raise c.refuse("the last pooling window starts past the input (Caffe pools an empty window there)")
     if p.pool == _POOL.MAX:
         end_h, end_w = max(0, (oh - 1) * sh + kh - h - ph), max(0, (ow - 1) * sw + kw - w - pw)
         c.node("MaxPool", [c.bottoms[0]], 0, kernel_shape=[kh, kw], strides=[sh, sw], pads=[ph, pw, end_h, end_w])
@@ -231,11 +233,12 @@ def _finish(c: LayerContext, x: str) -> None:
 def _power(c: LayerContext) -> None:
     p = c.lp.power_param
     power, scale, shift = float(p.power), float(p.scale), float(p.shift)
-    if scale == 0:
-        # Caffe: (shift)^power everywhere, written without reading x.
-        x = c.node("Mul", [c.bottoms[0], c.scalar("zero", 0.0)])
-        x = c.node("Add", [x, c.scalar("value", np.float32(shift) ** np.float32(power))])
-        _finish(c, x)
+    if power * scale == 0:
+        # Caffe: a constant (1 for power 0, else C's pow(shift, power) in double), whatever x holds.
+        with np.errstate(all="ignore"):
+            value = np.float32(1.0 if power == 0 else np.power(np.float64(shift), np.float64(power)))
+        shape = c.node("Shape", [c.bottoms[0]])
+        c.node("ConstantOfShape", [shape], 0, value=c.g.onnx.numpy_helper.from_array(np.array([value], np.float32)))
         return
     x = _affine(c, c.bottoms[0], scale, shift)
     if power != 1:
