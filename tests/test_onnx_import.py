@@ -243,3 +243,28 @@ def test_constant_power_round_trips_as_a_constant():
     forward(back, {"x": x})
     np.testing.assert_array_equal(back.blobs["p0"].data, np.full_like(x, 9.0))
     np.testing.assert_array_equal(run_ort(model, {"x": x})["p0"], np.full_like(x, 9.0))
+
+
+@pytest.mark.parametrize("ctm,nearest,factors,exact", [
+    ("asymmetric", "floor", (2, 2), True),            # PyTorch's nn.Upsample(scale_factor=2)
+    ("half_pixel", "round_prefer_floor", (3, 2), True),  # ONNX's defaults
+    ("asymmetric", "round_prefer_floor", (3, 3), False),  # source 2/3 rounds up to pixel 1
+    ("asymmetric", "round_prefer_floor", (2, 1), True),  # 1/2 ties to the floor: still a copy
+    ("align_corners", "round_prefer_floor", (2, 2), False),
+])
+def test_nearest_resize_imports_as_deconvolution_only_when_exact(ctm, nearest, factors, exact):
+    nodes = [helper.make_node("Resize", ["x", "", "scales"], ["y"], name="up", mode="nearest",
+                              coordinate_transformation_mode=ctm, nearest_mode=nearest)]
+    model = _model(nodes, [_const("scales", np.array([1, 1, *factors], np.float32))], [2, 3, 4, 5],
+                   [2, 3, 4 * factors[0], 5 * factors[1]])
+    if not exact:
+        with pytest.raises(OnnxImportError, match=r"ONNX node 'up' \(op Resize\).*does not copy each pixel"):
+            from_onnx(model)
+        return
+    net, param = imported_net(model)
+    assert [lp.type for lp in param.layer] == ["Input", "Deconvolution"]
+    x = np.random.default_rng(2).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    forward(net, {"x": x})
+    expected = x.repeat(factors[0], axis=2).repeat(factors[1], axis=3)
+    np.testing.assert_array_equal(run_ort(model, {"x": x})["y"], expected)
+    np.testing.assert_array_equal(net.blobs["y"].data, expected)

@@ -663,6 +663,52 @@ def _constant_of_shape(imp: _Importer, i: int, node) -> None:
     _power(imp, node, src.input[0], scale=0.0, shift=float(v), power=1.0)  # Caffe: pow(shift, 1) everywhere
 
 
+def _nearest_source(i: np.ndarray, scale: int, mode: str, nearest: str) -> np.ndarray | None:
+    """ONNX Resize's source index of output index ``i`` for an integer ``scale`` (None: a mode not handled)."""
+    if mode == "asymmetric":
+        x = i / scale
+    elif mode in ("half_pixel", "pytorch_half_pixel"):
+        x = (i + 0.5) / scale - 0.5
+    else:
+        return None
+    if nearest == "floor":
+        return np.floor(x)
+    if nearest == "ceil":
+        return np.ceil(x)
+    frac = x - np.floor(x)
+    tie_up = nearest == "round_prefer_ceil"
+    return np.where(frac > 0.5, np.ceil(x), np.where(frac < 0.5, np.floor(x), np.ceil(x) if tie_up else np.floor(x)))
+
+
+def _resize(imp: _Importer, i: int, node) -> None:
+    """Nearest upsampling by integer factors that copies each pixel into a block: a grouped Deconvolution
+    with an all-ones kernel of that size and stride (no overlap, so every output is exactly one input)."""
+    xs, out = imp.shape(node.input[0]), imp.shape(node.output[0])
+    mode = imp.attr(node, "mode", b"nearest")
+    if mode not in (b"nearest", "nearest") or len(xs) != 4 or None in xs[1:] or not out or None in out[1:]:
+        raise imp.fail(node, "only nearest resizing of a 4-D blob with static sizes maps (as a Deconvolution)")
+    if out[:2] != xs[:2] and out[1] != xs[1]:
+        raise imp.fail(node, "resizing the batch or channel axis")
+    factors = [out[a] // xs[a] for a in (2, 3)]
+    if any(f < 1 or out[a] != f * xs[a] for f, a in zip(factors, (2, 3))):
+        raise imp.fail(node, f"output {out[2:]} is not an integer multiple of the input {xs[2:]}")
+    ctm = imp.attr(node, "coordinate_transformation_mode", b"half_pixel")
+    nearest = imp.attr(node, "nearest_mode", b"round_prefer_floor")
+    ctm, nearest = (v.decode() if isinstance(v, bytes) else v for v in (ctm, nearest))
+    for f, n in zip(factors, xs[2:]):
+        idx = np.arange(f * n)
+        src = _nearest_source(idx, f, ctm, nearest)
+        if src is None or not np.array_equal(np.clip(src, 0, n - 1), idx // f):
+            raise imp.fail(node, f"nearest resizing with coordinate_transformation_mode {ctm} and nearest_mode "
+                                 f"{nearest} does not copy each pixel into a {f}x block")
+    channels = xs[1]
+    lp = imp.layer(node, "Deconvolution", [imp.blob(node, node.input[0])],
+                   blobs=[np.ones((channels, 1, factors[0], factors[1]), np.float32)])
+    p = lp.convolution_param
+    p.num_output, p.group, p.bias_term = channels, channels, False
+    _set_nd(p, factors, factors, [0, 0])
+
+
 HANDLERS: dict[str, Handler] = {
     "Conv": _conv, "ConvTranspose": _conv, "MaxPool": _pool, "AveragePool": _pool, "GlobalMaxPool": _pool,
     "GlobalAveragePool": _pool, "Gemm": _gemm, "MatMul": _matmul, "BatchNormalization": _batchnorm,
@@ -673,6 +719,7 @@ HANDLERS: dict[str, Handler] = {
     "LRN": _simple("LRN", _lrn), "Concat": _concat, "Split": _split, "Reshape": _reshape, "Flatten": _reshape,
     "Squeeze": _reshape, "Unsqueeze": _reshape, "Identity": _identity, "Dropout": _dropout, "Tile": _tile,
     "Pad": _pad, "Transpose": _transpose, "Shape": _shape, "ConstantOfShape": _constant_of_shape,
+    "Resize": _resize,
 }
 IMPORTABLE_OPS = sorted(HANDLERS) + ["Constant"]
 
