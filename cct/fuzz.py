@@ -455,5 +455,5 @@ def describe(case: Case, outcome: str, error: str = "") -> str:
     return f"{case.kind} seed={case.seed} origin={case.origin} mutation={case.mutation} -> {outcome} {error}".rstrip()
 
 
-__all__ = ["KINDS", "Case", "CaseTimeout", "alarm", "describe", "make_case", "mutate_bytes", "mutate_caffemodel",
-           "mutate_hdf5", "mutate_text", "prototxt_corpus", "run_case", "run_in"]
+__all__ = ["DATA_KINDS", "KINDS", "Case", "CaseTimeout", "alarm", "describe", "make_case", "mutate_bytes",
+           "mutate_caffemodel", "mutate_hdf5", "mutate_text", "prototxt_corpus", "run_case", "run_in"]

@@ -69,22 +69,11 @@ def test_alarm_interrupts_a_slow_case():
 
 
 # -- data records (cct/fuzz_data.py): LMDB Datum records, mean files, image lists ---------------------
-@settings(max_examples=25, **SETTINGS)
-@given(seed=st.integers(0, 2**31 - 1))
-def test_mutated_datum_records(seed):
-    _check("datum", seed)
-
-
-@settings(max_examples=15, **SETTINGS)
-@given(seed=st.integers(0, 2**31 - 1))
-def test_mutated_mean_file(seed):
-    _check("mean", seed)
-
-
+@pytest.mark.parametrize("kind", fuzz.DATA_KINDS)
 @settings(max_examples=20, **SETTINGS)
 @given(seed=st.integers(0, 2**31 - 1))
-def test_mutated_image_list(seed):
-    _check("imagelist", seed)
+def test_mutated_data_records(kind, seed):
+    _check(kind, seed)
 
 
 def _datum(**fields) -> bytes:

@@ -246,11 +246,16 @@ def _power(c: LayerContext) -> None:
     _finish(c, x)
 
 
-def _exp(c: LayerContext) -> None:
-    p = c.lp.exp_param
+def _base_scale_shift(c: LayerContext, p, field: str) -> tuple[float, float, float]:
+    """Exp's / Log's (base, scale, shift); a base Caffe refuses is refused here too."""
     base, scale, shift = float(p.base), float(p.scale), float(p.shift)
     if base != -1 and base <= 0:
-        raise c.refuse(f"exp_param.base {base} (Caffe requires base > 0 or -1)")
+        raise c.refuse(f"{field}.base {base} (Caffe requires base > 0 or -1)")
+    return base, scale, shift
+
+
+def _exp(c: LayerContext) -> None:
+    base, scale, shift = _base_scale_shift(c, c.lp.exp_param, "exp_param")
     log_base = 1.0 if base == -1 else math.log(base)
     inner = np.float32(log_base * scale)
     outer = np.float32(1.0) if shift == 0 else np.float32(math.exp(log_base * shift)) if base == -1 \
@@ -265,10 +270,7 @@ def _exp(c: LayerContext) -> None:
 
 
 def _log(c: LayerContext) -> None:
-    p = c.lp.log_param
-    base, scale, shift = float(p.base), float(p.scale), float(p.shift)
-    if base != -1 and base <= 0:
-        raise c.refuse(f"log_param.base {base} (Caffe requires base > 0 or -1)")
+    base, scale, shift = _base_scale_shift(c, c.lp.log_param, "log_param")
     x = c.node("Log", [_affine(c, c.bottoms[0], scale, shift)])
     if base != -1:
         x = c.node("Mul", [x, c.scalar("base_scale", 1.0 / math.log(base))])
