@@ -40,8 +40,7 @@ REFUSED_CASES = {
     "infogain_loss_Hfile": "InfogainLoss", "infogain_axis2": "InfogainLoss",
     "multinomial_logistic_loss": "MultinomialLogisticLoss", "pool_max_with_mask_8x8k3s2": "Pooling",
     "sigmoid_cross_entropy_loss": "SigmoidCrossEntropyLoss", "softmaxloss_ignore255_valid": "SoftmaxWithLoss",
-    "softmaxloss_plain": "SoftmaxWithLoss", "lstm_t3_n2": "LSTM", "lstmunit": "LSTMUnit", "rnn_t3_n2": "RNN",
-    "spp_max_h2": "SPP",
+    "softmaxloss_plain": "SoftmaxWithLoss", "spp_max_h2": "SPP",
 }
 
 
@@ -281,4 +280,40 @@ def test_layers_without_a_reference_case_match_cct():
     assert rel_err(out["cl"], np.clip(naive_swish, -0.3, 0.4)) <= RTOL
     np.testing.assert_array_equal(out["p0"], np.full_like(x, 9.0))
     for blob in ("pool", "c3"):
+        assert rel_err(out[blob], net.blobs[blob].data) <= RTOL, blob
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "RNN"])
+@pytest.mark.parametrize("static,expose", [(False, False), (True, True)])
+def test_recurrent_layers_unrolled_match_cct(kind, static, expose):
+    """LSTM/RNN with a continuation that restarts a sequence mid-way, a static input, exposed states."""
+    states = ["h_0", "c_0"] if kind == "LSTM" else ["h_0"]
+    extra_tops = (["xs"] if static else []) + (states if expose else [])
+    extra_shapes = (["shape { dim: 3 dim: 5 }"] if static else []) + \
+        (["shape { dim: 1 dim: 3 dim: 6 }"] * len(states) if expose else [])
+    inputs = ('layer { name: "in" type: "Input" top: "x" top: "cont"' + "".join(f' top: "{t}"' for t in extra_tops) +
+              ' input_param { shape { dim: 4 dim: 3 dim: 2 dim: 3 } shape { dim: 4 dim: 3 } ' +
+              " ".join(extra_shapes) + " } }\n")
+    bottoms = ' bottom: "x" bottom: "cont"' + (' bottom: "xs"' if static else "") + \
+        ("".join(f' bottom: "{s}"' for s in states) if expose else "")
+    tops = ' top: "y"' + ("".join(f' top: "{s}_T"' for s in "hc"[:len(states)]) if expose else "")
+    layer = (f'layer {{ name: "rec" type: "{kind}"{bottoms}{tops} recurrent_param {{ num_output: 6 '
+             f'expose_hidden: {"true" if expose else "false"} weight_filler {{ type: "gaussian" std: 0.4 }} '
+             f'bias_filler {{ type: "gaussian" std: 0.2 }} }} }}')
+    param = caffe_pb2.NetParameter()
+    parse_text('name: "rec"\n' + inputs + layer, param)
+    cct.set_random_seed(1)
+    net = cct.Net(param, cct.TEST)
+    rng = np.random.default_rng(6)
+    feeds = {}
+    for name in net.input_blob_names:
+        shape = net.blobs[name].shape
+        feeds[name] = (np.array([[0, 0, 0], [1, 1, 0], [1, 0, 1], [1, 1, 1]], np.float32) if name == "cont"
+                       else rng.standard_normal(shape).astype(np.float32))
+        net.blobs[name].data[...] = feeds[name]
+    net.forward()
+    model = to_onnx(net, dynamic_batch=False)
+    out = run_ort(model, feeds)
+    assert sorted(out) == sorted(net.output_blob_names)
+    for blob in net.output_blob_names:
         assert rel_err(out[blob], net.blobs[blob].data) <= RTOL, blob

@@ -14,15 +14,20 @@ from ..io.atomic import atomic_write_bytes
 from ..net import Net
 from .graph import GraphBuilder, require
 from .layers import CONVERTERS, REFUSED, LayerContext
+from .recurrent import convert_lstm, convert_lstm_unit, convert_rnn
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 13  # Softmax with Caffe's single-axis semantics, Split/ReduceSum/Unsqueeze taking inputs
 BATCH_DIM = "N"
 
 
+# every converter: the per-layer table of cct.onnx.layers and the unrolled recurrent layers
+ALL_CONVERTERS = {**CONVERTERS, "LSTM": convert_lstm, "LSTMUnit": convert_lstm_unit, "RNN": convert_rnn}
+
+
 def exportable_layer_types() -> list[str]:
     """The Caffe layer types the exporter converts (some settings of them may still be refused)."""
-    return sorted(set(CONVERTERS) | {"Input", "Silence"})
+    return sorted(set(ALL_CONVERTERS) | {"Input", "Silence"})
 
 
 def refused_layer_types() -> dict[str, str]:
@@ -75,7 +80,7 @@ def to_onnx(net: Net, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False):
             continue
         if lp.type in REFUSED:
             raise LayerError(lp.name, lp.type, f"cannot be exported to ONNX: {REFUSED[lp.type]}")
-        convert = CONVERTERS.get(lp.type)
+        convert = ALL_CONVERTERS.get(lp.type)
         if convert is None:
             raise LayerError(lp.name, lp.type, "cannot be exported to ONNX: no converter for this layer type")
         bottoms = [values[b] for b in net.bottom_names[i]]

@@ -55,7 +55,8 @@ class GraphBuilder:
         if arr.dtype != dtype:
             arr = arr.astype(dtype)
         name = self.fresh(hint)
-        self.initializers.append(self.onnx.numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        arr = np.array(arr, order="C")  # (np.ascontiguousarray would turn a 0-d scalar into shape (1,))
+        self.initializers.append(self.onnx.numpy_helper.from_array(arr, name))
         return name
 
     def ints(self, hint: str, values: Sequence[int]) -> str:

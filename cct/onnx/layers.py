@@ -542,11 +542,6 @@ REFUSED: dict[str, str] = {
     "Python": "runs arbitrary Python code",
     "Filter": "its output batch size depends on the values of the selector input",
     "BatchReindex": "gathers items of the batch by runtime indices into a batch of another size",
-    "LSTM": "Caffe's per-step sequence-continuation input (cont) resets the state inside a sequence; "
-            "ONNX's LSTM has no such input (and an unrolled export is not implemented)",
-    "RNN": "Caffe's per-step sequence-continuation input (cont) resets the state inside a sequence; "
-           "ONNX's RNN has no such input (and an unrolled export is not implemented)",
-    "LSTMUnit": "not implemented in the exporter (a cell step with a continuation input)",
     "SPP": "not implemented in the exporter (pyramid of poolings with per-level padding)",
     "Im2col": "not implemented in the exporter",
 }
