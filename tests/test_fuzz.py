@@ -69,6 +69,7 @@ def test_alarm_interrupts_a_slow_case():
 
 
 # -- data records (cct/fuzz_data.py): LMDB Datum records, mean files, image lists ---------------------
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # bomb headers are among the cases
 @pytest.mark.parametrize("kind", fuzz.DATA_KINDS)
 @settings(max_examples=20, **SETTINGS)
 @given(seed=st.integers(0, 2**31 - 1))

@@ -40,7 +40,7 @@ REFUSED_CASES = {
     "infogain_loss_Hfile": "InfogainLoss", "infogain_axis2": "InfogainLoss",
     "multinomial_logistic_loss": "MultinomialLogisticLoss", "pool_max_with_mask_8x8k3s2": "Pooling",
     "sigmoid_cross_entropy_loss": "SigmoidCrossEntropyLoss", "softmaxloss_ignore255_valid": "SoftmaxWithLoss",
-    "softmaxloss_plain": "SoftmaxWithLoss", "spp_max_h2": "SPP",
+    "softmaxloss_plain": "SoftmaxWithLoss",
 }
 
 
@@ -102,7 +102,7 @@ def _nets() -> list:
         ("zoo/mobilenet_v2.prototxt", (64, 64), (), (1, 4)),
         ("zoo/densenet121_roundmode.prototxt", (64, 64), (), (1,)),
         ("zoo/resnet50_deploy.prototxt", None, (), (1,)),
-        ("zoo/inception_v3.prototxt", None, (), (1,)),
+        ("zoo/inception_v3.prototxt", (139, 139), (), (1,)),  # global pooling: any size from 139 up
         # at 32x32 VGG16's fc6 sees 1x1 (not 7x7): its weights are built for that
         ("zoo/vgg16_official_v1.prototxt", (32, 32), ("fc6", "fc7"), (1,)),
     ]
@@ -317,3 +317,19 @@ def test_recurrent_layers_unrolled_match_cct(kind, static, expose):
     assert sorted(out) == sorted(net.output_blob_names)
     for blob in net.output_blob_names:
         assert rel_err(out[blob], net.blobs[blob].data) <= RTOL, blob
+
+
+@pytest.mark.parametrize("pool,height", [("MAX", 1), ("AVE", 3), ("MAX", 3)])
+def test_spp_matches_cct(pool, height):
+    """SPP levels with per-level padding (9x7 input: 4x4 bins need kernel 3, pad 2 / kernel 2, pad 1)."""
+    param = caffe_pb2.NetParameter()
+    parse_text('name: "spp" layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 9 '
+               f'dim: 7 }} }} }}\nlayer {{ name: "spp" type: "SPP" bottom: "x" top: "y" spp_param {{ pool: {pool} '
+               f'pyramid_height: {height} }} }}', param)
+    net = cct.Net(param, cct.TEST)
+    x = np.random.default_rng(8).standard_normal((2, 3, 9, 7)).astype(np.float32)
+    net.blobs["x"].data[...] = x
+    net.forward()
+    out = run_ort(to_onnx(net, dynamic_batch=True), {"x": x})["y"]
+    assert out.shape == net.blobs["y"].data.shape
+    assert rel_err(out, net.blobs["y"].data) <= RTOL

@@ -37,7 +37,7 @@ NOT_IMPORTABLE = {"argmax_axis1_top2_outmaxval": "Slice", "argmax_top2": "Slice"
                   "scale_two_bottoms": "Mul", "threshold_0.3": "Greater", "lstm_t3_n2": "Transpose",
                   "rnn_t3_n2": "Transpose", "lstmunit": "Mul"}
 # imported as other BVLC layers with the same semantics (not layer for layer)
-REWRITTEN = {"lrn_within_channel_ls3", "exp_base2_scale0.5_shift0.1", "log_base10_scale2_shift0.5",
+REWRITTEN = {"lrn_within_channel_ls3", "spp_max_h2", "exp_base2_scale0.5_shift0.1", "log_base10_scale2_shift0.5",
              "batchnorm_global_stats"}
 
 

@@ -126,26 +126,45 @@ def _pool(c: LayerContext) -> None:
     if p.global_pooling:
         c.node("GlobalMaxPool" if p.pool == _POOL.MAX else "GlobalAveragePool", [c.bottoms[0]], 0)
         return
-    (kh, kw), (sh, sw), (ph, pw) = c.layer.kernel, c.layer.stride, c.layer.pad
-    oh, ow = c.top_shapes[0][2], c.top_shapes[0][3]
-    h, w = shape[2], shape[3]
-    # Caffe's output size (ceil or floor rounding, last window dropped when it starts in the padding)
-    # is written as explicit end padding with floor rounding: the same windows, no ceil_mode rule.
+    _pool_windows(c, c.bottoms[0], shape, c.layer, p.pool == _POOL.MAX, c.top_shapes[0][2:], 0)
+
+
+def _pool_windows(c: LayerContext, x: str, shape: tuple[int, ...], pool, is_max: bool, out_hw,
+                  out: int | None) -> str:
+    """Caffe's MAX/AVE pooling windows of the built Pooling layer ``pool`` (kernel, stride, pad) on ``x``.
+
+    Caffe's output size (ceil or floor rounding, the last window dropped when it starts in the padding)
+    is written as explicit end padding with floor rounding: the same windows, no ceil_mode rule."""
+    (kh, kw), (sh, sw), (ph, pw) = pool.kernel, pool.stride, pool.pad
+    (oh, ow), (h, w) = out_hw, shape[2:]
     if (oh - 1) * sh - ph >= h or (ow - 1) * sw - pw >= w:
         raise c.refuse("the last pooling window starts past the input (Caffe pools an empty window there)")
-    if p.pool == _POOL.MAX:
+    if is_max:
         end_h, end_w = max(0, (oh - 1) * sh + kh - h - ph), max(0, (ow - 1) * sw + kw - w - pw)
-        c.node("MaxPool", [c.bottoms[0]], 0, kernel_shape=[kh, kw], strides=[sh, sw], pads=[ph, pw, end_h, end_w])
-        return
+        return c.node("MaxPool", [x], out, kernel_shape=[kh, kw], strides=[sh, sw], pads=[ph, pw, end_h, end_w])
     # AVE: Caffe divides by the window clipped to the padded input [-pad, H + pad): zero-pad explicitly
     # (those cells count), then pool without counting ONNX's own end padding (the ceil overhang).
-    x = c.bottoms[0]
     if ph or pw:
         x = c.g.one("Pad", [x, c.g.ints(f"{c.name}.pads", [0, 0, ph, pw, 0, 0, ph, pw])], name=f"{c.name}/pad",
                     mode="constant")
     end_h, end_w = max(0, (oh - 1) * sh + kh - h - 2 * ph), max(0, (ow - 1) * sw + kw - w - 2 * pw)
-    c.node("AveragePool", [x], 0, kernel_shape=[kh, kw], strides=[sh, sw], pads=[0, 0, end_h, end_w],
-           count_include_pad=0)
+    return c.node("AveragePool", [x], out, kernel_shape=[kh, kw], strides=[sh, sw], pads=[0, 0, end_h, end_w],
+                  count_include_pad=0)
+
+
+def _spp(c: LayerContext) -> None:
+    """Caffe's SPP: per pyramid level one Pooling (its built layer's windows), flattened, concatenated."""
+    if c.lp.spp_param.pool == caffe_pb2.SPPParameter.STOCHASTIC:
+        raise c.refuse("STOCHASTIC pooling samples at random (and Caffe has no CPU forward for it)")
+    shape = c.bottom_shapes[0]
+    is_max = c.lp.spp_param.pool == caffe_pb2.SPPParameter.MAX
+    if len(c.layer.levels) == 1:
+        pool, out = c.layer.levels[0]
+        _pool_windows(c, c.bottoms[0], shape, pool, is_max, out.shape[2:], 0)
+        return
+    flat = [_reshape(c, _pool_windows(c, c.bottoms[0], shape, pool, is_max, out.shape[2:], None), [0, -1])
+            for pool, out in c.layer.levels]
+    c.node("Concat", flat, 0, axis=1)
 
 
 def _lrn(c: LayerContext) -> None:
@@ -509,7 +528,7 @@ CONVERTERS: dict[str, Converter] = {
     "BatchNorm": _batch_norm, "Scale": _scale, "Bias": _bias, "MVN": _mvn,
     "Eltwise": None, "Concat": _concat, "Slice": _slice, "Split": _split, "Flatten": _flatten,
     "Reshape": _reshape_layer, "Crop": _crop, "Softmax": _softmax, "Tile": _tile, "Reduction": _reduction,
-    "ArgMax": _argmax, "Embed": _embed, "Parameter": _parameter,
+    "ArgMax": _argmax, "Embed": _embed, "Parameter": _parameter, "SPP": _spp,
 }
 
 
@@ -542,6 +561,5 @@ REFUSED: dict[str, str] = {
     "Python": "runs arbitrary Python code",
     "Filter": "its output batch size depends on the values of the selector input",
     "BatchReindex": "gathers items of the batch by runtime indices into a batch of another size",
-    "SPP": "not implemented in the exporter (pyramid of poolings with per-level padding)",
     "Im2col": "not implemented in the exporter",
 }
