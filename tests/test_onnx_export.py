@@ -333,3 +333,36 @@ def test_spp_matches_cct(pool, height):
     out = run_ort(to_onnx(net, dynamic_batch=True), {"x": x})["y"]
     assert out.shape == net.blobs["y"].data.shape
     assert rel_err(out, net.blobs["y"].data) <= RTOL
+
+
+@pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
+@pytest.mark.parametrize("opset", [13, onnx.defs.onnx_opset_version()])
+def test_oldest_and_newest_opsets_on_reference_cases(opset, monkeypatch):
+    """The ops whose form changed across opsets (Split, Reduce*, Softmax, TopK, Pad, Unsqueeze, Gather)."""
+    for case in ("slice_axis1_points_1_3", "softmax_axis2", "argmax_top2", "reduction_mean_axis2", "mvn",
+                 "pool_ave_ceil_6x6k3s2p1", "lstm_t3_n2", "embed"):
+        ref = load_case(case)
+        monkeypatch.chdir(case_dir(case))
+        net = cct.Net(ref.net, cct.TRAIN, weights=ref.meta.get("weights_file", "weights.caffemodel"))
+        feeds = {b: ref.arrays[f"input/{b}"] for b in net.input_blob_names}
+        for b, v in feeds.items():
+            net.blobs[b].data[...] = v
+        net.forward()
+        model = to_onnx(net, opset=opset)
+        assert model.opset_import[0].version == opset
+        outs = run_ort(model, feeds)
+        for blob, value in zip(net.output_blob_names, [o.name for o in model.graph.output]):
+            assert rel_err(outs[value], net.blobs[blob].data) <= RTOL, f"{case} at opset {opset}: {blob}"
+
+
+def test_mvn_of_a_two_axis_blob():
+    """MVN over (N, C): each channel's 'plane' is one value, so Caffe gives 0 (not a mean over all axes)."""
+    param = caffe_pb2.NetParameter()
+    parse_text('name: "m" layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }\n'
+               'layer { name: "mvn" type: "MVN" bottom: "x" top: "y" }', param)
+    net = cct.Net(param, cct.TEST)
+    x = np.random.default_rng(9).standard_normal((2, 3)).astype(np.float32)
+    net.blobs["x"].data[...] = x
+    net.forward()
+    for opset in (17, 18):
+        np.testing.assert_array_equal(run_ort(to_onnx(net, opset=opset), {"x": x})["y"], net.blobs["y"].data)

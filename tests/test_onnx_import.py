@@ -269,3 +269,15 @@ def test_nearest_resize_imports_as_deconvolution_only_when_exact(ctm, nearest, f
     expected = x.repeat(factors[0], axis=2).repeat(factors[1], axis=3)
     np.testing.assert_array_equal(run_ort(model, {"x": x})["y"], expected)
     np.testing.assert_array_equal(net.blobs["y"].data, expected)
+
+
+def test_subtracting_constants_imports_as_bias_and_power():
+    mean = np.random.default_rng(3).standard_normal((3, 1, 1))
+    nodes = [helper.make_node("Sub", ["x", "mean"], ["c"], name="center"),
+             helper.make_node("Sub", ["c", "half"], ["y"], name="shift")]
+    model = _model(nodes, [_const("mean", mean), _const("half", np.float32(0.5))], [2, 3, 4, 5], [2, 3, 4, 5])
+    net, param = imported_net(model)
+    assert [lp.type for lp in param.layer] == ["Input", "Bias", "Power"]
+    x = np.random.default_rng(4).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    forward(net, {"x": x})
+    np.testing.assert_array_equal(net.blobs["y"].data, run_ort(model, {"x": x})["y"])

@@ -410,8 +410,11 @@ def _binary(imp: _Importer, i: int, node) -> None:
         if op == "Sub":
             lp.eltwise_param.coeff.extend([1.0, -1.0])
         return
+    if op == "Sub" and cb is not None:  # x - c == x + (-c) exactly (negation is exact)
+        _bias_or_shift(imp, node, a, -cb)
+        return
     if op not in ("Add", "Mul"):
-        raise imp.fail(node, "a constant operand maps onto Scale/Bias only for Mul/Add")
+        raise imp.fail(node, "a constant operand maps onto Scale/Bias only for Mul, Add and x - c")
     x, c = (b, ca) if ca is not None else (a, cb)
     if c.size == 1:
         user = imp.only_consumer(node.output[0])
@@ -424,9 +427,7 @@ def _binary(imp: _Importer, i: int, node) -> None:
         raise imp.fail(node, f"constant of shape {list(c.shape)} does not broadcast as Caffe's Scale/Bias")
     axis, operand = found
     if op == "Add":
-        lp = imp.layer(node, "Bias", [imp.blob(node, x)], blobs=[operand])
-        lp.bias_param.axis = axis
-        lp.bias_param.num_axes = operand.ndim
+        _bias_or_shift(imp, node, x, c)
         return
     blobs, out = [operand], node
     add = imp.only_consumer(node.output[0])
@@ -442,6 +443,20 @@ def _binary(imp: _Importer, i: int, node) -> None:
     lp.scale_param.axis = axis
     lp.scale_param.num_axes = operand.ndim
     lp.scale_param.bias_term = len(blobs) == 2
+
+
+def _bias_or_shift(imp: _Importer, node, x: str, c: np.ndarray) -> None:
+    """x + constant c: a Power shift for a scalar, else a Bias broadcast as Caffe's."""
+    if c.size == 1:
+        _power(imp, node, x, shift=float(c.reshape(-1)[0]))
+        return
+    found = _broadcast_axis(imp, node, x, c)
+    if found is None:
+        raise imp.fail(node, f"constant of shape {list(c.shape)} does not broadcast as Caffe's Bias")
+    axis, operand = found
+    lp = imp.layer(node, "Bias", [imp.blob(node, x)], blobs=[operand])
+    lp.bias_param.axis = axis
+    lp.bias_param.num_axes = operand.ndim
 
 
 def _power(imp: _Importer, node, x: str, scale: float = 1.0, shift: float = 0.0, power: float = 1.0) -> None:

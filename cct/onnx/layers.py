@@ -376,11 +376,15 @@ def _mvn(c: LayerContext) -> None:
     ndim = len(c.bottom_shapes[0])
     axes = list(range(1 if p.across_channels else 2, ndim))
     x = c.bottoms[0]
-    centred = c.node("Sub", [x, _reduce(c, "ReduceMean", x, axes, 1)])
+
+    def mean(v: str) -> str:  # over no axes (a 2-D bottom per channel): the value itself, as Caffe's 1-term mean
+        return _reduce(c, "ReduceMean", v, axes, 1) if axes else v
+
+    centred = c.node("Sub", [x, mean(x)])
     if not p.normalize_variance:
         _finish(c, centred)
         return
-    var = _reduce(c, "ReduceMean", c.node("Mul", [centred, centred]), axes, 1)
+    var = mean(c.node("Mul", [centred, centred]))
     std = c.node("Add", [c.node("Sqrt", [var]), c.scalar("eps", float(p.eps))])  # eps outside the sqrt, as Caffe
     c.node("Div", [centred, std], 0)
 
