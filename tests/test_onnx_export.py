@@ -366,3 +366,28 @@ def test_mvn_of_a_two_axis_blob():
     net.forward()
     for opset in (17, 18):
         np.testing.assert_array_equal(run_ort(to_onnx(net, opset=opset), {"x": x})["y"], net.blobs["y"].data)
+
+
+def test_batchnorm_and_scale_folded_into_one_node():
+    layers = ""
+    for k, (bottom, bias) in enumerate((("x", "true"), ("c0", "false"))):
+        layers += (f'layer {{ name: "conv{k}" type: "Convolution" bottom: "{bottom}" top: "c{k}" convolution_param {{ '
+                   f'num_output: 4 kernel_size: 3 pad: 1 weight_filler {{ type: "gaussian" std: 0.3 }} }} }}\n'
+                   f'layer {{ name: "bn{k}" type: "BatchNorm" bottom: "c{k}" top: "c{k}" }}\n'
+                   f'layer {{ name: "sc{k}" type: "Scale" bottom: "c{k}" top: "c{k}" scale_param {{ bias_term: {bias} '
+                   f'filler {{ type: "uniform" min: 0.5 max: 1.5 }} bias_filler {{ type: "gaussian" }} }} }}\n')
+    cct.set_random_seed(2)
+    net = tiny_net(layers)
+    for layer in net.layers:
+        if layer.type == "BatchNorm":
+            layer.blobs[0].data[...] = np.linspace(-1, 1, 4, dtype=np.float32)
+            layer.blobs[1].data[...] = np.linspace(0.5, 2, 4, dtype=np.float32)
+            layer.blobs[2].data[...] = 2  # the normaliser is applied too
+    model = to_onnx(net, fold_batchnorm=True)
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("BatchNormalization") == 2 and "Mul" not in ops and "Add" not in ops  # Scales folded in
+    x = np.random.default_rng(10).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    net.blobs["x"].data[...] = x
+    net.forward()
+    assert rel_err(run_ort(model, {"x": x})["c1"], net.blobs["c1"].data) <= RTOL
+    assert rel_err(run_ort(to_onnx(net), {"x": x})["c1"], net.blobs["c1"].data) <= RTOL  # and not folded

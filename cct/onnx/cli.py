@@ -23,6 +23,8 @@ def build_export_parser() -> FlagParser:
     add_flag(p, "out", required=True, help="the ONNX file to write")
     add_flag(p, "opset", type=int, default=DEFAULT_OPSET, help="the ONNX opset to target (13 or newer)")
     add_bool_flag(p, "dynamic_batch", "make the batch axis of every input and output symbolic")
+    add_bool_flag(p, "fold_batchnorm", "write each BatchNorm followed by a per-channel Scale as one "
+                  "BatchNormalization node")
     add_flag(p, "phase", default="TEST", choices=["TEST", "TRAIN"], help="the phase to build the net in")
     return p
 
@@ -30,7 +32,7 @@ def build_export_parser() -> FlagParser:
 def run_export(a: argparse.Namespace) -> int:
     """``cct export_onnx`` on parsed arguments."""
     net = Net(a.model, caffe_pb2.TEST if a.phase == "TEST" else caffe_pb2.TRAIN, weights=a.weights)
-    export(net, a.out, opset=a.opset, dynamic_batch=a.dynamic_batch)
+    export(net, a.out, opset=a.opset, dynamic_batch=a.dynamic_batch, fold_batchnorm=a.fold_batchnorm)
     log.info("Wrote ONNX model (opset %d%s) to %s", a.opset, ", dynamic batch" if a.dynamic_batch else "", a.out)
     return 0
 

@@ -13,7 +13,7 @@ from ..errors import CctError, LayerError
 from ..io.atomic import atomic_write_bytes
 from ..net import Net
 from .graph import GraphBuilder, require
-from .layers import CONVERTERS, REFUSED, LayerContext
+from .layers import CONVERTERS, REFUSED, LayerContext, batch_norm_with_scale
 from .recurrent import convert_lstm, convert_lstm_unit, convert_rnn
 
 DEFAULT_OPSET = 17
@@ -43,11 +43,31 @@ def _check_opset(opset: int) -> int:
     return opset
 
 
-def to_onnx(net: Net, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False):
+def _scale_after_batchnorm(net: Net) -> dict[int, int]:
+    """BatchNorm layer index -> index of the per-channel Scale that alone reads its output (foldable pairs)."""
+    pairs = {}
+    for i, layer in enumerate(net.layers):
+        if layer.type != "BatchNorm" or not layer.use_global_stats or len(net.top_names[i]) != 1:
+            continue
+        top = net.top_names[i][0]
+        j = next((k for k in range(i + 1, len(net.layers)) if top in net.bottom_names[k]), None)
+        if j is None or net.layers[j].type != "Scale" or len(net.bottom_names[j]) != 1:
+            continue
+        scale, shape = net.layers[j], net.blobs[top].shape
+        if len(shape) >= 2 and scale.axis % len(shape) == 1 and tuple(scale.blobs[0].shape) == (shape[1],):
+            pairs[i] = j
+    return pairs
+
+
+def to_onnx(net: Net, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False, fold_batchnorm: bool = False):
     """The ``onnx.ModelProto`` of ``net``'s forward pass (graph inputs: its Input blobs; outputs: its
-    output blobs), checked with ``onnx.checker``. ``dynamic_batch`` makes axis 0 of every input symbolic."""
+    output blobs), checked with ``onnx.checker``. ``dynamic_batch`` makes axis 0 of every input symbolic;
+    ``fold_batchnorm`` writes a BatchNorm followed by a per-channel Scale as one BatchNormalization node
+    (its scale and bias), else each layer is its own node."""
     onnx = require("onnx")
     g = GraphBuilder(_check_opset(opset))
+    folded = _scale_after_batchnorm(net) if fold_batchnorm else {}
+    skipped = set(folded.values())
     productions = Counter(t for names in net.top_names for t in names)
     produced: Counter = Counter()
     values: dict[str, str] = {}  # cct blob name -> ONNX value holding its current contents
@@ -76,7 +96,7 @@ def to_onnx(net: Net, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False):
                 values[t] = top_value(t)
                 g.add_input(values[t], shape)
             continue
-        if lp.type == "Silence":
+        if lp.type == "Silence" or i in skipped:
             continue
         if lp.type in REFUSED:
             raise LayerError(lp.name, lp.type, f"cannot be exported to ONNX: {REFUSED[lp.type]}")
@@ -84,10 +104,17 @@ def to_onnx(net: Net, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False):
         if convert is None:
             raise LayerError(lp.name, lp.type, "cannot be exported to ONNX: no converter for this layer type")
         bottoms = [values[b] for b in net.bottom_names[i]]
-        ctx = LayerContext(g, layer, bottoms, [top_value(t) for t in tops],
+        top_values = [top_value(t) for t in tops]
+        if i in folded:  # the BatchNormalization node writes the Scale's top
+            tops = net.top_names[folded[i]]
+            top_values = [top_value(t) for t in tops]
+        ctx = LayerContext(g, layer, bottoms, top_values,
                            [tuple(b.shape) for b in net.bottom_vecs[i]], [tuple(t.shape) for t in net.top_vecs[i]],
                            dynamic_batch)
-        convert(ctx)
+        if i in folded:
+            batch_norm_with_scale(ctx, net.layers[folded[i]])
+        else:
+            convert(ctx)
         values.update(zip(tops, ctx.tops))
     for name in net.output_blob_names:
         shape = list(net.blobs[name].shape)
@@ -103,7 +130,8 @@ def to_onnx(net: Net, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False):
     return model
 
 
-def export(net: Net, path: str | os.PathLike, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False) -> None:
+def export(net: Net, path: str | os.PathLike, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False,
+           fold_batchnorm: bool = False) -> None:
     """Write ``net`` as an ONNX model to ``path`` (atomically; see :func:`to_onnx`)."""
-    model = to_onnx(net, opset=opset, dynamic_batch=dynamic_batch)
+    model = to_onnx(net, opset=opset, dynamic_batch=dynamic_batch, fold_batchnorm=fold_batchnorm)
     atomic_write_bytes(path, model.SerializeToString())

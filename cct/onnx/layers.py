@@ -320,6 +320,12 @@ def _dropout(c: LayerContext) -> None:
 
 # -- normalisation -------------------------------------------------------------------------------------
 def _batch_norm(c: LayerContext) -> None:
+    batch_norm_with_scale(c, None)
+
+
+def batch_norm_with_scale(c: LayerContext, scale: Layer | None) -> None:
+    """BatchNorm as ONNX BatchNormalization; with ``scale`` (a per-channel Scale layer reading only its
+    output) that layer's factors and bias become the node's scale and B (the pair folded into one node)."""
     if not c.layer.use_global_stats:
         raise c.refuse("BatchNorm with batch statistics (TRAIN phase without use_global_stats) depends on the "
                        "batch; build the net in the TEST phase")
@@ -334,9 +340,15 @@ def _batch_norm(c: LayerContext) -> None:
         f = np.float32(0) if factor.reshape(-1)[0] == 0 else np.float32(1) / factor.reshape(-1)[0]
         m = c.g.const(f"{c.name}.mean", mean * f)
         v = c.g.const(f"{c.name}.var", var * f)
-    one = c.g.const(f"{c.name}.gamma", np.ones(channels, np.float32))
-    zero = c.g.const(f"{c.name}.beta", np.zeros(channels, np.float32))
-    c.node("BatchNormalization", [c.bottoms[0], one, zero, m, v], 0, epsilon=float(c.lp.batch_norm_param.eps))
+    if scale is None:
+        gamma = c.g.const(f"{c.name}.gamma", np.ones(channels, np.float32))
+        beta = c.g.const(f"{c.name}.beta", np.zeros(channels, np.float32))
+    else:
+        blobs = [np.asarray(to_numpy(b.data), np.float32) for b in scale.blobs]
+        gamma = c.g.const(f"{scale.name}.blobs.0", blobs[0])
+        beta = c.g.const(f"{scale.name}.blobs.1", blobs[1]) if scale.bias_term else \
+            c.g.const(f"{c.name}.beta", np.zeros(channels, np.float32))
+    c.node("BatchNormalization", [c.bottoms[0], gamma, beta, m, v], 0, epsilon=float(c.lp.batch_norm_param.eps))
 
 
 def _operand_shape(c: LayerContext, operand_shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
