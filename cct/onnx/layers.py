@@ -536,18 +536,6 @@ def _parameter(c: LayerContext) -> None:
     c.node("Identity", [c.param(0)], 0)
 
 
-CONVERTERS: dict[str, Converter] = {
-    "Convolution": _conv, "Deconvolution": _conv, "Pooling": _pool, "LRN": _lrn, "InnerProduct": _inner_product,
-    "ReLU": _relu, "PReLU": _prelu, "ELU": _elu, "Sigmoid": _unary("Sigmoid"), "TanH": _unary("Tanh"),
-    "AbsVal": _unary("Abs"), "BNLL": _unary("Softplus"), "Power": _power, "Exp": _exp, "Log": _log,
-    "Threshold": _threshold, "Clip": _clip, "Swish": _swish, "Dropout": _dropout,
-    "BatchNorm": _batch_norm, "Scale": _scale, "Bias": _bias, "MVN": _mvn,
-    "Eltwise": None, "Concat": _concat, "Slice": _slice, "Split": _split, "Flatten": _flatten,
-    "Reshape": _reshape_layer, "Crop": _crop, "Softmax": _softmax, "Tile": _tile, "Reduction": _reduction,
-    "ArgMax": _argmax, "Embed": _embed, "Parameter": _parameter, "SPP": _spp,
-}
-
-
 def _eltwise(c: LayerContext) -> None:
     p = c.lp.eltwise_param
     if p.operation == _ELT.SUM:
@@ -564,7 +552,18 @@ def _eltwise(c: LayerContext) -> None:
         c.node("Max", c.bottoms, 0)
 
 
-CONVERTERS["Eltwise"] = _eltwise
+CONVERTERS: dict[str, Converter] = {
+    "Convolution": _conv, "Deconvolution": _conv, "Pooling": _pool, "LRN": _lrn, "InnerProduct": _inner_product,
+    "ReLU": _relu, "PReLU": _prelu, "ELU": _elu, "Sigmoid": _unary("Sigmoid"), "TanH": _unary("Tanh"),
+    "AbsVal": _unary("Abs"), "BNLL": _unary("Softplus"), "Power": _power, "Exp": _exp, "Log": _log,
+    "Threshold": _threshold, "Clip": _clip, "Swish": _swish, "Dropout": _dropout,
+    "BatchNorm": _batch_norm, "Scale": _scale, "Bias": _bias, "MVN": _mvn,
+    "Eltwise": _eltwise, "Concat": _concat, "Slice": _slice, "Split": _split, "Flatten": _flatten,
+    "Reshape": _reshape_layer, "Crop": _crop, "Softmax": _softmax, "Tile": _tile, "Reduction": _reduction,
+    "ArgMax": _argmax, "Embed": _embed, "Parameter": _parameter, "SPP": _spp,
+}
+
+
 
 _LOSS = "a training loss (export the deploy net, which ends before the loss)"
 _DATA = "a data source layer (export a deploy net whose inputs are Input layers)"
