@@ -77,6 +77,10 @@ COMMANDS: dict[str, Command] = {
     "parse_log": Command("parse a training log into LOG.train / LOG.test CSV files", "cct.tools.parse_log"),
     "plot": Command("plot training curves of one or more logs (PNG; the [plot] extra)", "cct.tools.plot"),
     "draw": Command("draw a net as a graph (PNG/SVG/...; the [draw] extra)", "cct.tools.draw"),
+    "export_onnx": Command("export a net and its weights to ONNX (the [onnx] extra)", "cct.onnx.cli",
+                           "build_export_parser", "run_export"),
+    "import_onnx": Command("convert an ONNX model into a prototxt and caffemodel (the [onnx] extra)", "cct.onnx.cli",
+                           "build_import_parser", "run_import"),
 }
 
 
@@ -232,6 +236,11 @@ def build_train_parser() -> FlagParser:
     p.add_argument("--phase_times", action="store_true",
                    help="time each iteration's data wait, forward, backward, update, test and snapshot; "
                         "log the summary at the end")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard event files to DIR: train loss and outputs at each display, test outputs, "
+                        "lr (root rank only; the [tensorboard] extra)")
+    p.add_argument("--tensorboard_histograms", type=int, default=0, metavar="N",
+                   help="with --tensorboard: weight and gradient histograms every N iterations (0: none)")
     p.add_argument("--batch_shares", default="equal",
                    help="data parallel under mpiexec -n N: equal (every rank the prototxt's batch, as Caffe), auto "
                         "(shares of the global batch in proportion to each rank's measured speed), or b0,b1,... "
@@ -288,8 +297,14 @@ def run_train(args: argparse.Namespace) -> int:
         param.ClearField("weights")
         param.weights.append(args.weights)
 
+    if args.tensorboard_histograms and not args.tensorboard:
+        raise CctError("--tensorboard_histograms needs --tensorboard DIR")
     if args.groups is not None:
         from .omnivore.train import omnivore_train
+
+        if args.tensorboard:
+            raise CctError("--tensorboard is not supported in Omnivore mode (--groups); use parse_log --tensorboard "
+                           "on its log")
 
         if args.omnivore_epoch is not None and args.omnivore_epoch < 1:
             raise CctError(f"--omnivore_epoch must be >= 1 iteration, not {args.omnivore_epoch}")
@@ -297,7 +312,8 @@ def run_train(args: argparse.Namespace) -> int:
                               fail_rank=args.omnivore_fail_rank, fail_kill=args.omnivore_fail_kill)
     handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
     solver = get_solver(param, _source=solver_path, config=config, comm=comm, phase_times=args.phase_times,
-                        shares=_batch_shares(args.batch_shares))
+                        shares=_batch_shares(args.batch_shares), tensorboard=args.tensorboard,
+                        tensorboard_histograms=args.tensorboard_histograms)
     solver.set_action_function(handler.get_action_function())
     with handler:
         if args.snapshot:

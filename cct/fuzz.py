@@ -1,6 +1,6 @@
 """Fuzzing cct's readers with mutated inputs: every outcome must be success or one of cct's errors.
 
-Three kinds of case, each a deterministic function of ``(kind, seed)`` so a failure can be replayed:
+Six kinds of case, each a deterministic function of ``(kind, seed)`` so a failure can be replayed:
 
 * ``prototxt``: a net prototxt (from ``models/``, the shared upstream nets when present, and a few
   built-in small nets) with text mutations: a number replaced by an extreme value (``2147483647``,
@@ -13,6 +13,8 @@ Three kinds of case, each a deterministic function of ``(kind, seed)`` so a fail
   the serialized file, loaded with ``Net.copy_from``.
 * ``hdf5``: Caffe-layout HDF5 weights with structural mutations (dataset shapes, dtypes, names,
   missing groups) or byte mutations of the file, loaded with ``Net.copy_from``.
+* ``datum``, ``mean``, ``imagelist``: data records (:mod:`cct.fuzz_data`): LMDB Datum records, mean
+  files and ImageData lists with absurd, inconsistent or damaged values, read by the data layers.
 
 :func:`run_case` returns an outcome class: ``"ok"``, ``"cct:<ErrorType>"`` (fine), or
 ``"other:<ExceptionType>"`` / ``"timeout"`` (a bug: a bare exception or a hang). ``tests/test_fuzz.py``
@@ -37,9 +39,12 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CctError
+from .fuzz_data import DATA_KINDS
+from .fuzz_data import make as make_data_case
+from .fuzz_data import run as run_data_case
 from .paths import repo_root, shared_dir
 
-KINDS = ("prototxt", "caffemodel", "hdf5")
+KINDS = ("prototxt", "caffemodel", "hdf5") + DATA_KINDS
 EXTREME_NUMBERS = ("0", "1", "-1", "2", "3", "7", "65536", "100000", "2147483647", "2147483648", "4294967295",
                    "-2147483648", "9223372036854775807", "18446744073709551615", "1e38", "-1e38", "1e-38",
                    "nan", "inf", "-inf", "0.5", "-0.0")
@@ -356,6 +361,8 @@ def make_case(kind: str, seed: int, corpus: list[tuple[str, bytes]] | None = Non
     elif kind == "hdf5":
         origin = "tiny_lenet.caffemodel.h5"
         data, how = mutate_hdf5(_base_weights("hdf5"), rng)
+    elif kind in DATA_KINDS:
+        data, origin, how = make_data_case(kind, rng, mutate_bytes)
     else:
         raise CctError(f"unknown fuzz kind '{kind}' (one of {', '.join(KINDS)})")
     return Case(kind, seed, data, origin, how)
@@ -409,21 +416,29 @@ def _run_weights(path: str, config) -> None:
     net.forward()
 
 
+def run_in(case: Case, directory: str, config) -> None:
+    """Write ``case`` under ``directory`` and run it (raises whatever the run raises)."""
+    if case.kind in DATA_KINDS:
+        run_data_case(case.data, directory, config)
+        return
+    suffix = {"prototxt": ".prototxt", "caffemodel": ".caffemodel", "hdf5": ".caffemodel.h5"}[case.kind]
+    path = os.path.join(directory, "case" + suffix)
+    Path(path).write_bytes(case.data)
+    (_run_prototxt if case.kind == "prototxt" else _run_weights)(path, config)
+
+
 def run_case(case: Case, timeout: float = 20.0, workdir: str | None = None) -> str:
     """Run one case; the outcome class (see module docstring). Exceptions other than cct's are
     reported, never raised (``CaseTimeout`` too)."""
     from .config import Config
 
     config = Config(python_layers=False, memory_budget=FUZZ_MEMORY_BUDGET)
-    suffix = {"prototxt": ".prototxt", "caffemodel": ".caffemodel", "hdf5": ".caffemodel.h5"}[case.kind]
     with tempfile.TemporaryDirectory(prefix="cct-fuzz-", dir=workdir) as d:
-        path = os.path.join(d, "case" + suffix)
-        Path(path).write_bytes(case.data)
         cct_log = logging.getLogger("cct")
         level, cct_log.level = cct_log.level, logging.CRITICAL + 1
         try:
             with alarm(timeout), np.errstate(all="ignore"), contextlib.redirect_stderr(io.StringIO()):
-                (_run_prototxt if case.kind == "prototxt" else _run_weights)(path, config)
+                run_in(case, d, config)
         except CaseTimeout:
             return "timeout"
         except CctError as e:
@@ -440,5 +455,5 @@ def describe(case: Case, outcome: str, error: str = "") -> str:
     return f"{case.kind} seed={case.seed} origin={case.origin} mutation={case.mutation} -> {outcome} {error}".rstrip()
 
 
-__all__ = ["KINDS", "Case", "CaseTimeout", "alarm", "describe", "make_case", "mutate_bytes", "mutate_caffemodel",
-           "mutate_hdf5", "mutate_text", "prototxt_corpus", "run_case"]
+__all__ = ["DATA_KINDS", "KINDS", "Case", "CaseTimeout", "alarm", "describe", "make_case", "mutate_bytes",
+           "mutate_caffemodel", "mutate_hdf5", "mutate_text", "prototxt_corpus", "run_case", "run_in"]

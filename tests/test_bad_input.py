@@ -47,7 +47,7 @@ def test_utf8_prototxt_still_reads(tmp_path):
     ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2147483647 dim: 3 } } }',
      "in", "x", [2147483647, 3]),
     (INPUT + 'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" '
-             'inner_product_param { num_output: 4294967295 } }', "ip", "ip", [4294967295, 192]),
+             'inner_product_param { num_output: 2147483647 } }', "ip", "ip", [2147483647, 192]),
     (INPUT + 'layer { name: "conv" type: "Convolution" bottom: "x" top: "y" '
              'convolution_param { num_output: 2 kernel_size: 3 pad: 100000 } }', "conv", "y", [2, 2, 200006, 200006]),
 ])

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""The long fuzz run: thousands of mutated prototxts, caffemodels and HDF5 weights (see cct/fuzz.py).
+"""The long fuzz run: thousands of mutated prototxts, caffemodels, HDF5 weights and data records (cct/fuzz.py).
 
-    python tools/fuzz_inputs.py --cases 2500,900,600 [--start 0] [--workers 2] [--timeout 20] [--json out.json]
+    python tools/fuzz_inputs.py --cases 2500,900,600,600,300,400 [--start 0] [--workers 2] [--timeout 20]
+                                [--json out.json]
 
 Each case runs in a worker process (address space capped by ``--memory``, CCT_CALIBRATE=0); a case
 over ``--timeout`` seconds is interrupted in the worker (SIGALRM), one that does not return within
@@ -71,15 +72,11 @@ def _error_text(case: fuzz.Case, timeout: float) -> str:
     from cct.config import Config
 
     config = Config(python_layers=False, memory_budget=fuzz.FUZZ_MEMORY_BUDGET)
-    suffix = {"prototxt": ".prototxt", "caffemodel": ".caffemodel", "hdf5": ".caffemodel.h5"}[case.kind]
     logging.getLogger("cct").setLevel(logging.CRITICAL + 1)
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "case" + suffix)
-        with open(path, "wb") as f:
-            f.write(case.data)
         try:
             with fuzz.alarm(timeout), redirect_stderr(io.StringIO()):
-                (fuzz._run_prototxt if case.kind == "prototxt" else fuzz._run_weights)(path, config)
+                fuzz.run_in(case, d, config)
         except BaseException as e:  # noqa: BLE001
             return f"{type(e).__name__}: {str(e)[:300]}"
     return "(passed on re-run)"
@@ -147,7 +144,8 @@ def run(plan: list[tuple[str, int]], workers: int, timeout: float, memory: int) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/fuzz_inputs.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--cases", default="2500,900,600", help="cases per kind: prototxt,caffemodel,hdf5")
+    ap.add_argument("--cases", default="2500,900,600,600,300,400",
+                    help="cases per kind: prototxt,caffemodel,hdf5,datum,mean,imagelist")
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--workers", type=int, default=2, help="worker processes")
     ap.add_argument("--timeout", type=float, default=20.0, help="seconds per case before it counts as a timeout")

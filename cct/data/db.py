@@ -317,13 +317,15 @@ def parse_datum(value: bytes, key: bytes | str = b"?", source: str = "") -> caff
         if not datum.data:
             raise CctError(f"record '{k}'{where}: encoded Datum without image bytes (corrupt record)")
         return datum
+    bad = f"record '{k}'{where} is not a valid Datum (corrupt record)"
+    for field in ("channels", "height", "width"):
+        if getattr(datum, field) <= 0:
+            raise CctError(f"{bad}: {field} = {getattr(datum, field)} is not positive")
     size = datum.channels * datum.height * datum.width
-    n = len(datum.data) or len(datum.float_data)
-    if datum.channels <= 0 or datum.height <= 0 or datum.width <= 0 or n != size:
-        raise CctError(
-            f"record '{k}'{where} is not a valid Datum (corrupt record): shape "
-            f"{datum.channels}x{datum.height}x{datum.width} with {n} values"
-        )
+    held = ("data", len(datum.data), "bytes") if datum.data else ("float_data", len(datum.float_data), "values")
+    if held[1] != size:
+        raise CctError(f"{bad}: channels x height x width = {datum.channels}x{datum.height}x{datum.width} needs "
+                       f"{size} values but {held[0]} holds {held[1]} {held[2]}")
     return datum
 
 

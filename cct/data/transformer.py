@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import CctError
+from ..membudget import INT_MAX
 from ..proto import caffe_pb2
 from ..rng import get_rng
 
@@ -169,13 +170,18 @@ def read_image(path: str | os.PathLike, height: int = 0, width: int = 0, is_colo
 
 def read_image_list(source: str) -> list[tuple[str, int]]:
     """Parse Caffe's image list: each line "path label" (the label after the last space)."""
+    return [(path, label) for path, label, _ in read_numbered_image_list(source)]
+
+
+def read_numbered_image_list(source: str) -> list[tuple[str, int, int]]:
+    """:func:`read_image_list` with each entry's line number: (path, label, line)."""
     try:
         # Bytes as Caffe reads them: a non-UTF-8 path still names its file (surrogateescape, like os.fsdecode).
         with open(source, encoding="utf-8", errors="surrogateescape") as f:
             text = f.read()
     except OSError as e:
         raise CctError(f"cannot read image list '{source}': {e.strerror}") from None
-    lines: list[tuple[str, int]] = []
+    lines: list[tuple[str, int, int]] = []
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.rstrip("\r\n")
         if not line.strip():
@@ -187,7 +193,9 @@ def read_image_list(source: str) -> list[tuple[str, int]]:
             label = int(line[pos + 1:].strip())
         except ValueError:
             raise CctError(f"{source}:{lineno}: label '{line[pos + 1:]}' is not an integer") from None
-        lines.append((line[:pos], label))
+        if not -INT_MAX - 1 <= label <= INT_MAX:
+            raise CctError(f"{source}:{lineno}: label {label} is outside the int range (Caffe reads it into an int)")
+        lines.append((line[:pos], label, lineno))
     if not lines:
         raise CctError(f"image list '{source}' is empty")
     return lines
@@ -270,13 +278,12 @@ def _mean_array(proto: caffe_pb2.BlobProto, path: str) -> np.ndarray:
     from ..io.blobproto import blobproto_to_array
 
     arr = blobproto_to_array(proto)
-    if arr.ndim == 4:
-        arr = arr[0]
-    elif arr.ndim == 2:
-        arr = arr[None]
-    elif arr.ndim != 3:
+    if arr.ndim > 4:
         raise CctError(f"mean file '{path}' has shape {list(arr.shape)}; expected (1, C, H, W)")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    # Caffe reads the mean through the legacy 4-D view (missing trailing axes are 1) and uses its first
+    # item: a (C, H, W) blob is num C, channels H, height W, width 1 there, and so mismatches the data
+    legacy = arr.reshape(arr.shape + (1,) * (4 - arr.ndim))
+    return np.ascontiguousarray(legacy[0], dtype=np.float32)
 
 
 class DataTransformer:

@@ -41,7 +41,7 @@ import numpy as np
 from ..blob import Blob
 from ..data.db import open_db, parse_datum
 from ..data.prefetch import Prefetcher
-from ..data.transformer import DataTransformer, read_image, read_image_list
+from ..data.transformer import DataTransformer, read_image, read_numbered_image_list
 from ..errors import CctError
 from ..proto import caffe_pb2
 from ..rng import get_rng
@@ -408,8 +408,10 @@ class Data(PrefetchingDataLayer):
 class _ImageListLoader:
     def __init__(self, lines, root: str, new_h: int, new_w: int, is_color: bool,
                  transformer: DataTransformer, batch_size: int, dtypes: list, shuffle: bool,
-                 rng: np.random.Generator | None, start: int):
+                 rng: np.random.Generator | None, start: int, source: str = "", line_of: dict | None = None):
         self.lines = lines
+        self.source = source
+        self.line_of = line_of or {}  # path -> its (first) line in the list file, for error messages
         self.root = root
         self.new_h, self.new_w, self.is_color = new_h, new_w, is_color
         self.transformer = transformer
@@ -445,9 +447,20 @@ class _ImageListLoader:
                 self.rng.shuffle(self.lines)
                 self._order = tuple(self.lines)
 
+    def where(self, name: str) -> str:
+        """``list:line: image 'path'`` for an error about the image listed as ``name``."""
+        line = self.line_of.get(name)
+        return f"{self.source}:{line}: image '{self.root + name}'" if line else f"image '{self.root + name}'"
+
+    def read(self, name: str) -> np.ndarray:
+        try:
+            return read_image(self.root + name, self.new_h, self.new_w, self.is_color)
+        except CctError as e:  # the message names the image file; add the list line
+            line = self.line_of.get(name)
+            raise (CctError(f"{self.source}:{line}: {e}") if line else e) from None
+
     def image(self, i: int) -> np.ndarray:
-        path = self.root + self.lines[i][0]
-        return read_image(path, self.new_h, self.new_w, self.is_color)
+        return self.read(self.lines[i][0])
 
     def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
         bs = self.batch_size
@@ -457,8 +470,7 @@ class _ImageListLoader:
                 self._next()
             picked.append(self.lines[self.pos])
             self._next()
-        images = map_ordered(
-            lambda item: read_image(self.root + item[0], self.new_h, self.new_w, self.is_color), picked)
+        images = map_ordered(lambda item: self.read(item[0]), picked)
         data = labels = None
         for i, ((name, label), img) in enumerate(zip(picked, images)):
             chw = img.transpose(2, 0, 1)
@@ -469,7 +481,7 @@ class _ImageListLoader:
                     labels = buf[1] if buf is not None else np.empty((bs,), self.dtypes[1])
                 self.transformer.transform(chw, data[i])
             except CctError as e:
-                raise CctError(f"image '{self.root + name}': {e}") from None
+                raise CctError(f"{self.where(name)}: {e}") from None
             labels[i] = label
         return [data, labels]
 
@@ -503,9 +515,11 @@ class ImageData(PrefetchingDataLayer):
         try:
             transformer = DataTransformer(tp, self.phase, rng=t_rng)
             log.info("Opening file %s", ip.source)
-            lines = read_image_list(ip.source)
+            numbered = read_numbered_image_list(ip.source)
         except CctError as e:
             raise self.error(str(e)) from None
+        lines = [(path, label) for path, label, _ in numbered]
+        line_of = {path: line for path, _, line in reversed(numbered)}
         if ip.shuffle:
             log.info("Shuffling data")
             rng.shuffle(lines)
@@ -519,7 +533,7 @@ class ImageData(PrefetchingDataLayer):
                                  f"{len(lines)} images")
         dtypes = [top[0].dtype, top[1].dtype]
         loader = _ImageListLoader(lines, ip.root_folder, new_h, new_w, ip.is_color, transformer,
-                                  int(ip.batch_size), dtypes, ip.shuffle, rng, start)
+                                  int(ip.batch_size), dtypes, ip.shuffle, rng, start, ip.source, line_of)
         try:
             first = loader.image(start)
             shape = (int(ip.batch_size),) + transformer.infer_shape(first.transpose(2, 0, 1))

@@ -11,10 +11,12 @@ import numpy as np
 from ..blob import Blob
 from ..config import Config, current, runs_in_own_config
 from ..errors import CctError, LayerError, MemoryBudgetError, NetError
+from ..io.int_range import values_above_int_max
 from ..io.prototxt import read_net_prototxt
 from ..layers import create_layer
 from ..layers.base import Layer
 from ..malloc import tune_malloc
+from ..membudget import INT_MAX
 from ..proto import caffe_pb2
 from .graph import filter_net, insert_splits
 
@@ -154,6 +156,9 @@ class Net:
                 lp.phase = self.phase
             if lp.propagate_down and len(lp.propagate_down) != len(lp.bottom):
                 raise LayerError(lp.name, lp.type, "propagate_down must be specified either 0 or bottom_size times")
+            for field, value in values_above_int_max(lp):
+                raise LayerError(lp.name, lp.type, f"{self.source or '<NetParameter>'}: {field} = {value} is above "
+                                 f"INT_MAX ({INT_MAX}); Caffe reads it into a signed int")
             log.info("Creating Layer %s", lp.name)
             try:
                 layer = create_layer(lp)  # Python layers: modules from sys.path only, as in Caffe

@@ -40,6 +40,7 @@ from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
 from ..net import Net
 from ..proto import caffe_pb2
 from . import lr_policy, signals, snapshot, updates
+from .tensorboard import TensorBoardWriter
 from .timing import PhaseTimer, data_seconds
 
 log = logging.getLogger("cct")
@@ -106,6 +107,9 @@ class Solver:
     :class:`cct.distributed.parallel.DataParallel`, None in a single process). Subclasses implement
     :meth:`compute_update_value`. ``phase_timer``: a :class:`cct.solver.timing.PhaseTimer` when built
     with ``phase_times=True`` (where each iteration's time went, logged after ``solve``).
+    ``tensorboard=DIR`` (``tensorboard_histograms=N``): a :class:`cct.solver.tensorboard.TensorBoardWriter`
+    in ``solver.tensorboard`` (root rank only) writes the displayed losses and outputs, the test outputs
+    and the learning rate (and every N iterations the weight and gradient histograms) as TensorBoard events.
     """
 
     type: ClassVar[str] = ""
@@ -115,7 +119,8 @@ class Solver:
     def __init__(self, param: str | os.PathLike | caffe_pb2.SolverParameter, *,
                  action_function: Callable[[], str] | None = None, _source: str | None = None,
                  config: Config | None = None, comm=None, shares=None,
-                 phase_times: bool | PhaseTimer = False):
+                 phase_times: bool | PhaseTimer = False, tensorboard: str | os.PathLike | None = None,
+                 tensorboard_histograms: int = 0):
         if not isinstance(param, caffe_pb2.SolverParameter):
             _source = os.fspath(param)
             param = read_solver_param(param)
@@ -125,6 +130,9 @@ class Solver:
         self.comm = _resolve_comm(comm)
         self.parallel = None
         self.is_root = self.comm is None or self.comm.is_root
+        # TensorBoard event files (root rank only): scalars at each display and test, histograms every N
+        self.tensorboard = TensorBoardWriter(tensorboard, tensorboard_histograms) \
+            if tensorboard is not None and self.is_root else None
         log.info("Initializing solver from parameters: \n%s", to_text(param))
         if param.average_loss < 1:
             raise SolverError(f"{self.source}: average_loss should be non-negative "
@@ -349,6 +357,13 @@ class Solver:
         if resume_file is not None:
             log.info("Restoring previous solver status from %s", os.fspath(resume_file))
             self.restore(resume_file)
+        try:
+            self._solve()
+        finally:
+            if self.tensorboard is not None:
+                self.tensorboard.close()  # every event on disk, also when training stops on an error
+
+    def _solve(self) -> None:
         start_iter = self.iter
         self.step(self.param.max_iter - self.iter)
         p = self.param
@@ -364,6 +379,8 @@ class Solver:
                 loss = np.float32(self.parallel.comm.allreduce_scalar(float(loss)) / self.parallel.size)
             self._update_smoothed_loss(loss, start_iter, p.average_loss)
             log.info("Iteration %d, loss = %s", self.iter, _fmt(self.smoothed_loss))
+            if self.tensorboard is not None:
+                self.tensorboard.train_display(self.iter, self.smoothed_loss, [])
         if p.test_interval and self.iter % p.test_interval == 0:
             with self._phase("test"):
                 self.test_all()
@@ -428,12 +445,16 @@ class Solver:
                          p.display, _fmt(self.smoothed_loss))
                 timer = time.perf_counter()
                 iterations_last = self.iter
-                self._log_outputs(self.net, "Train")
+                outputs = self._log_outputs(self.net, "Train")
+                if self.tensorboard is not None:
+                    self.tensorboard.train_display(self.iter, self.smoothed_loss, outputs)
             if not math.isfinite(float(loss)):
                 self._stop_on_bad_loss(float(loss))
             for _, on_grad in self._callbacks:
                 if on_grad is not None:
                     on_grad()
+            if self.tensorboard is not None and self.tensorboard.wants_histograms(self.iter):
+                self.tensorboard.histograms(self.iter, self.net.layers)  # gradients final, before the update
             with self._phase("update"):
                 self.apply_update()
             self.iter += 1
@@ -466,15 +487,19 @@ class Solver:
         phases.add("backward", clock() - t1)
         return loss
 
-    def _log_outputs(self, net: Net, what: str) -> None:
+    def _log_outputs(self, net: Net, what: str) -> list[tuple[str, float]]:
+        """Log every value of the net's outputs; returns them as (name, value), a blob's values as name/k."""
         index = 0
+        values_out: list[tuple[str, float]] = []
         for name in net.output_blob_names:
             values = np.asarray(_to_numpy(net.blobs[name].data), dtype=np.float32).ravel()
             w = net.blob_loss_weights.get(name, 0.0)
-            for v in values:
+            for k, v in enumerate(values):
                 extra = f" (* {_fmt(w)} = {_fmt(np.float32(w) * v)} loss)" if w else ""
                 log.info("    %s net output #%d: %s = %s%s", what, index, name, _fmt(v), extra)
+                values_out.append((name if len(values) == 1 else f"{name}/{k}", float(v)))
                 index += 1
+        return values_out
 
     def _update_smoothed_loss(self, loss, start_iter: int, average_loss: int) -> None:
         loss = np.float32(loss)
@@ -555,6 +580,9 @@ class Solver:
             w = net.blob_loss_weights.get(name, 0.0)
             extra = f" (* {_fmt(w)} = {_fmt(np.float32(w) * mean)} loss)" if w else ""
             log.info("    Test net output #%d: %s = %s%s", i, name, _fmt(mean), extra)
+        if self.tensorboard is not None:
+            self.tensorboard.test_result(self.iter, test_net_id, list(zip(score_names, means)),
+                                         float(loss) if p.test_compute_loss else None)
         return means
 
     # -- update ----------------------------------------------------------------------------------
@@ -570,6 +598,8 @@ class Solver:
         p = self.param
         if p.display and self.iter % p.display == 0:
             log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
+            if self.tensorboard is not None:
+                self.tensorboard.learning_rate(self.iter, rate)
         params = self.net.learnable_params
         updates.clip_gradients([b.diff for b in params], p.clip_gradients)
         # the fused kernel also applies data -= diff in its pass, unless debug_info must show the

@@ -1,9 +1,10 @@
 """parse_log: a training log (glog lines of ``cct train`` or ``caffe train``) -> two CSV tables.
 
-``cct parse_log LOG [OUTDIR]`` writes ``OUTDIR/<basename of LOG>.train`` and ``.test`` (OUTDIR defaults
-to LOG's folder) with the columns and values of Caffe's ``tools/extra/parse_log.py`` (which is Python 2
+``cct parse_log LOG [OUTDIR] [--tensorboard DIR]`` writes ``OUTDIR/<basename of LOG>.train`` and ``.test``
+(OUTDIR defaults to LOG's folder) with the columns and values of Caffe's ``tools/extra/parse_log.py`` (which is Python 2
 and does not run on Python 3): ``NumIters, Seconds, LearningRate`` then one column per net output
-(``loss``, ``accuracy`` ...), values as Python floats, rows in excel CSV dialect (``\\r\\n``).
+(``loss``, ``accuracy`` ...), values as Python floats, rows in excel CSV dialect (``\\r\\n``);
+``--tensorboard DIR`` also writes them as TensorBoard events (:mod:`cct.solver.tensorboard`).
 
 The rules are Caffe's, kept exactly so both tools write the same files for the same log:
 
@@ -34,6 +35,7 @@ from collections.abc import Iterable
 
 from ..errors import CctError
 from ..flags import FlagParser
+from ..solver.tensorboard import write_log_events
 from . import run_tool, tool_parser
 
 log = logging.getLogger("cct")
@@ -180,6 +182,9 @@ def build_parser() -> FlagParser:
                    help="where to write LOG.train and LOG.test (default: LOG's folder)")
     p.add_argument("--verbose", action="store_true", help="print the names of the files written")
     p.add_argument("--delimiter", default=",", help="column delimiter")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the rows as TensorBoard event files to DIR (train/<output>, test/<output>, lr; "
+                        "the [tensorboard] extra)")
     return p
 
 
@@ -192,6 +197,9 @@ def run(a: argparse.Namespace) -> int:
         raise CctError(f"output folder '{out_dir}' does not exist")
     train, test = parse_log(a.logfile_path)
     save_csv_files(a.logfile_path, out_dir, train, test, a.delimiter, a.verbose)
+    if a.tensorboard is not None:
+        points = write_log_events(a.tensorboard, train, test)
+        log.info("Wrote %d TensorBoard points to %s", points, a.tensorboard)
     return 0
 
 

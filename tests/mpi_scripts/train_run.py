@@ -2,6 +2,7 @@
 data layer's batch_size set to BATCH (per rank), and write the final weights (root) to OUT.
 
 python train_run.py WORKDIR BATCH ITERS OUT [--init W] [--snapshot K] [--resume STATE] [--iter_size S]
+                   [--tensorboard DIR]
 """
 import argparse
 import json
@@ -25,6 +26,7 @@ a.add_argument("--iter_size", type=int, default=1)
 a.add_argument("--shares", default=None, help="auto or b0,b1,... (unequal per-rank batch sizes)")
 a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fails at that iteration")
 a.add_argument("--devices", default=None, help="split each rank's batch over these devices (cct.set_devices)")
+a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (the root rank writes it)")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -45,7 +47,7 @@ param.iter_size = args.iter_size
 param.snapshot = args.snapshot
 param.snapshot_prefix = "snap"
 shares = args.shares if args.shares in (None, "auto") else [int(x) for x in args.shares.split(",")]
-solver = get_solver(param, shares=shares)
+solver = get_solver(param, shares=shares, tensorboard=args.tensorboard)
 if args.init:
     solver.net.copy_from(args.init)
 losses = []

@@ -1,0 +1,283 @@
+"""ONNX import (cct.onnx.import_onnx, ``cct import_onnx``): round trips and PyTorch-style graphs.
+
+* export -> import of the reference unit cases and of public nets: the imported net has the same layers'
+  weights bit for bit and cct's forward on it equals the original's (and ONNX Runtime's).
+* Hand-built graphs in the patterns PyTorch's exporter writes (Pad before Conv, Gemm with transB 0/1,
+  BatchNormalization with an affine part, broadcast Mul/Add constants, ceil-mode MaxPool, ...): the
+  imported net's cct forward equals ONNX Runtime's on the same input.
+* Ops with no exact BVLC layer are errors naming the node and op; nothing is written then.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from refcase import case_dir, load_case, reference_available
+from test_onnx_export import REFUSED_CASES, REPO, RTOL, UNIT_CASES, load_public_net, rel_err, run_ort, tiny_net
+
+import cct
+from cct.io.caffemodel import read_caffemodel
+from cct.io.prototxt import read_net_prototxt
+from cct.proto import caffe_pb2
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from cct.onnx import OnnxImportError, from_onnx, import_onnx, to_onnx  # noqa: E402
+
+# exportable cases whose ONNX form uses ops without a BVLC layer of their own (the exporter's
+# decompositions): the importer must name the op it cannot map
+NOT_IMPORTABLE = {"argmax_axis1_top2_outmaxval": "Slice", "argmax_top2": "Slice", "bias_two_bottoms": "Add",
+                  "crop_axis2_offsets_1_3": "Slice", "embed": "Cast", "mvn": "ReduceMean",
+                  "mvn_across_channels": "ReduceMean", "mvn_mean_only": "ReduceMean",
+                  "reduction_asum_axis1": "ReduceL1", "reduction_mean_axis2": "ReduceMean",
+                  "reduction_sumsq_all": "ReduceSumSquare", "reduction_sumsq_axis1_coeff0.5": "ReduceSumSquare",
+                  "scale_two_bottoms": "Mul", "threshold_0.3": "Greater", "lstm_t3_n2": "Transpose",
+                  "rnn_t3_n2": "Transpose", "lstmunit": "Mul"}
+# imported as other BVLC layers with the same semantics (not layer for layer)
+REWRITTEN = {"lrn_within_channel_ls3", "spp_max_h2", "exp_base2_scale0.5_shift0.1", "log_base10_scale2_shift0.5",
+             "batchnorm_global_stats"}
+
+
+def imported_net(model) -> tuple[cct.Net, caffe_pb2.NetParameter]:
+    net_param, weights = from_onnx(model)
+    net = cct.Net(net_param, cct.TEST)
+    net.copy_from(weights)
+    return net, net_param
+
+
+def forward(net: cct.Net, feeds: dict) -> None:
+    for name, value in feeds.items():
+        net.blobs[name].reshape(value.shape)
+        net.blobs[name].data[...] = value
+    net.reshape()
+    net.forward()
+
+
+def assert_same_weights(original: cct.Net, imported: cct.Net, skip=()) -> int:
+    """Every parameter blob of ``original`` is in the layer of the same name of ``imported``, bit for bit."""
+    compared = 0
+    for layer in original.layers:
+        if not layer.blobs or layer.name in skip:
+            continue
+        assert layer.name in imported.layer_names, f"layer {layer.name} lost in the round trip"
+        twin = imported.layers[imported.layer_names.index(layer.name)]
+        assert len(twin.blobs) == len(layer.blobs)
+        for a, b in zip(layer.blobs, twin.blobs):
+            assert a.shape == b.shape and a.data.tobytes() == b.data.tobytes(), f"{layer.name}: weights differ"
+            compared += 1
+    return compared
+
+
+@pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
+@pytest.mark.parametrize("case", [c for c in UNIT_CASES if c not in REFUSED_CASES])
+def test_reference_case_round_trip(case, monkeypatch):
+    ref = load_case(case)
+    monkeypatch.chdir(case_dir(case))
+    phase = caffe_pb2.TRAIN if ref.meta["phase"] == "TRAIN" else caffe_pb2.TEST
+    net = cct.Net(ref.net, phase, weights=ref.meta.get("weights_file", "weights.caffemodel"))
+    feeds = {b: ref.arrays[f"input/{b}"] for b in net.input_blob_names}
+    forward(net, feeds)
+    model = to_onnx(net)
+    if case in NOT_IMPORTABLE:
+        with pytest.raises(OnnxImportError, match=rf"ONNX node '.*' \(op {NOT_IMPORTABLE[case]}\)"):
+            from_onnx(model)
+        return
+    back, param = imported_net(model)
+    forward(back, feeds)
+    graph_outputs = [o.name for o in model.graph.output]
+    ort_out = run_ort(model, feeds)
+    for blob, value in zip(net.output_blob_names, graph_outputs):
+        assert rel_err(back.blobs[value].data, net.blobs[blob].data) <= 1e-6, f"{case}: {blob}"
+        assert rel_err(back.blobs[value].data, ort_out[value]) <= RTOL, f"{case}: {blob} vs ONNX Runtime"
+    if case == "batchnorm_global_stats":
+        # the normaliser (scale factor) is folded into mean and variance: same values Caffe divides to
+        bn, twin = net.layers[-1], back.layers[-1]
+        factor = bn.blobs[2].data[0]
+        np.testing.assert_array_equal(twin.blobs[0].data, bn.blobs[0].data * (np.float32(1) / factor))
+        assert twin.blobs[2].data[0] == 1
+        return
+    assert_same_weights(net, back)
+    if case not in REWRITTEN:  # layer for layer: same types in the same order (Dropout -> Split, Flatten -> Reshape)
+        same = {"Dropout": "Split", "Flatten": "Reshape"}
+        assert [same.get(t, t) for t in (lp.type for lp in ref.net.layer)] == [lp.type for lp in param.layer]
+
+
+@pytest.mark.parametrize("path,hw,narrowed", [
+    ("zoo/squeezenet11_deploy.prototxt", (67, 67), ()),
+    ("zoo/mobilenet_v2.prototxt", (64, 64), ()),
+    ("models/lenet/lenet.prototxt", None, ()),
+    ("models/caffenet/deploy.prototxt", None, ("fc6", "fc7")),
+])
+def test_public_net_round_trip(path, hw, narrowed):
+    cct.set_random_seed(7)
+    net = cct.Net(load_public_net(path, hw, narrowed), cct.TEST)
+    for layer in net.layers:
+        if layer.type == "BatchNorm":
+            layer.blobs[0].data[...] = np.linspace(-1, 1, layer.blobs[0].count, dtype=np.float32)
+            layer.blobs[1].data[...] = np.linspace(0.5, 2, layer.blobs[1].count, dtype=np.float32)
+            layer.blobs[2].data[...] = 1
+    model = to_onnx(net, dynamic_batch=True)
+    back, _ = imported_net(model)
+    assert assert_same_weights(net, back) == sum(len(layer.blobs) for layer in net.layers)
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.standard_normal((2,) + tuple(net.blobs[n].shape[1:])).astype(np.float32)
+             for n in net.input_blob_names}
+    forward(net, feeds)
+    forward(back, feeds)
+    for blob in net.output_blob_names:
+        np.testing.assert_array_equal(back.blobs[blob].data, net.blobs[blob].data)
+
+
+# -- graphs as PyTorch exports them -----------------------------------------------------------------------
+def _const(name: str, array) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(array, dtype=np.float32 if np.asarray(array).dtype.kind == "f"
+                                              else np.int64), name)
+
+
+def _model(nodes, inits, in_shape, out_shape, opset=17):
+    graph = helper.make_graph(nodes, "torchlike", [helper.make_tensor_value_info("x", TensorProto.FLOAT, in_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def test_pytorch_style_graph_imports_and_matches_onnx_runtime():
+    rng = np.random.default_rng(0)
+    w1, b1 = rng.standard_normal((4, 3, 3, 3)), rng.standard_normal(4)
+    gamma, beta = rng.uniform(0.5, 2, 4), rng.standard_normal(4)
+    mean, var = rng.standard_normal(4), rng.uniform(0.5, 2, 4)
+    s, t = rng.standard_normal((4, 1, 1)), rng.standard_normal((4, 1, 1))
+    wfc, bfc = rng.standard_normal((5, 4 * 7 * 7)), rng.standard_normal(5)
+    wfc2 = rng.standard_normal((5, 6))
+    nodes = [
+        helper.make_node("Pad", ["x", "pads"], ["xp"], name="pad1", mode="constant"),
+        helper.make_node("Conv", ["xp", "w1", "b1"], ["c1"], name="conv1", kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c1", "gamma", "beta", "mean", "var"], ["bn"], name="bn1",
+                         epsilon=1e-5),
+        helper.make_node("Mul", ["bn", "s"], ["sc"], name="scale1"),
+        helper.make_node("Add", ["sc", "t"], ["sb"], name="scale1_bias"),
+        helper.make_node("LeakyRelu", ["sb"], ["r"], name="relu1", alpha=0.2),
+        helper.make_node("MaxPool", ["r"], ["p"], name="pool1", kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1),
+        helper.make_node("AveragePool", ["p"], ["a"], name="pool2", kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         count_include_pad=1),
+        helper.make_node("Add", ["a", "p"], ["res"], name="residual"),
+        helper.make_node("Flatten", ["res"], ["f"], name="flat", axis=1),
+        helper.make_node("Gemm", ["f", "wfc", "bfc"], ["g"], name="fc1", transB=1),
+        helper.make_node("Gemm", ["g", "wfc2"], ["g2"], name="fc2"),
+        helper.make_node("Softmax", ["g2"], ["y"], name="prob", axis=1),
+    ]
+    inits = [_const("pads", np.array([0, 0, 1, 1, 0, 0, 1, 1])), _const("w1", w1), _const("b1", b1),
+             _const("gamma", gamma), _const("beta", beta), _const("mean", mean), _const("var", var),
+             _const("s", s), _const("t", t), _const("wfc", wfc), _const("bfc", bfc),
+             _const("wfc2", wfc2)]  # fc2: Gemm with transB 0 (W stored K x N) -> InnerProduct transpose: true
+    model = _model(nodes, inits, [2, 3, 12, 12], [2, 6])
+    net, param = imported_net(model)
+    types = [lp.type for lp in param.layer]
+    assert types == ["Input", "Convolution", "BatchNorm", "Scale", "Scale", "ReLU", "Pooling", "Pooling", "Eltwise",
+                     "InnerProduct", "InnerProduct", "Softmax"]
+    conv = param.layer[1].convolution_param
+    assert (conv.pad_h, conv.pad_w) == (2, 2)  # Pad folded into the Conv's own padding
+    assert param.layer[10].inner_product_param.transpose
+    x = rng.standard_normal((2, 3, 12, 12)).astype(np.float32)
+    forward(net, {"x": x})
+    ours = run_ort(model, {"x": x}, ["g2", "p"])
+    assert rel_err(net.blobs["p"].data, ours["p"]) <= RTOL  # ceil-mode MaxPool: the same 6x6 windows
+    assert rel_err(net.blobs["g2"].data, ours["g2"]) <= RTOL
+    assert rel_err(net.blobs["y"].data, ours["y"]) <= RTOL
+    weights = {lp.name: lp for lp in net.to_proto().layer}
+    assert np.asarray(weights["fc1"].blobs[0].data, np.float32).tobytes() == wfc.astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("nodes,inits,out_shape,match", [
+    ([helper.make_node("Transpose", ["x"], ["y"], name="tr", perm=[0, 1, 3, 2])], [], [1, 3, 8, 8],
+     r"ONNX node 'tr' \(op Transpose\): no BVLC Caffe layer"),
+    ([helper.make_node("Conv", ["x", "w"], ["y"], name="c", kernel_shape=[3, 3], pads=[0, 0, 1, 1])],
+     [_const("w", np.ones((2, 3, 3, 3)))], [1, 2, 7, 7], r"ONNX node 'c' \(op Conv\): asymmetric pads"),
+    ([helper.make_node("AveragePool", ["x"], ["y"], name="ap", kernel_shape=[3, 3], pads=[1, 1, 1, 1])], [],
+     [1, 3, 8, 8],
+     r"ONNX node 'ap' \(op AveragePool\): .*no exact Caffe AVE divisor"),
+    ([helper.make_node("Div", ["x", "k"], ["y"], name="d")], [_const("k", np.float32(3))], [1, 3, 8, 8],
+     r"ONNX node 'd' \(op Div\)"),
+])
+def test_unmappable_ops_are_named(nodes, inits, out_shape, match, tmp_path):
+    model = _model(nodes, inits, [1, 3, 8, 8], out_shape)
+    with pytest.raises(OnnxImportError, match=match):
+        from_onnx(model)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(OnnxImportError):
+        import_onnx(path, tmp_path / "m.prototxt", tmp_path / "m.caffemodel")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_import_onnx_command(tmp_path):
+    from cct.cli import main
+
+    lenet = os.path.join(REPO, "models/lenet/lenet.prototxt")
+    net = cct.Net(lenet, cct.TEST)
+    cct.onnx.export(net, tmp_path / "lenet.onnx")
+    assert main(["import_onnx", str(tmp_path / "lenet.onnx"), "--out_model", str(tmp_path / "l.prototxt"),
+                 "--out_weights", str(tmp_path / "l.caffemodel")]) == 0
+    back = cct.Net(str(tmp_path / "l.prototxt"), cct.TEST, weights=str(tmp_path / "l.caffemodel"))
+    assert [lp.type for lp in read_net_prototxt(str(tmp_path / "l.prototxt")).layer] == \
+        [lp.type for lp in read_net_prototxt(lenet).layer]
+    assert {lp.name for lp in read_caffemodel(str(tmp_path / "l.caffemodel")).layer} >= {"conv1", "conv2", "ip1",
+                                                                                             "ip2"}
+    assert assert_same_weights(net, back) == 8
+    (tmp_path / "junk.onnx").write_bytes(b"not an onnx model")
+    assert main(["import_onnx", str(tmp_path / "junk.onnx"), "--out_model", str(tmp_path / "j.prototxt"),
+                 "--out_weights", str(tmp_path / "j.caffemodel")]) == 1
+    assert not (tmp_path / "j.prototxt").exists() and not (tmp_path / "j.caffemodel").exists()
+
+
+def test_constant_power_round_trips_as_a_constant():
+    net = tiny_net('layer { name: "p0" type: "Power" bottom: "x" top: "p0" '
+                    'power_param { power: 2 scale: 0 shift: 3 } }')
+    model = to_onnx(net)
+    back, param = imported_net(model)
+    assert [lp.type for lp in param.layer] == ["Input", "Power"]
+    x = np.full((2, 3, 4, 5), np.nan, np.float32)  # Caffe writes the constant whatever x holds
+    forward(back, {"x": x})
+    np.testing.assert_array_equal(back.blobs["p0"].data, np.full_like(x, 9.0))
+    np.testing.assert_array_equal(run_ort(model, {"x": x})["p0"], np.full_like(x, 9.0))
+
+
+@pytest.mark.parametrize("ctm,nearest,factors,exact", [
+    ("asymmetric", "floor", (2, 2), True),            # PyTorch's nn.Upsample(scale_factor=2)
+    ("half_pixel", "round_prefer_floor", (3, 2), True),  # ONNX's defaults
+    ("asymmetric", "round_prefer_floor", (3, 3), False),  # source 2/3 rounds up to pixel 1
+    ("asymmetric", "round_prefer_floor", (2, 1), True),  # 1/2 ties to the floor: still a copy
+    ("align_corners", "round_prefer_floor", (2, 2), False),
+])
+def test_nearest_resize_imports_as_deconvolution_only_when_exact(ctm, nearest, factors, exact):
+    nodes = [helper.make_node("Resize", ["x", "", "scales"], ["y"], name="up", mode="nearest",
+                              coordinate_transformation_mode=ctm, nearest_mode=nearest)]
+    model = _model(nodes, [_const("scales", np.array([1, 1, *factors], np.float32))], [2, 3, 4, 5],
+                   [2, 3, 4 * factors[0], 5 * factors[1]])
+    if not exact:
+        with pytest.raises(OnnxImportError, match=r"ONNX node 'up' \(op Resize\).*does not copy each pixel"):
+            from_onnx(model)
+        return
+    net, param = imported_net(model)
+    assert [lp.type for lp in param.layer] == ["Input", "Deconvolution"]
+    x = np.random.default_rng(2).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    forward(net, {"x": x})
+    expected = x.repeat(factors[0], axis=2).repeat(factors[1], axis=3)
+    np.testing.assert_array_equal(run_ort(model, {"x": x})["y"], expected)
+    np.testing.assert_array_equal(net.blobs["y"].data, expected)
+
+
+def test_subtracting_constants_imports_as_bias_and_power():
+    mean = np.random.default_rng(3).standard_normal((3, 1, 1))
+    nodes = [helper.make_node("Sub", ["x", "mean"], ["c"], name="center"),
+             helper.make_node("Sub", ["c", "half"], ["y"], name="shift")]
+    model = _model(nodes, [_const("mean", mean), _const("half", np.float32(0.5))], [2, 3, 4, 5], [2, 3, 4, 5])
+    net, param = imported_net(model)
+    assert [lp.type for lp in param.layer] == ["Input", "Bias", "Power"]
+    x = np.random.default_rng(4).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    forward(net, {"x": x})
+    np.testing.assert_array_equal(net.blobs["y"].data, run_ort(model, {"x": x})["y"])
