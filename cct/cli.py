@@ -23,10 +23,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from . import env
 from .errors import CctError, LayerError
-from .flags import FlagParser, add_progress_flag, command_parser
+from .flags import FlagParser, command_parser
 from .progress import Progress
+from .runsetup import (
+    add_common_arguments,
+    add_device_arguments,
+    engine_config,
+    init_logging,
+    phase,
+    run_config,
+    select_gpus,
+    stages,
+    wants_progress,
+)
 
 log = logging.getLogger("cct")
 
@@ -94,127 +104,6 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    from .scheduler import add_device_arguments as add
-
-    add(p)
-
-
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpu", default=None,
-                   help="GPU device id(s) ('0', '0,1' or 'all'); an error when no GPU is available")
-    p.add_argument("--level", type=int, default=0, help="net state level (NetState.level)")
-    p.add_argument("--stage", default="", help="comma-separated net state stages")
-    p.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only (and no progress bar)")
-    add_progress_flag(p)
-    p.add_argument("--no_python_layers", action="store_true",
-                   help="refuse type: \"Python\" layers (they run code named by the prototxt); "
-                        "also CCT_PYTHON_LAYERS=0")
-    p.add_argument("--lowering", default=None,
-                   help="override the conv lowering choice: 'type1'|'type2'|'type3' for all layers, or per "
-                        "layer 'conv1=type3,conv2=type1'")
-    p.add_argument("--lowering_mode", default="cct", choices=["cct", "caffe"],
-                   help="cct: cost-model choice + whole-batch lowering; caffe: type 1, one image per GEMM")
-    p.add_argument("--partitions", default="model",
-                   help="batch partitions run in parallel per conv layer: 'model' (the cost model's choice "
-                        "per layer), 'auto' (measured on each conv layer when the net is set up) or an int")
-
-
-def _wants_progress(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "progress", True)) and not getattr(args, "quiet", False)
-
-
-def _configure_engine(args, calibrate: bool):
-    """The engine settings of the lowering flags; calibrate the machine once (cached) unless CCT_CALIBRATE=0,
-    and settle the cost model's close calls by measuring them (cached) unless CCT_TUNE=0."""
-
-    from .config import EngineConfig
-    from .lowering.base import check_names
-
-    parts = args.partitions if args.partitions in ("auto", "model") else _positive_int(args.partitions,
-                                                                                        "--partitions")
-    overrides = None
-    if args.lowering:
-        overrides = args.lowering if "=" in args.lowering else {"*": args.lowering}
-    try:
-        calibrate = calibrate and not env.is_off("CCT_CALIBRATE")
-        cfg = EngineConfig(mode=args.lowering_mode, partitions=parts, overrides=overrides or {},
-                           calibrate=calibrate, tune=calibrate and not env.is_off("CCT_TUNE"))
-        check_names(cfg.overrides.values())
-        return cfg
-    except (KeyError, ValueError) as e:
-        raise CctError(f"--lowering/--partitions: {e}") from None
-
-
-def _positive_int(s: str, flag: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise CctError(f"{flag} must be a positive integer, 'model' or 'auto', not '{s}'")
-    return v
-
-
-def _stages(s: str) -> list[str]:
-    return [x for x in (t.strip() for t in s.split(",")) if x]
-
-
-def _phase(s: str) -> int:
-    from .proto import caffe_pb2
-
-    u = s.upper()
-    if u not in ("TRAIN", "TEST"):
-        raise CctError(f"phase must be TRAIN or TEST, not '{s}'")
-    return caffe_pb2.TRAIN if u == "TRAIN" else caffe_pb2.TEST
-
-
-def _select_gpus(flag: str | None) -> list[int]:
-    """Caffe's get_gpus: '' -> CPU; 'all' or a comma list -> those devices (which must exist)."""
-    if flag is None or flag == "":
-        return []
-    from .backend import cupy_available
-
-    if not cupy_available():
-        raise CctError(f"--gpu={flag} given but no GPU is available (CuPy is not installed or sees no CUDA device); "
-                       "leave out --gpu to run on the CPU")
-    import cupy  # type: ignore
-
-    count = cupy.cuda.runtime.getDeviceCount()
-    if flag == "all":
-        return list(range(count))
-    try:
-        ids = [int(x) for x in flag.split(",") if x.strip()]
-    except ValueError:
-        raise CctError(f"--gpu must be 'all' or comma-separated device ids, not '{flag}'") from None
-    for i in ids:
-        if not 0 <= i < count:
-            raise CctError(f"--gpu: there is no GPU {i} (this machine has {count})")
-    return ids
-
-
-def _use_devices(args, engine, solver_param=None):
-    """This run's :class:`cct.config.Config`: the engine settings and the devices (--devices/--share, --gpu,
-    or the solver's solver_mode). It becomes the process default too (so a later run in the same process
-    closes these devices) and is handed to the solver or net."""
-    from .config import python_layers_from_env, update_default
-    from .scheduler import devices_from_args, set_devices
-
-    cfg = devices_from_args(args, solver_param)
-    if cfg is None:
-        log.info("Use CPU.")
-    set_devices(cfg)
-    python_layers = python_layers_from_env() and not getattr(args, "no_python_layers", False)
-    return update_default(engine=engine, python_layers=python_layers)
-
-
-def _init_logging(quiet: bool, stream=None) -> None:
-    from .log import init_log
-
-    init_log(logging.WARNING if quiet else logging.INFO, stream=stream)
-
-
-# -- train -------------------------------------------------------------------------------------
 def build_train_parser() -> FlagParser:
     """The flags of ``cct train``."""
     p = command_parser("train", "Train or finetune a model.")
@@ -245,7 +134,7 @@ def build_train_parser() -> FlagParser:
                    help="data parallel under mpiexec -n N: equal (every rank the prototxt's batch, as Caffe), auto "
                         "(shares of the global batch in proportion to each rank's measured speed), or b0,b1,... "
                         "(per-rank batch sizes summing to N x batch_size); the update stays exact")
-    _add_common(p)
+    add_common_arguments(p)
     add_device_arguments(p)
     return p
 
@@ -275,16 +164,16 @@ def run_train(args: argparse.Namespace) -> int:
     signals.check_effect(args.sighup_effect)
     comm = _mpi_world()  # under mpiexec: this rank's place in the job (rank 0 logs, tests, snapshots)
     root = comm is None or comm.is_root
-    _init_logging(args.quiet or not root)
-    engine = _configure_engine(args, calibrate=True)
+    init_logging(args.quiet or not root)
+    engine = engine_config(args, calibrate=True)
 
     from .proto import caffe_pb2
     from .solver import get_solver, read_solver_param
 
     param = read_solver_param(solver_path)
     param.train_state.level = args.level
-    param.train_state.stage.extend(_stages(args.stage))
-    config = _use_devices(args, engine, param)
+    param.train_state.stage.extend(stages(args.stage))
+    config = run_config(args, engine, param)
     # The solver itself must not log the GPU fallback a second time.
     param.solver_mode = caffe_pb2.SolverParameter.CPU
     if args.iterations is not None:
@@ -320,7 +209,7 @@ def run_train(args: argparse.Namespace) -> int:
             log.info("Resuming from %s", args.snapshot)
             solver.restore(args.snapshot)
         log.info("Starting Optimization")
-        with Progress(param.max_iter, "train", unit="iter", enabled=_wants_progress(args) and root,
+        with Progress(param.max_iter, "train", unit="iter", enabled=wants_progress(args) and root,
                       initial=solver.iter) as bar:
             solver.add_callback(on_start=lambda: bar.set(solver.iter))
             solver.solve()
@@ -341,7 +230,7 @@ def build_test_parser() -> FlagParser:
     p.add_argument("--weights", default=None, help="the trained weights (.caffemodel or .h5; comma-separated)")
     p.add_argument("--iterations", type=int, default=50, help="the number of batches to run")
     p.add_argument("--phase", default="TEST", help="net phase (TEST or TRAIN)")
-    _add_common(p)
+    add_common_arguments(p)
     add_device_arguments(p)
     return p
 
@@ -358,15 +247,15 @@ def run_test(args: argparse.Namespace) -> int:
         raise CctError("Need model weights to score (--weights).")
     if args.iterations < 1:
         raise CctError(f"--iterations must be >= 1, not {args.iterations}")
-    _init_logging(args.quiet)
-    config = _use_devices(args, _configure_engine(args, calibrate=False))
-    net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage), config=config)
+    init_logging(args.quiet)
+    config = run_config(args, engine_config(args, calibrate=False))
+    net = Net(args.model, phase(args.phase), level=args.level, stages=stages(args.stage), config=config)
     _load_weights(net, args.weights)
     log.info("Running for %d iterations.", args.iterations)
     scores: list[np.float32] = []
     names: list[str] = []
     loss = np.float32(0)
-    with Progress(args.iterations, "test", unit="batch", enabled=_wants_progress(args)) as bar:
+    with Progress(args.iterations, "test", unit="batch", enabled=wants_progress(args)) as bar:
         for i in range(args.iterations):
             try:
                 loss += np.float32(net.forward())
@@ -398,7 +287,7 @@ def build_time_parser() -> FlagParser:
     p.add_argument("--iterations", type=int, default=50, help="the number of forward-backward passes to time")
     p.add_argument("--phase", default="TRAIN", help="net phase (TRAIN or TEST)")
     p.add_argument("--weights", default=None, help="optional weights to load first")
-    _add_common(p)
+    add_common_arguments(p)
     add_device_arguments(p)
     return p
 
@@ -411,9 +300,9 @@ def run_time(args: argparse.Namespace) -> int:
         raise CctError("Need a model definition to time (--model).")
     if args.iterations < 1:
         raise CctError(f"--iterations must be >= 1, not {args.iterations}")
-    _init_logging(args.quiet)
-    config = _use_devices(args, _configure_engine(args, calibrate=True))
-    net = Net(args.model, _phase(args.phase), level=args.level, stages=_stages(args.stage), config=config)
+    init_logging(args.quiet)
+    config = run_config(args, engine_config(args, calibrate=True))
+    net = Net(args.model, phase(args.phase), level=args.level, stages=stages(args.stage), config=config)
     if args.weights:
         _load_weights(net, args.weights)
     log.info("Performing Forward")
@@ -430,7 +319,7 @@ def run_time(args: argparse.Namespace) -> int:
     log.info("Testing for %d iterations.", args.iterations)
     clock = time.perf_counter
     total_start = clock()
-    with Progress(args.iterations, "time", unit="iter", enabled=_wants_progress(args)) as bar:
+    with Progress(args.iterations, "time", unit="iter", enabled=wants_progress(args)) as bar:
         for j in range(args.iterations):
             iter_start = clock()
             for i, layer in enumerate(net.layers):
@@ -541,7 +430,7 @@ def _device_query_report(args: argparse.Namespace, out) -> int:
     import cupy  # type: ignore
 
     count = cupy.cuda.runtime.getDeviceCount()
-    ids = _select_gpus(args.gpu) if args.gpu else list(range(count))
+    ids = select_gpus(args.gpu) if args.gpu else list(range(count))
     print(f"GPUs: {count} (CuPy {cupy.__version__})", file=out)
     for i in ids:
         props = cupy.cuda.runtime.getDeviceProperties(i)
@@ -587,7 +476,7 @@ def run(command: str, argv: Sequence[str]) -> int:
     build, body = COMMANDS[command].load()
     args = build().parse_args(list(argv))
     if not hasattr(args, "quiet"):
-        _init_logging(False)
+        init_logging(False)
     return int(body(args) or 0)
 
 

@@ -24,6 +24,15 @@ from ..errors import CctError
 from ..flags import FlagParser
 from ..progress import Progress
 from ..proto import caffe_pb2
+from ..runsetup import (
+    add_common_arguments,
+    add_device_arguments,
+    engine_config,
+    init_logging,
+    run_config,
+    stages,
+    wants_progress,
+)
 from . import run_tool, tool_parser
 
 log = logging.getLogger("cct")
@@ -84,8 +93,6 @@ def extract_features(net, blob_names: list[str], db_names: list[str], num_mini_b
 
 def build_parser() -> FlagParser:
     """The arguments of ``cct extract_features`` (Caffe's order) and the flags of ``cct test``."""
-    from ..cli import _add_common, add_device_arguments
-
     p = tool_parser("extract_features", "Run a trained net and save the values of blobs as Datum records "
                     "(float_data) in new databases, one per blob.", progress=False)
     p.add_argument("weights", metavar="WEIGHTS", help="the trained net (.caffemodel or .h5)")
@@ -95,7 +102,7 @@ def build_parser() -> FlagParser:
     p.add_argument("num_mini_batches", metavar="NUM_MINI_BATCHES", type=int, help="forward passes to run")
     p.add_argument("rest", metavar="[lmdb|leveldb] [CPU|GPU [DEVICE_ID]]", nargs="*",
                    help="database type (default lmdb) and device, as Caffe's tool")
-    _add_common(p)
+    add_common_arguments(p)
     add_device_arguments(p)
     return p
 
@@ -119,7 +126,6 @@ def _rest(words: list[str]) -> tuple[str, str | None]:
 
 def run(a: argparse.Namespace) -> int:
     """``cct extract_features`` on parsed arguments."""
-    from ..cli import _configure_engine, _init_logging, _use_devices, _wants_progress
     from ..net import Net
 
     backend, gpu = _rest(a.rest)
@@ -127,14 +133,12 @@ def run(a: argparse.Namespace) -> int:
         if a.gpu not in (None, gpu):
             raise CctError(f"GPU {gpu} and --gpu={a.gpu} disagree")
         a.gpu = gpu
-    _init_logging(a.quiet)
+    init_logging(a.quiet)
     blobs, dbs = _names(a.blobs, "BLOBS"), _names(a.dbs, "DBS")
-    config = _use_devices(a, _configure_engine(a, calibrate=False))
-    from ..cli import _stages
-
-    net = Net(a.model, caffe_pb2.TEST, level=a.level, stages=_stages(a.stage), config=config)
+    config = run_config(a, engine_config(a, calibrate=False))
+    net = Net(a.model, caffe_pb2.TEST, level=a.level, stages=stages(a.stage), config=config)
     net.copy_from(a.weights)
-    extract_features(net, blobs, dbs, a.num_mini_batches, backend, progress=_wants_progress(a))
+    extract_features(net, blobs, dbs, a.num_mini_batches, backend, progress=wants_progress(a))
     return 0
 
 
