@@ -1,4 +1,5 @@
-"""Array-module helpers: layers are written once against ``xp`` (numpy or cupy)."""
+"""Array-module helpers: layers are written once against ``xp`` (numpy or cupy). The one answer to "is this
+array in a GPU's memory" is :func:`in_device_memory`."""
 from __future__ import annotations
 
 from typing import Any
@@ -18,6 +19,11 @@ def get_array_module(*arrays: Any):
             if isinstance(a, _cupy.ndarray):
                 return _cupy
     return np
+
+
+def in_device_memory(a: Any) -> bool:
+    """True for an array in a GPU's memory (a CuPy array), False for host arrays."""
+    return _cupy is not None and isinstance(a, _cupy.ndarray)
 
 
 def cupy_available() -> bool:

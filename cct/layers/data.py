@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backend import in_device_memory
 from ..blob import Blob
 from ..data.db import open_db, parse_datum
 from ..data.prefetch import Prefetcher
@@ -56,10 +57,10 @@ _RESTART_MSG = "Restarting data prefetching from start."
 def _copy_to_blob(blob: Blob, arr: np.ndarray) -> None:
     """Reshape ``blob`` to ``arr.shape`` and copy ``arr`` into its data (numpy or cupy)."""
     blob.reshape(arr.shape)
-    if isinstance(blob.data, np.ndarray):
-        np.copyto(blob.data, arr, casting="unsafe")
-    else:  # cupy: host -> device copy
+    if in_device_memory(blob.data):  # host -> device copy
         blob.data.set(np.ascontiguousarray(arr, dtype=blob.dtype))
+    else:
+        np.copyto(blob.data, arr, casting="unsafe")
 
 
 def child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Generator | None]:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import kernels, rng
+from ..backend import in_device_memory
 from ..blob import Blob
 from ..proto import caffe_pb2
 from .base import Layer, register
@@ -191,7 +192,7 @@ class PoolingLayer(Layer):
     def _gpu_kernels(*arrays):
         """:mod:`cct.kernels.gpu_pooling` when its kernels apply to these arrays (CuPy), else None
         (imported only then: importing cct loads no kernel module)."""
-        if not type(arrays[0]).__module__.startswith("cupy"):
+        if not in_device_memory(arrays[0]):
             return None
         from ..kernels import gpu_pooling
 

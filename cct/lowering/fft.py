@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .. import blas
-from ..backend import get_array_module
+from ..backend import get_array_module, in_device_memory
 from . import direct_layout as dl
 from .base import IntoLowering, register_strategy
 from .geometry import ConvGeometry
@@ -238,7 +238,7 @@ class FFTConvolution(IntoLowering):
         """The weights' spectrum, once for all chunks of a pass (with every transform worker). Weights in
         a GPU's memory are transformed anew for every pass: comparing them with the cached copy would
         make the host wait for the device mid-iteration, and their transform costs the GPU little."""
-        self.kernel_transform(w, geom, fresh=get_array_module(w) is not np)
+        self.kernel_transform(w, geom, fresh=in_device_memory(w))
 
     def kernel_transform(self, w: Any, geom: ConvGeometry, fresh: bool = False) -> Any:
         """``(G, F, Cg, Mg)`` (``F`` the frequencies, flattened; a strided view): the conjugate of the

@@ -40,10 +40,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from .. import blas, kernels
-from ..backend import get_array_module
+from ..backend import get_array_module, in_device_memory
 from ..config import submit_in_context
 from .base import IntoLowering, LoweringStrategy
 from .budget import max_batch_partition, memory_budget, workspace_bytes
@@ -234,7 +232,7 @@ class BatchedLowering(IntoLowering):
                 out[s:e] = self.inner.forward(x[s:e], w, b, geom)
 
         self.inner.prepare(w, geom, "fwd")
-        if _in_device_memory(x):
+        if in_device_memory(x):
             work(0, n)
             return out
         self._run(geom, n, x.itemsize, work)
@@ -250,7 +248,7 @@ class BatchedLowering(IntoLowering):
         """
         xp = get_array_module(dy)
         n = dy.shape[0]
-        on_device = _in_device_memory(dy)
+        on_device = in_device_memory(dy)
         if on_device:
             plan = {"p": 1, "b_p": n, "ranges": [[(0, n)]]}
         else:
@@ -319,12 +317,6 @@ class BatchedLowering(IntoLowering):
 
     def __repr__(self) -> str:
         return f"<lowering {self.name} b_p={self.batch_partition} p={self.partitions}>"
-
-
-def _in_device_memory(a: Any) -> bool:
-    """True for arrays in a GPU's memory: there one lowering + GEMM covers the whole batch (the
-    host's cache-sized chunks and thread partitions do not apply; kernel launches favour few big calls)."""
-    return get_array_module(a) is not np
 
 
 def _kernel_threads(n: int):
