@@ -6,6 +6,7 @@ import pytest
 
 import cct
 from cct.io import parse_text
+from cct.parallel_plan.compute import largest_part, part_net
 from cct.parallel_plan.graph import graph_from_net
 from cct.parallel_plan.split import PlanError, Split, enumerate_splits, worker_boxes
 from cct.parallel_plan.transfer import edge_cost, overlap, update_cost
@@ -159,3 +160,29 @@ def test_overlap_of_boxes():
     a = np.array([[[0, 2], [0, 3], [0, 1], [0, 1]]])
     b = np.array([[[1, 4], [2, 5], [0, 1], [0, 1]], [[2, 3], [0, 1], [0, 1], [0, 1]]])
     assert overlap(a, b).tolist() == [[1, 0]]
+
+
+GROUPED = """
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 4 dim: 4 dim: 9 dim: 9 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 6 kernel_size: 3 pad: 1 stride: 2 group: 2 } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+layer { name: "fc" type: "InnerProduct" bottom: "pool" top: "fc" inner_product_param { num_output: 10 } }
+"""
+
+
+@pytest.mark.parametrize("layer,split", [("conv", Split(h=2)), ("conv", Split(c=2)), ("conv", Split(n=2, w=2)),
+                                         ("conv", Split(c=3)), ("pool", Split(h=3)), ("fc", Split(c=4)),
+                                         ("fc", Split(n=2, c=2))])
+def test_part_nets_compute_exactly_the_largest_part(layer, split):
+    """The net that compute(c) times produces the largest worker's output box (halo rows made explicit)."""
+    net = cct.Net(parse_text(GROUPED, caffe_pb2.NetParameter()), "TRAIN")
+    g = graph_from_net(net)
+    node = g.nodes[g.index(layer)]
+    part = part_net(node, [net.layer_by_name(n).param for n in node.layers], split)
+    small = cct.Net(part, "TRAIN")
+    box = largest_part(split, node.out_shape)
+    top = small.blobs[small.top_names[-1][0]].shape
+    assert tuple(top) + (1,) * (4 - len(top)) == tuple(int(hi - lo) for lo, hi in box)
+    assert small.layer_names[1:] == node.layers

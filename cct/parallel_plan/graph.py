@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..io import read_net_prototxt
 from ..net import Net
+from ..proto import caffe_pb2
 from .regions import (
     AllChannels,
     ChannelWindow,
@@ -167,3 +169,21 @@ def graph_from_net(net: Net, batch: int | None = None) -> PlanGraph:
         for j, t in enumerate(tnames):
             owner[t] = (len(nodes) - 1, j)
     return PlanGraph(nodes, itemsize)
+
+
+def planning_net(net: str | caffe_pb2.NetParameter, phase: str = "TRAIN") -> tuple[Net, int | None]:
+    """``(net built at batch 1, the prototxt's batch)``: Input and DummyData shapes get batch 1 so that a
+    large net is cheap to build; pass the batch to :func:`graph_from_net` to plan at the real one.
+    (Other data layers are built as they are; the batch is then the net's.)"""
+    param = read_net_prototxt(net) if isinstance(net, str) else net
+    small = caffe_pb2.NetParameter()
+    small.CopyFrom(param)
+    batch = None
+    for layer in small.layer:
+        shapes = (layer.input_param.shape if layer.type == "Input" else
+                  layer.dummy_data_param.shape if layer.type == "DummyData" else [])
+        for s in shapes:
+            if s.dim:
+                batch = batch if batch is not None else int(s.dim[0])
+                s.dim[0] = 1
+    return Net(small, phase), batch
