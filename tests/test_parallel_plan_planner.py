@@ -130,6 +130,7 @@ def test_cct_plan_command_writes_the_plan_and_logs_the_table(tmp_path, capfd):
     assert "owt" in log and "auto" in log
     plan = read_plan(out)
     assert plan.workers == 4 and set(plan.splits) == {"data", "conv1", "pool1", "norm1", "fc1", "fc2", "loss"}
+    assert "; with relu1" in out.read_text()
     assert cli.main(["plan", "--model", small_net(tmp_path), "--cluster", "2x2,intra=10G,inter=1G",
                      "--reference_batch", "2", "--parallel", str(out)]) == 0
     assert "\nfile" in capfd.readouterr().err.replace("] file ", "\nfile ")

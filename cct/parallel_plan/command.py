@@ -105,7 +105,8 @@ def run(a: argparse.Namespace) -> int:
         t = result.chosen.totals()
         write_plan(a.out, result.plan, result.chosen,
                    [f"{a.model}, global batch {result.priced.graph.nodes[0].out_shape[0]}, {cluster.describe()}",
-                    f"predicted step {t['seconds'] * 1e3:.3f} ms, {t['total_bytes'] / 2**20:.1f} MiB moved per step"])
+                    f"predicted step {t['seconds'] * 1e3:.3f} ms, {t['total_bytes'] / 2**20:.1f} MiB moved per step"],
+                   {n.name: n.layers for n in result.priced.graph.nodes})
         log.info("Plan written to %s", a.out)
     return 0
 

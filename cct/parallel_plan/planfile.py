@@ -3,7 +3,7 @@
 
     # cct parallel plan
     workers: 4
-    conv1: n=4 h=1 w=1 c=1    # conv1 relu1 | compute 12.1 ms, update 0.3 ms, in 0.0 ms
+    conv1: n=4 h=1 w=1 c=1    # compute 12.100 ms, update 0.300 ms, transfer in 0.000 ms; with relu1
     fc6: n=1 h=1 w=1 c=2
 """
 from __future__ import annotations
@@ -16,26 +16,33 @@ from .plans import Plan
 from .split import PlanError, Split
 
 
-def plan_text(plan: Plan, estimate: StepEstimate | None = None, header: list[str] | None = None) -> str:
-    """The file text of ``plan``; ``estimate`` adds each node's predicted times as a comment."""
+def plan_text(plan: Plan, estimate: StepEstimate | None = None, header: list[str] | None = None,
+              members: dict[str, list[str]] | None = None) -> str:
+    """The file text of ``plan``; ``estimate`` adds each node's predicted times as a comment, ``members``
+    the layers that follow each node's split."""
     lines = ["# cct parallel plan: one line per node, 'layer: n=.. h=.. w=.. c=..' (edit freely)"]
     lines += [f"# {h}" for h in header or []]
     lines.append(f"workers: {plan.workers}")
     rows = {n.name: n for n in estimate.nodes} if estimate is not None else {}
     for name, split in plan.splits.items():
         line = f"{name}: {split}"
+        notes = []
         if name in rows:
             r = rows[name]
-            line = (f"{line:<40s} # compute {r.compute_s * 1e3:.3f} ms, update {r.update_s * 1e3:.3f} ms, "
-                    f"transfer in {r.xfer_s * 1e3:.3f} ms")
+            notes.append(f"compute {r.compute_s * 1e3:.3f} ms, update {r.update_s * 1e3:.3f} ms, "
+                         f"transfer in {r.xfer_s * 1e3:.3f} ms")
+        if members and members.get(name, [name])[1:]:
+            notes.append("with " + " ".join(members[name][1:]))
+        if notes:
+            line = f"{line:<40s} # " + "; ".join(notes)
         lines.append(line)
     return "\n".join(lines) + "\n"
 
 
 def write_plan(path: str | os.PathLike, plan: Plan, estimate: StepEstimate | None = None,
-               header: list[str] | None = None) -> None:
+               header: list[str] | None = None, members: dict[str, list[str]] | None = None) -> None:
     """Write ``plan`` to ``path`` atomically (a crash leaves any previous file intact)."""
-    text = plan_text(plan, estimate, header)
+    text = plan_text(plan, estimate, header, members)
 
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
