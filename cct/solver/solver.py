@@ -631,6 +631,8 @@ class Solver:
         alone writes the files."""
         p = self.param
         hdf5 = p.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        for gather in self.parallel.before_snapshot if self.parallel is not None else ():
+            gather()
         extra = self._cct_state()
         if not self.is_root:
             self._last_snapshot_iter = self.iter

@@ -1,0 +1,286 @@
+"""Execution of Krizhevsky's "one weird trick" on MPI ranks: the layers below the fully-connected tail
+split by sample (as data parallelism), the tail's InnerProduct layers split by output channel.
+
+:func:`enable_owt` attaches a :class:`ChannelSplitExecutor` to a data-parallel solver (one built under
+``mpiexec``). Each rank runs the layers below the tail on its own ``b`` samples; at the tail:
+
+* forward: the tail's input is all-gathered (every rank gets the ``N*b`` samples); rank r computes the
+  output channels ``[r*C/N, (r+1)*C/N)`` of each InnerProduct for all samples with the layer itself
+  (a copy resized to its slice, fed the slice of the weights), element-wise layers between them run on
+  the slice, the next InnerProduct all-gathers the slices (channels); the last one's output goes back
+  to a sample split by an all-to-all (rank r gets its b samples, every channel) for the loss;
+* backward mirrors it: all-to-all of the top gradient to the channel split, each InnerProduct's input
+  gradient summed over ranks by a reduce-scatter (by channel, or by sample below the tail); the weight
+  and bias gradients of a slice are computed only where it lives, scaled by 1/N (Caffe's multi-solver
+  rule) and never all-reduced (:meth:`~cct.distributed.parallel.DataParallel.keep_local`);
+* the update: each rank's solver updates its parameters; only the owned rows of the tail are read
+  afterwards. Before a snapshot (a collective), the owned rows of the weights and of the solver's
+  history are all-gathered so that rank 0 writes the single-process files.
+
+N ranks at batch b then train as one process at batch N*b (tested on LeNet against Caffe's batch-4
+run). Not supported yet: TEST nets during training, Dropout masks equal to a single process's (each
+rank draws its own), output channels not divisible by N, unequal batch shares.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..blob import Blob
+from ..layers.base import Layer, create_layer
+from ..proto import caffe_pb2
+from .graph import ELEMENTWISE
+from .split import PlanError
+
+log = logging.getLogger("cct")
+
+
+@dataclass
+class _FC:
+    index: int              # layer index in the net
+    layer: Layer            # the net's layer (holds the full weights)
+    part: Layer             # a copy resized to this rank's slice
+    lo: int
+    hi: int
+    inp: Blob               # (N*b, K): the whole input
+    out: Blob               # (N*b, C/N): this rank's slice of the output
+
+
+def tail_layers(net) -> list[int]:
+    """Indices of the fully-connected tail: from the first InnerProduct of the last chain of InnerProduct
+    and element-wise layers (each feeding only the next) to its last InnerProduct."""
+    ips = [i for i, layer in enumerate(net.layers) if layer.type == "InnerProduct"]
+    if not ips:
+        raise PlanError("OWT: the net has no InnerProduct layer to split by channel")
+    last = ips[-1]
+    start = last
+    while start > 0:
+        prev = start - 1
+        layer = net.layers[prev]
+        if layer.type not in ("InnerProduct",) and layer.type not in ELEMENTWISE:
+            break
+        if len(net.bottom_names[prev]) != 1 or len(net.top_names[prev]) != 1:
+            break
+        if net.top_names[prev][0] != net.bottom_names[start][0]:
+            break
+        start = prev
+    while net.layers[start].type != "InnerProduct":
+        start += 1
+    chain = list(range(start, last + 1))
+    for a, b in zip(chain, chain[1:]):
+        top = net.top_names[a][0]
+        users = [i for i, names in enumerate(net.bottom_names) if top in names and i not in chain]
+        if users and net.top_names[b][0] != top:
+            raise PlanError(f"OWT: blob '{top}' of the fully-connected tail also feeds layer "
+                            f"'{net.layer_names[users[0]]}'")
+    return chain
+
+
+class ChannelSplitExecutor:
+    """The net's executor under OWT (see module docstring): layers outside the tail run as they are."""
+
+    def __init__(self, net, comm):
+        self.net, self.comm = net, comm
+        self.size, self.rank = comm.size, comm.rank
+        self.chain = tail_layers(net)
+        first = self.chain[0]
+        bottom = net.blobs[net.bottom_names[first][0]]
+        self.batch = int(bottom.shape[0])
+        total = self.batch * self.size
+        self.in_features = int(np.prod(bottom.shape[1:]))
+        self.fcs: dict[int, _FC] = {}
+        self.slices: dict[int, Blob] = {}  # element-wise layer index -> the slice blob it runs on
+        cur: Blob | None = None
+        for i in self.chain:
+            layer = net.layers[i]
+            if layer.type == "InnerProduct":
+                p = layer.param.inner_product_param
+                if p.transpose or p.axis not in (1, -len(net.blobs[net.bottom_names[i][0]].shape) + 1):
+                    raise PlanError(f"OWT: layer '{layer.name}': only axis 1 without transpose is split by channel")
+                c_out = int(p.num_output)
+                if c_out % self.size:
+                    raise PlanError(f"OWT: layer '{layer.name}' has {c_out} outputs, not divisible by {self.size} "
+                                    f"ranks")
+                part_param = caffe_pb2.LayerParameter()
+                part_param.CopyFrom(layer.param)
+                part_param.inner_product_param.num_output = c_out // self.size
+                ipp = part_param.inner_product_param
+                for filler in (ipp.weight_filler, ipp.bias_filler):
+                    filler.Clear()  # constant 0: the copy takes its weights from the layer (draws no random numbers)
+                part = create_layer(part_param)
+                k = int(layer.blobs[0].shape[1])
+                inp = Blob((total, k), net.dtype, name=f"{layer.name}_owt_in")
+                out = Blob((total, c_out // self.size), net.dtype, name=f"{layer.name}_owt_out")
+                part.setup([inp], [out])
+                part.param_propagate_down = list(layer.param_propagate_down)
+                lo = self.rank * c_out // self.size
+                self.fcs[i] = _FC(i, layer, part, lo, lo + c_out // self.size, inp, out)
+                cur = out
+            else:
+                if net.top_names[i][0] != net.bottom_names[i][0]:
+                    nxt = Blob(cur.shape, net.dtype, name=f"{layer.name}_owt")
+                    self.slices[i] = nxt
+                    cur = nxt
+                else:
+                    self.slices[i] = cur
+        self.bytes_moved = 0
+
+    # -- which learnable parameters are split -------------------------------------------------------
+    def owned_param_ids(self) -> list[int]:
+        """Learnable-parameter indices of the tail's InnerProduct layers (their gradients stay local)."""
+        net = self.net
+        ids = []
+        for nid, (lid, _pid) in enumerate(net.param_layer_indices):
+            if lid in self.fcs:
+                ids.append(net.learnable_param_ids[nid])
+        return ids
+
+    # -- the executor interface --------------------------------------------------------------------
+    def forward(self, i: int, layer: Layer, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        """Run layer ``i``; the tail runs as a whole at its last layer."""
+        if i not in self.chain:
+            layer.forward(bottom, top)
+        elif i == self.chain[-1]:
+            self._forward_tail(top[0])
+
+    def backward(self, i: int, layer: Layer, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        """Back-propagate layer ``i``; the tail runs as a whole at its last layer."""
+        if i not in self.chain:
+            layer.backward(top, propagate_down, bottom)
+        elif i == self.chain[-1]:
+            self._backward_tail()
+
+    def finish_backward(self) -> None:
+        """Nothing is left to finish (the tail's communication is synchronous)."""
+
+    # -- the tail ------------------------------------------------------------------------------------
+    def _gather_channels(self, part: np.ndarray, out: np.ndarray) -> None:
+        """``out (B, N*s)`` = every rank's ``part (B, s)`` side by side (rank order = channel order)."""
+        got = np.empty((self.size,) + part.shape, part.dtype)
+        self.comm.allgather(np.ascontiguousarray(part), got)
+        self.bytes_moved += got.nbytes - part.nbytes
+        out[...] = got.transpose(1, 0, 2).reshape(out.shape)
+
+    def _forward_tail(self, top: Blob) -> None:
+        net, b, n = self.net, self.batch, self.size
+        first = self.chain[0]
+        x = net.blobs[net.bottom_names[first][0]].data.reshape(b, self.in_features)
+        cur: Blob | None = None
+        for i in self.chain:
+            if i in self.fcs:
+                fc = self.fcs[i]
+                if cur is None:
+                    got = np.empty((n, b, self.in_features), x.dtype)
+                    self.comm.allgather(np.ascontiguousarray(x), got)
+                    self.bytes_moved += got.nbytes - x.nbytes
+                    fc.inp.data[...] = got.reshape(fc.inp.shape)
+                else:
+                    self._gather_channels(cur.data, fc.inp.data)
+                fc.part.blobs[0].data[...] = fc.layer.blobs[0].data[fc.lo:fc.hi]
+                if len(fc.layer.blobs) > 1:
+                    fc.part.blobs[1].data[...] = fc.layer.blobs[1].data[fc.lo:fc.hi]
+                fc.part.reshape([fc.inp], [fc.out])
+                fc.part.forward([fc.inp], [fc.out])
+                cur = fc.out
+            else:
+                layer, dst = net.layers[i], self.slices[i]
+                layer.reshape([cur], [dst])
+                layer.forward([cur], [dst])
+                cur = dst
+        s = cur.shape[1]
+        send = np.ascontiguousarray(cur.data.reshape(n, b, s))  # send[q]: rank q's samples, my channels
+        got = np.empty_like(send)
+        self.comm.alltoall(send, got)  # got[r]: my samples, rank r's channels
+        self.bytes_moved += got.nbytes - got[self.rank].nbytes
+        top.data.reshape(b, n * s)[...] = got.transpose(1, 0, 2).reshape(b, n * s)
+
+    def _backward_tail(self) -> None:
+        net, b, n = self.net, self.batch, self.size
+        last = self.chain[-1]
+        top = net.blobs[net.top_names[last][0]]
+        s = self.fcs[last].out.shape[1]
+        send = np.ascontiguousarray(top.diff.reshape(b, n, s).transpose(1, 0, 2))  # send[q]: rank q's channels
+        got = np.empty_like(send)
+        self.comm.alltoall(send, got)  # got[r]: rank r's samples, my channels
+        self.bytes_moved += got.nbytes - got[self.rank].nbytes
+        grad = got.reshape(n * b, s)
+        scale = net.dtype.type(1.0 / n)
+        for pos in range(len(self.chain) - 1, -1, -1):
+            i = self.chain[pos]
+            if i not in self.fcs:
+                layer, dst = net.layers[i], self.slices[i]
+                src = self._input_of(pos)
+                dst.diff[...] = grad
+                layer.backward([dst], [True], [src])
+                grad = src.diff.copy()
+                continue
+            fc = self.fcs[i]
+            fc.out.diff[...] = grad
+            for blob in fc.part.blobs:
+                blob.diff[...] = 0
+            fc.part.backward([fc.out], [True], [fc.inp])
+            for full, part in zip(fc.layer.blobs, fc.part.blobs):
+                full.diff[fc.lo:fc.hi] += part.diff * scale
+            if pos == 0:
+                bottom = net.blobs[net.bottom_names[i][0]]
+                if net.bottom_need_backward[i][0]:
+                    send = np.ascontiguousarray(fc.inp.diff.reshape(n, b, self.in_features))
+                    out = np.empty((b, self.in_features), send.dtype)
+                    self.comm.reduce_scatter(send, out)
+                    self.bytes_moved += send.nbytes - send[self.rank].nbytes
+                    bottom.diff.reshape(b, self.in_features)[...] = out
+            else:
+                k = fc.inp.shape[1] // n
+                send = np.ascontiguousarray(fc.inp.diff.reshape(n * b, n, k).transpose(1, 0, 2))
+                out = np.empty((n * b, k), send.dtype)
+                self.comm.reduce_scatter(send, out)
+                self.bytes_moved += send.nbytes - send[self.rank].nbytes
+                grad = out
+
+    def _input_of(self, pos: int) -> Blob:
+        """The slice blob feeding the tail layer at ``pos`` (an element-wise layer's bottom)."""
+        prev = self.chain[pos - 1]
+        return self.fcs[prev].out if prev in self.fcs else self.slices[prev]
+
+    # -- the single-process copy -------------------------------------------------------------------
+    def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
+        """All-gather the owned rows of the tail's weights (and of the solver ``history`` arrays of the
+        same parameters) so that every rank holds the single-process values (a collective)."""
+        params = self.net.learnable_params
+        ids = set(self.owned_param_ids())
+        arrays = [params[k].data for k in sorted(ids)]
+        per = len(params)
+        arrays += [h for j, h in enumerate(history) if j % per in ids]
+        for a in arrays:
+            rows = a.shape[0] // self.size
+            mine = np.ascontiguousarray(a[self.rank * rows:(self.rank + 1) * rows])
+            got = np.empty((self.size,) + mine.shape, mine.dtype)
+            self.comm.allgather(mine, got)
+            a[...] = got.reshape(a.shape)
+
+
+def enable_owt(solver) -> ChannelSplitExecutor:
+    """Run ``solver``'s train net under OWT on its data-parallel ranks (see module docstring)."""
+    par = solver.parallel
+    if par is None:
+        raise PlanError("OWT needs a distributed solver (built under mpiexec with more than one rank)")
+    if par.shares is not None:
+        raise PlanError("OWT: unequal batch shares are not supported")
+    if solver.test_nets and solver.param.test_interval:
+        raise PlanError("OWT: TEST nets during training are not supported yet (set test_interval: 0)")
+    if solver.net.executor is not None:
+        raise PlanError("OWT: the train net already has an executor (--devices); not combined yet")
+    ex = ChannelSplitExecutor(solver.net, par.comm)
+    solver.net.executor = ex
+    par.keep_local(ex.owned_param_ids())
+    par.before_snapshot.append(lambda: ex.gather_owned(solver.history))
+    if par.is_root:
+        names = ", ".join(f"{solver.net.layer_names[i]} ({fc.hi - fc.lo} of {fc.layer.blobs[0].shape[0]} outputs "
+                          f"per rank)" for i, fc in ex.fcs.items())
+        log.info("OWT on %d MPI ranks: layers below %s by sample, %s by output channel", par.size,
+                 solver.net.layer_names[ex.chain[0]], names)
+    return ex
