@@ -54,3 +54,24 @@ def test_owt_refuses_channels_not_divisible_by_the_ranks(case):
                 check=False)
     assert p.returncode != 0
     assert "OWT: layer 'ip1' has 500 outputs, not divisible by 3 ranks" in p.stdout + p.stderr
+
+
+def test_cct_train_parallel_owt_equals_data_parallelism(case):
+    """The command line: the same run under --parallel data and --parallel owt on 2 ranks (batch 4 each)
+    ends with the same snapshot, written by rank 0 alone in the single-process format."""
+    finals = {}
+    for mode in ("data", "owt"):
+        run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--weights", "init.caffemodel",
+                    "--parallel", mode, "--noprogress"], cwd=str(case), timeout=120)
+        snap = case / "solver_sgd_lenet_iter_10.caffemodel"
+        finals[mode] = case / f"{mode}.caffemodel"
+        snap.rename(finals[mode])
+    assert worst_relative(finals["owt"], finals["data"]) <= 1e-6
+
+
+def test_cct_train_refuses_unexecuted_plans_and_omnivore_with_owt(case):
+    for extra, msg in ((["--parallel", "auto"], "not implemented yet; 'cct plan' prices it"),
+                       (["--parallel", "owt", "--groups", "2"], "cannot be combined with Omnivore's --groups")):
+        p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", *extra], cwd=str(case),
+                    timeout=60, check=False)
+        assert p.returncode == 1 and msg in p.stderr
