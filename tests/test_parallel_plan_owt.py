@@ -1,33 +1,15 @@
 """OWT execution on MPI ranks (cct.parallel_plan.owt): LeNet's convolutions by sample, its
 fully-connected layers by output channel, on 2 ranks at batch 2 equal real Caffe at batch 4."""
 import json
-import shutil
 
 import numpy as np
 import pytest
+import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
 
-from cct.io.caffemodel import read_weights
-from cct.paths import shared_path
-
-CASE = shared_path("reference", "solver_sgd_lenet")
-pytestmark = [needs_mpi(), pytest.mark.skipif(not CASE.is_dir(), reason="shared/reference not available")]
-
-
-@pytest.fixture
-def case(tmp_path):
-    work = tmp_path / "case"
-    shutil.copytree(CASE, work)
-    return work
-
-
-def worst_relative(got_path, want_path) -> float:
-    got, want = read_weights(str(got_path)), read_weights(str(want_path))
-    worst = 0.0
-    for name, blobs in want.items():
-        for g, w in zip(got[name], blobs):
-            worst = max(worst, float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30)))
-    return worst
+pytestmark = [needs_mpi(), pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")]
+case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
+_compare = dp._compare
 
 
 def test_owt_on_two_ranks_at_batch_2_equals_caffe_at_batch_4(case):
@@ -35,23 +17,23 @@ def test_owt_on_two_ranks_at_batch_2_equals_caffe_at_batch_4(case):
     by output channel (250 and 5 per rank); the weights (rank 0 gathers the slices) and the logged
     losses equal Caffe's batch-4 run; only the convolutions' gradients are all-reduced."""
     out = case / "owt.caffemodel"
-    p = run_mpi(2, ["python", script("owt_run.py"), str(case), "2", "10", str(out), "--init", "init.caffemodel"],
-                timeout=120)
+    p = run_mpi(2, ["python", script("train_run.py"), str(case), "2", "10", str(out), "--init", "init.caffemodel",
+                    "--parallel", "owt"], timeout=120)
     assert "OWT on 2 MPI ranks" in p.stderr
-    assert worst_relative(out, case / "final.caffemodel") <= 1e-6  # measured 1.2e-7, as data parallelism
+    assert _compare(out, case / "final.caffemodel", 1e-6) > 0  # measured 1.2e-7, as data parallelism
     got = json.loads((case / "owt.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
     assert np.allclose(got["losses"], want, rtol=1e-5)
     conv_param_bytes = 4 * (20 * 1 * 5 * 5 + 20 + 50 * 20 * 5 * 5 + 50)
-    assert got["allreduce_bytes"] == conv_param_bytes  # ip1/ip2 (1.7 MB of weights) are never all-reduced
+    assert got["stats"]["bytes"] == conv_param_bytes  # ip1/ip2 (1.7 MB of weights) are never all-reduced
     # per iteration and rank: pool2 (2 x 800 floats) gathered, ip1's slices gathered, ip2 back by all-to-all,
     # and the mirror image in backward
     assert 0 < got["owt_bytes"] < 10 * 4 * (2 * 800 + 4 * 250 + 2 * 5) * 2 * 2
 
 
 def test_owt_refuses_channels_not_divisible_by_the_ranks(case):
-    p = run_mpi(3, ["python", script("owt_run.py"), str(case), "1", "1", str(case / "x.caffemodel")], timeout=120,
-                check=False)
+    p = run_mpi(3, ["python", script("train_run.py"), str(case), "1", "1", str(case / "x.caffemodel"), "--parallel",
+                    "owt"], timeout=120, check=False)
     assert p.returncode != 0
     assert "OWT: layer 'ip1' has 500 outputs, not divisible by 3 ranks" in p.stdout + p.stderr
 
@@ -66,7 +48,7 @@ def test_cct_train_parallel_owt_equals_data_parallelism(case):
         snap = case / "solver_sgd_lenet_iter_10.caffemodel"
         finals[mode] = case / f"{mode}.caffemodel"
         snap.rename(finals[mode])
-    assert worst_relative(finals["owt"], finals["data"]) <= 1e-6
+    assert _compare(finals["owt"], finals["data"], 1e-6) > 0
 
 
 def test_cct_train_refuses_unexecuted_plans_and_omnivore_with_owt(case):

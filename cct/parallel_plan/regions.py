@@ -76,36 +76,35 @@ class AllChannels(RegionRule):
 
 
 @dataclass(frozen=True)
-class Convolution(RegionRule):
-    """A convolution: the output channels' groups of input channels, and the windows of the box's rows
-    and columns (the halo of a spatial split)."""
-
-    window_h: Window
-    window_w: Window
-    channels_out: int
-    group: int = 1
-
-    def needed(self, boxes, bottom, in_shape):
-        out = boxes.copy()
-        per_in, per_out = in_shape[1] // self.group, self.channels_out // self.group
-        out[:, 1, 0] = boxes[:, 1, 0] // per_out * per_in
-        out[:, 1, 1] = ((boxes[:, 1, 1] - 1) // per_out + 1) * per_in
-        out[:, 2, 0], out[:, 2, 1] = self.window_h.map(boxes[:, 2, 0], boxes[:, 2, 1], in_shape[2])
-        out[:, 3, 0], out[:, 3, 1] = self.window_w.map(boxes[:, 3, 0], boxes[:, 3, 1], in_shape[3])
-        return _finish(out, boxes)
-
-
-@dataclass(frozen=True)
 class Pooling(RegionRule):
     """Pooling (and LRN within a channel): the same channels, the windows of the box's rows and columns."""
 
     window_h: Window
     window_w: Window
 
-    def needed(self, boxes, bottom, in_shape):
+    def _windows(self, boxes: np.ndarray, in_shape: tuple[int, int, int, int]) -> np.ndarray:
         out = boxes.copy()
         out[:, 2, 0], out[:, 2, 1] = self.window_h.map(boxes[:, 2, 0], boxes[:, 2, 1], in_shape[2])
         out[:, 3, 0], out[:, 3, 1] = self.window_w.map(boxes[:, 3, 0], boxes[:, 3, 1], in_shape[3])
+        return out
+
+    def needed(self, boxes, bottom, in_shape):
+        return _finish(self._windows(boxes, in_shape), boxes)
+
+
+@dataclass(frozen=True)
+class Convolution(Pooling):
+    """A convolution: the windows of the box's rows and columns (the halo of a spatial split), and the
+    input channels of the groups its output channels belong to."""
+
+    channels_out: int = 1
+    group: int = 1
+
+    def needed(self, boxes, bottom, in_shape):
+        out = self._windows(boxes, in_shape)
+        per_in, per_out = in_shape[1] // self.group, self.channels_out // self.group
+        out[:, 1, 0] = boxes[:, 1, 0] // per_out * per_in
+        out[:, 1, 1] = ((boxes[:, 1, 1] - 1) // per_out + 1) * per_in
         return _finish(out, boxes)
 
 
