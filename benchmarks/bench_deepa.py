@@ -2,7 +2,14 @@
 time of data parallelism, OWT and the DeePa choice for CaffeNet, VGG-16 and Inception-v3 at W = 2, 4, 16
 (the paper's Figure 8 table), the search time, and the slow-network check on CaffeNet.
 
-``python benchmarks/bench_deepa.py [--batch 512] [--speed 20] [--quick]``
+``python benchmarks/bench_deepa.py [--batch 512] [--speed 20] [--quick] [--measure]``
+
+``--measure`` also trains on this machine's MPI ranks (``mpiexec``): LeNet and CaffeNet (DummyData,
+per-rank batch 64 and 4) on 2 and 4 ranks under data parallelism and OWT (the executed plans), the
+median seconds per iteration of 3 timed runs (the slowest rank's) and the bytes each rank hands to MPI
+per step (an all-reduce counted as a ring moves it, 2 (N-1)/N of its payload), side by side with the
+cost model's prediction for the same ranks (links measured by the ping-pong, layer times measured with
+one thread, N ranks sharing this machine's cores), and the rank correlation of predicted and measured.
 
 THIS IS A MODEL, NOT A MEASUREMENT OF A CLUSTER. Each layer's forward + backward is measured once on
 this machine (``--reference_batch`` samples, cached per machine); a worker of the described cluster
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -27,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, environment_report, print_environment, reexec_clean  # noqa: E402
 
+from cct import blas  # noqa: E402
 from cct.parallel_plan.cluster import Cluster, parse_rate  # noqa: E402
 from cct.parallel_plan.compute import ScaledCompute, compute_cache, reference_rates  # noqa: E402
 from cct.parallel_plan.graph import graph_from_net, planning_net  # noqa: E402
@@ -47,7 +56,122 @@ def cluster_for(workers: int, intra: float, inter: float, speed: float) -> Clust
     return Cluster(workers // per, per, intra, inter, speed)
 
 
+MEASURED = (("lenet", 2, 64, 20), ("lenet", 4, 64, 20), ("caffenet", 2, 4, 3), ("caffenet", 4, 4, 3))
+
+
+def training_net(model: str, batch: int):
+    """The TRAIN net of ``model`` on DummyData at ``batch`` samples per rank (no data files needed)."""
+    from cct.io import parse_text, read_net_prototxt
+    from cct.proto import caffe_pb2
+
+    if model == "caffenet":
+        net = read_net_prototxt(str(ROOT / "models/caffenet/train_val_synthetic.prototxt"))
+        for layer in net.layer:
+            if layer.type == "DummyData":
+                for shape in layer.dummy_data_param.shape:
+                    shape.dim[0] = batch
+        return net
+    full = read_net_prototxt(str(ROOT / "models/lenet/lenet_train_test.prototxt"))
+    net = parse_text(f"""name: "LeNet" layer {{ name: "data" type: "DummyData" top: "data" top: "label"
+        dummy_data_param {{ shape {{ dim: {batch} dim: 1 dim: 28 dim: 28 }} shape {{ dim: {batch} }}
+        data_filler {{ type: "gaussian" std: 1 }} data_filler {{ type: "constant" value: 0 }} }} }}""",
+                     caffe_pb2.NetParameter())
+    for layer in full.layer:
+        if layer.type not in ("Data", "Accuracy"):
+            net.layer.add().CopyFrom(layer)
+    return net
+
+
+def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
+    """Under mpiexec: time ``iters`` training iterations (3 runs) of ``model`` under ``mode``; rank 0 writes
+    the median per-iteration seconds of the slowest rank and the bytes per step to ``out``."""
+    import numpy as np
+
+    from cct.distributed import abort_on_error
+    from cct.parallel_plan.links import measure_links
+    from cct.parallel_plan.owt import enable_owt
+    from cct.proto import caffe_pb2
+    from cct.solver import get_solver
+
+    param = caffe_pb2.SolverParameter(base_lr=0.001, momentum=0.9, lr_policy="fixed", max_iter=10**6, display=0,
+                                      snapshot_after_train=False, random_seed=1)
+    param.net_param.CopyFrom(training_net(model, batch))
+    solver = get_solver(param)
+    comm, n = solver.comm, solver.comm.size
+    with abort_on_error(comm):
+        links = measure_links(comm)
+        ex = enable_owt(solver) if mode == "owt" else None
+        solver.step(2)
+        runs = []
+        for _ in range(3):
+            comm.barrier()
+            t = time.perf_counter()
+            solver.step(iters)
+            runs.append(comm.allreduce_scalar((time.perf_counter() - t) / iters, op="max"))
+        done = 2 + 3 * iters
+        ring = 2.0 * (n - 1) / n * solver.parallel.sync.stats.bytes
+        owt = (ex.bytes_moved / done) if ex is not None else 0.0
+        per_rank = comm.allgather_obj(ring + owt)
+    if comm.is_root:
+        Path(out).write_text(json.dumps({"step_s": float(np.median(runs)), "runs": runs,
+                                         "bytes_per_step": float(sum(per_rank)), "links": links}))
+
+
+def predicted(model: str, ranks: int, batch: int, links: dict) -> dict:
+    """The cost model's data / OWT estimates for ``ranks`` ranks of this machine (layer times at 1 thread)."""
+    import os
+
+    net, _ = planning_net(training_net(model, batch))
+    bw = links.get("shm", links["copy"])
+    cl = Cluster(1, ranks, bw, bw, min(1.0, (os.cpu_count() or 1) / ranks))
+    with blas.blas_threads(1):
+        rates = reference_rates(net, graph_from_net(net, ranks * batch), batch, compute_cache())
+    res = plan_net(net, cl, ScaledCompute(rates, cl.speed), "auto", ranks * batch)
+    return {k: res.estimates[k].totals() for k in ("data", "owt", "auto")}
+
+
+def measure(args) -> dict:
+    """Every point of :data:`MEASURED` under data and OWT, measured and predicted."""
+    import subprocess
+    import tempfile
+
+    from scipy.stats import spearmanr
+
+    from cct.distributed.launch import mpiexec_path
+
+    points = []
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, ranks, batch, iters in MEASURED:
+            for mode in ("data", "owt"):
+                out = Path(tmp) / f"{model}-{ranks}-{mode}.json"
+                p = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, __file__, "--rank_run",
+                                    f"{model},{batch},{mode},{iters},{out}"], env=env, capture_output=True, text=True)
+                if p.returncode != 0:
+                    why = [ln for ln in p.stderr.splitlines() if "OWT:" in ln or "error" in ln.lower()]
+                    print(f"# {model} {ranks} ranks {mode}: not run ({why[-1].strip() if why else p.returncode})")
+                    continue
+                got = json.loads(out.read_text())
+                pred = predicted(model, ranks, batch, got["links"])[mode]
+                points.append({"model": model, "ranks": ranks, "batch_per_rank": batch, "mode": mode,
+                               "measured_step_s": got["step_s"], "measured_runs": got["runs"],
+                               "measured_bytes": got["bytes_per_step"], "predicted_step_s": pred["seconds"],
+                               "predicted_bytes": pred["total_bytes"], "links": got["links"]})
+                print(f"{model:<9s} {ranks:>2d} ranks {mode:<5s} measured {got['step_s'] * 1e3:9.1f} ms "
+                      f"{got['bytes_per_step'] / 2**20:8.2f} MiB | predicted {pred['seconds'] * 1e3:9.1f} ms "
+                      f"{pred['total_bytes'] / 2**20:8.2f} MiB", flush=True)
+    rho = spearmanr([p["predicted_step_s"] for p in points], [p["measured_step_s"] for p in points])
+    corr = float(rho.statistic if hasattr(rho, "statistic") else rho[0])
+    print(f"rank correlation of predicted and measured step time over {len(points)} points: {corr:.3f}")
+    return {"points": points, "spearman": corr}
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--rank_run":
+        model, batch, mode, iters, out = sys.argv[2].split(",")
+        rank_run(model, int(batch), mode, int(iters), out)
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=512, help="global batch (the paper's 512)")
     ap.add_argument("--speed", type=float, default=20.0, help="a worker's compute rate relative to this machine")
@@ -58,6 +182,7 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--search_runs", type=int, default=3, help="timed searches per point (median reported)")
     ap.add_argument("--quick", action="store_true", help="CaffeNet only, W = 2, 16")
+    ap.add_argument("--measure", action="store_true", help="also train on MPI ranks of this machine (see above)")
     ap.add_argument("--keep-env", action="store_true")
     args = ap.parse_args()
     removed = reexec_clean(keep_env=args.keep_env)
@@ -124,9 +249,10 @@ def main() -> int:
               f"{c['auto_bytes_mib']:.1f} MiB/step: {c['ratio']:.1f}x fewer bytes "
               f"({'meets' if c['ratio'] >= 5 else 'MISSES'} the 5x check); step {c['data_step_ms']:.1f} -> "
               f"{c['auto_step_ms']:.1f} ms")
+    measured = measure(args) if args.measure else None
     out = RESULTS / ("bench_deepa_quick.json" if args.quick else "bench_deepa.json")
     out.write_text(json.dumps({"environment": env, "args": vars(args), "model": "cost model (see docstring)",
-                               "rows": rows, "checks": checks}, indent=1))
+                               "rows": rows, "checks": checks, "measured": measured}, indent=1))
     print(f"# wrote {out}")
     return 0
 
