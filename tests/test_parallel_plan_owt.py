@@ -26,16 +26,25 @@ def test_owt_on_two_ranks_at_batch_2_equals_caffe_at_batch_4(case):
     assert np.allclose(got["losses"], want, rtol=1e-5)
     conv_param_bytes = 4 * (20 * 1 * 5 * 5 + 20 + 50 * 20 * 5 * 5 + 50)
     assert got["stats"]["bytes"] == conv_param_bytes  # ip1/ip2 (1.7 MB of weights) are never all-reduced
-    # per iteration and rank: pool2 (2 x 800 floats) gathered, ip1's slices gathered, ip2 back by all-to-all,
-    # and the mirror image in backward
-    assert 0 < got["owt_bytes"] < 10 * 4 * (2 * 800 + 4 * 250 + 2 * 5) * 2 * 2
+    # floats each rank receives: forward: the other rank's pool2 (2 x 800), its ip1 slice (4 x 250), its ip2
+    # slice of my samples (2 x 5); backward: the same amounts (all-to-all, then reduce-scatters by channel and
+    # by sample); 10 iterations and the forward that displays the final loss
+    forward = 2 * 800 + 4 * 250 + 2 * 5
+    assert got["owt_bytes"] == 4 * (10 * 2 * forward + forward)
 
 
-def test_owt_refuses_channels_not_divisible_by_the_ranks(case):
-    p = run_mpi(3, ["python", script("train_run.py"), str(case), "1", "1", str(case / "x.caffemodel"), "--parallel",
-                    "owt"], timeout=120, check=False)
-    assert p.returncode != 0
-    assert "OWT: layer 'ip1' has 500 outputs, not divisible by 3 ranks" in p.stdout + p.stderr
+def test_owt_on_three_ranks_with_uneven_slices_equals_data_parallelism(case):
+    """3 ranks: ip1's 500 outputs split 167/167/166, ip2's 10 split 4/3/3 (exchanges padded); 5 iterations
+    at batch 1 per rank end with the weights of data parallelism on the same 3 ranks (= one process at
+    batch 3), and the OWT run all-reduces only the convolutions' gradients."""
+    outs = {}
+    for mode in ("data", "owt"):
+        outs[mode] = case / f"{mode}3.caffemodel"
+        run_mpi(3, ["python", script("train_run.py"), str(case), "1", "5", str(outs[mode]), "--init",
+                    "init.caffemodel", "--parallel", mode], timeout=120)
+    assert _compare(outs["owt"], outs["data"], 1e-6) > 0
+    got = json.loads((case / "owt3.caffemodel.json").read_text())
+    assert got["stats"]["bytes"] == 4 * (20 * 25 + 20 + 50 * 20 * 25 + 50) and got["owt_bytes"] > 0
 
 
 def test_cct_train_parallel_owt_equals_data_parallelism(case):

@@ -18,8 +18,10 @@ split by sample (as data parallelism), the tail's InnerProduct layers split by o
   history are all-gathered so that rank 0 writes the single-process files.
 
 N ranks at batch b then train as one process at batch N*b (tested on LeNet against Caffe's batch-4
-run). Not supported yet: TEST nets during training, Dropout masks equal to a single process's (each
-rank draws its own), output channels not divisible by N, unequal batch shares.
+run; on 3 ranks, whose slices are uneven -- 167, 167, 166 of 500 --, equal to data parallelism). The
+exchanges of uneven slices pad each to the largest. Not supported yet: TEST nets during training,
+Dropout masks equal to a single process's (each rank draws its own), unequal batch shares, fewer
+outputs than ranks.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from ..blob import Blob
 from ..layers.base import Layer, create_layer
 from ..proto import caffe_pb2
 from .graph import ELEMENTWISE
-from .split import PlanError
+from .split import PlanError, part_bounds
 
 log = logging.getLogger("cct")
 
@@ -43,10 +45,23 @@ class _FC:
     index: int              # layer index in the net
     layer: Layer            # the net's layer (holds the full weights)
     part: Layer             # a copy resized to this rank's slice
-    lo: int
-    hi: int
+    bounds: np.ndarray      # (N, 2): every rank's [lo, hi) of the output channels
     inp: Blob               # (N*b, K): the whole input
-    out: Blob               # (N*b, C/N): this rank's slice of the output
+    out: Blob               # (N*b, hi - lo): this rank's slice of the output
+
+    @property
+    def lo(self) -> int:
+        return int(self.bounds[self.part_rank, 0])
+
+    @property
+    def hi(self) -> int:
+        return int(self.bounds[self.part_rank, 1])
+
+    @property
+    def widest(self) -> int:
+        return int(np.max(self.bounds[:, 1] - self.bounds[:, 0]))
+
+    part_rank: int = 0
 
 
 def tail_layers(net) -> list[int]:
@@ -101,23 +116,24 @@ class ChannelSplitExecutor:
                 if p.transpose or p.axis not in (1, -len(net.blobs[net.bottom_names[i][0]].shape) + 1):
                     raise PlanError(f"OWT: layer '{layer.name}': only axis 1 without transpose is split by channel")
                 c_out = int(p.num_output)
-                if c_out % self.size:
-                    raise PlanError(f"OWT: layer '{layer.name}' has {c_out} outputs, not divisible by {self.size} "
+                if c_out < self.size:
+                    raise PlanError(f"OWT: layer '{layer.name}' has {c_out} outputs, fewer than the {self.size} "
                                     f"ranks")
+                bounds = part_bounds(c_out, self.size)
+                mine = int(bounds[self.rank, 1] - bounds[self.rank, 0])
                 part_param = caffe_pb2.LayerParameter()
                 part_param.CopyFrom(layer.param)
-                part_param.inner_product_param.num_output = c_out // self.size
+                part_param.inner_product_param.num_output = mine
                 ipp = part_param.inner_product_param
                 for filler in (ipp.weight_filler, ipp.bias_filler):
                     filler.Clear()  # constant 0: the copy takes its weights from the layer (draws no random numbers)
                 part = create_layer(part_param)
                 k = int(layer.blobs[0].shape[1])
                 inp = Blob((total, k), net.dtype, name=f"{layer.name}_owt_in")
-                out = Blob((total, c_out // self.size), net.dtype, name=f"{layer.name}_owt_out")
+                out = Blob((total, mine), net.dtype, name=f"{layer.name}_owt_out")
                 part.setup([inp], [out])
                 part.param_propagate_down = list(layer.param_propagate_down)
-                lo = self.rank * c_out // self.size
-                self.fcs[i] = _FC(i, layer, part, lo, lo + c_out // self.size, inp, out)
+                self.fcs[i] = _FC(i, layer, part, bounds, inp, out, self.rank)
                 cur = out
             else:
                 if net.top_names[i][0] != net.bottom_names[i][0]:
@@ -126,7 +142,10 @@ class ChannelSplitExecutor:
                     cur = nxt
                 else:
                     self.slices[i] = cur
+        #: bytes this rank received in the tail's exchanges of forward and backward passes
         self.bytes_moved = 0
+        #: bytes this rank received gathering the slices (snapshots)
+        self.gather_bytes = 0
 
     # -- which learnable parameters are split -------------------------------------------------------
     def owned_param_ids(self) -> list[int]:
@@ -158,18 +177,40 @@ class ChannelSplitExecutor:
         """Nothing is left to finish (the tail's communication is synchronous)."""
 
     # -- the tail ------------------------------------------------------------------------------------
-    def _gather_channels(self, part: np.ndarray, out: np.ndarray) -> None:
-        """``out (B, N*s)`` = every rank's ``part (B, s)`` side by side (rank order = channel order)."""
-        got = np.empty((self.size,) + part.shape, part.dtype)
-        self.comm.allgather(np.ascontiguousarray(part), got)
-        self.bytes_moved += got.nbytes - part.nbytes
-        out[...] = got.transpose(1, 0, 2).reshape(out.shape)
+    def _exchange(self, blocks: list[np.ndarray], widest: int, how: str) -> np.ndarray:
+        """``blocks[q]`` (each ``(rows, <= widest)``) padded to ``widest`` columns and exchanged: ``allgather``
+        (``blocks`` is one block: every rank's comes back), ``alltoall`` (block q goes to rank q) or
+        ``reduce_scatter`` (block q summed over ranks lands on rank q). Returns the padded result."""
+        rows = blocks[0].shape[0]
+        send = np.zeros((len(blocks), rows, widest), blocks[0].dtype)
+        for q, blk in enumerate(blocks):
+            send[q, :, :blk.shape[1]] = blk
+        if how == "allgather":
+            got = np.empty((self.size, rows, widest), send.dtype)
+            self.comm.allgather(send[0], got)
+            self.bytes_moved += got.nbytes - send.nbytes
+        elif how == "alltoall":
+            got = np.empty_like(send)
+            self.comm.alltoall(send, got)
+            self.bytes_moved += got.nbytes - got[self.rank].nbytes
+        else:
+            got = np.empty((rows, widest), send.dtype)
+            self.comm.reduce_scatter(send, got)
+            self.bytes_moved += send.nbytes - send[self.rank].nbytes
+        return got
+
+    def _gather_channels(self, part: np.ndarray, fc: _FC, out: np.ndarray) -> None:
+        """``out (B, C)`` = every rank's channel slice ``part (B, hi - lo)`` of ``fc``'s output side by side."""
+        got = self._exchange([part], fc.widest, "allgather")
+        for r, (lo, hi) in enumerate(fc.bounds):
+            out[:, lo:hi] = got[r, :, :hi - lo]
 
     def _forward_tail(self, top: Blob) -> None:
         net, b, n = self.net, self.batch, self.size
         first = self.chain[0]
         x = net.blobs[net.bottom_names[first][0]].data.reshape(b, self.in_features)
         cur: Blob | None = None
+        prev: _FC | None = None
         for i in self.chain:
             if i in self.fcs:
                 fc = self.fcs[i]
@@ -179,35 +220,32 @@ class ChannelSplitExecutor:
                     self.bytes_moved += got.nbytes - x.nbytes
                     fc.inp.data[...] = got.reshape(fc.inp.shape)
                 else:
-                    self._gather_channels(cur.data, fc.inp.data)
+                    self._gather_channels(cur.data, prev, fc.inp.data)
                 fc.part.blobs[0].data[...] = fc.layer.blobs[0].data[fc.lo:fc.hi]
                 if len(fc.layer.blobs) > 1:
                     fc.part.blobs[1].data[...] = fc.layer.blobs[1].data[fc.lo:fc.hi]
                 fc.part.reshape([fc.inp], [fc.out])
                 fc.part.forward([fc.inp], [fc.out])
-                cur = fc.out
+                cur, prev = fc.out, fc
             else:
                 layer, dst = net.layers[i], self.slices[i]
                 layer.reshape([cur], [dst])
                 layer.forward([cur], [dst])
                 cur = dst
-        s = cur.shape[1]
-        send = np.ascontiguousarray(cur.data.reshape(n, b, s))  # send[q]: rank q's samples, my channels
-        got = np.empty_like(send)
-        self.comm.alltoall(send, got)  # got[r]: my samples, rank r's channels
-        self.bytes_moved += got.nbytes - got[self.rank].nbytes
-        top.data.reshape(b, n * s)[...] = got.transpose(1, 0, 2).reshape(b, n * s)
+        last = self.fcs[self.chain[-1]]
+        # block q: rank q's samples of my channels; back: my samples of rank r's channels
+        got = self._exchange([cur.data[q * b:(q + 1) * b] for q in range(n)], last.widest, "alltoall")
+        out = top.data.reshape(b, -1)
+        for r, (lo, hi) in enumerate(last.bounds):
+            out[:, lo:hi] = got[r, :, :hi - lo]
 
     def _backward_tail(self) -> None:
         net, b, n = self.net, self.batch, self.size
-        last = self.chain[-1]
-        top = net.blobs[net.top_names[last][0]]
-        s = self.fcs[last].out.shape[1]
-        send = np.ascontiguousarray(top.diff.reshape(b, n, s).transpose(1, 0, 2))  # send[q]: rank q's channels
-        got = np.empty_like(send)
-        self.comm.alltoall(send, got)  # got[r]: rank r's samples, my channels
-        self.bytes_moved += got.nbytes - got[self.rank].nbytes
-        grad = got.reshape(n * b, s)
+        last = self.fcs[self.chain[-1]]
+        dtop = net.blobs[net.top_names[self.chain[-1]][0]].diff.reshape(b, -1)
+        # block q: my samples of rank q's channels; back: rank r's samples of my channels
+        got = self._exchange([dtop[:, lo:hi] for lo, hi in last.bounds], last.widest, "alltoall")
+        grad = got[:, :, :last.hi - last.lo].reshape(n * b, last.hi - last.lo)
         scale = net.dtype.type(1.0 / n)
         for pos in range(len(self.chain) - 1, -1, -1):
             i = self.chain[pos]
@@ -228,18 +266,17 @@ class ChannelSplitExecutor:
             if pos == 0:
                 bottom = net.blobs[net.bottom_names[i][0]]
                 if net.bottom_need_backward[i][0]:
-                    send = np.ascontiguousarray(fc.inp.diff.reshape(n, b, self.in_features))
-                    out = np.empty((b, self.in_features), send.dtype)
-                    self.comm.reduce_scatter(send, out)
-                    self.bytes_moved += send.nbytes - send[self.rank].nbytes
-                    bottom.diff.reshape(b, self.in_features)[...] = out
+                    blocks = [fc.inp.diff[q * b:(q + 1) * b] for q in range(n)]  # rank q's samples, summed
+                    bottom.diff.reshape(b, self.in_features)[...] = self._exchange(blocks, self.in_features,
+                                                                                   "reduce_scatter")
             else:
-                k = fc.inp.shape[1] // n
-                send = np.ascontiguousarray(fc.inp.diff.reshape(n * b, n, k).transpose(1, 0, 2))
-                out = np.empty((n * b, k), send.dtype)
-                self.comm.reduce_scatter(send, out)
-                self.bytes_moved += send.nbytes - send[self.rank].nbytes
-                grad = out
+                below = self._fc_below(pos)
+                blocks = [fc.inp.diff[:, lo:hi] for lo, hi in below.bounds]  # rank q's channels, summed
+                grad = self._exchange(blocks, below.widest, "reduce_scatter")[:, :below.hi - below.lo]
+
+    def _fc_below(self, pos: int) -> _FC:
+        """The InnerProduct layer nearest below tail position ``pos``."""
+        return next(self.fcs[i] for i in reversed(self.chain[:pos]) if i in self.fcs)
 
     def _input_of(self, pos: int) -> Blob:
         """The slice blob feeding the tail layer at ``pos`` (an element-wise layer's bottom)."""
@@ -250,17 +287,20 @@ class ChannelSplitExecutor:
     def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
         """All-gather the owned rows of the tail's weights (and of the solver ``history`` arrays of the
         same parameters) so that every rank holds the single-process values (a collective)."""
-        params = self.net.learnable_params
-        ids = set(self.owned_param_ids())
-        arrays = [params[k].data for k in sorted(ids)]
-        per = len(params)
-        arrays += [h for j, h in enumerate(history) if j % per in ids]
-        for a in arrays:
-            rows = a.shape[0] // self.size
-            mine = np.ascontiguousarray(a[self.rank * rows:(self.rank + 1) * rows])
-            got = np.empty((self.size,) + mine.shape, mine.dtype)
-            self.comm.allgather(mine, got)
-            a[...] = got.reshape(a.shape)
+        net = self.net
+        per = len(net.learnable_params)
+        step_bytes = self.bytes_moved
+        for nid, (lid, _pid) in enumerate(net.param_layer_indices):
+            if lid not in self.fcs:
+                continue
+            fc, k = self.fcs[lid], net.learnable_param_ids[nid]
+            for a in [net.learnable_params[k].data] + [h for j, h in enumerate(history) if j % per == k]:
+                flat = a.reshape(a.shape[0], -1)  # rows: output channels (uneven slices padded as columns)
+                got = self._exchange([flat[fc.lo:fc.hi].T], fc.widest, "allgather")
+                for r, (lo, hi) in enumerate(fc.bounds):
+                    flat[lo:hi] = got[r, :, :hi - lo].T
+        self.gather_bytes += self.bytes_moved - step_bytes
+        self.bytes_moved = step_bytes
 
 
 def enable_owt(solver) -> ChannelSplitExecutor:
