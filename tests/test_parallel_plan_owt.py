@@ -1,6 +1,7 @@
 """OWT execution on MPI ranks (cct.parallel_plan.owt): LeNet's convolutions by sample, its
 fully-connected layers by output channel, on 2 ranks at batch 2 equal real Caffe at batch 4."""
 import json
+import time
 
 import numpy as np
 import pytest
@@ -66,3 +67,22 @@ def test_cct_train_refuses_unexecuted_plans_and_omnivore_with_owt(case):
         p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", *extra], cwd=str(case),
                     timeout=60, check=False)
         assert p.returncode == 1 and msg in p.stderr
+
+
+@pytest.mark.parametrize("first,then", [("owt", "data"), ("data", "owt")])
+def test_resume_across_configurations(case, first, then):
+    """5 iterations under one configuration with a snapshot (single-process files: the OWT slices and their
+    momentum gathered), 5 more resumed under the other: Caffe's batch-4 run to float rounding."""
+    run_mpi(2, ["python", script("train_run.py"), str(case), "2", "5", str(case / "half.caffemodel"), "--init",
+                "init.caffemodel", "--snapshot", "5", "--parallel", first], timeout=120)
+    run_mpi(2, ["python", script("train_run.py"), str(case), "2", "10", str(case / "resumed.caffemodel"),
+                "--resume", "snap_iter_5.solverstate", "--parallel", then], timeout=120)
+    assert _compare(case / "resumed.caffemodel", case / "final.caffemodel", 1e-5) > 0
+
+
+def test_a_killed_rank_ends_an_owt_job_quickly(case):
+    t = time.perf_counter()
+    p = run_mpi(2, ["python", script("train_run.py"), str(case), "2", "10", str(case / "x.caffemodel"),
+                    "--parallel", "owt", "--die", "1:3:kill"], timeout=60, check=False)
+    assert p.returncode != 0 and time.perf_counter() - t < 30
+    assert "EXIT CODE: 9" in p.stdout + p.stderr
