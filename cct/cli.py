@@ -236,9 +236,10 @@ def build_train_parser() -> FlagParser:
                         "(shares of the global batch in proportion to each rank's measured speed), or b0,b1,... "
                         "(per-rank batch sizes summing to N x batch_size); the update stays exact")
     p.add_argument("--parallel", default="data",
-                   help="under mpiexec -n N: data (every layer by sample, Caffe's multi-GPU rule) or owt (layers "
-                        "below the fully-connected tail by sample, its InnerProduct layers by output channel; the "
-                        "update stays exact). auto and plan files are priced by 'cct plan' but not executed yet")
+                   help="under mpiexec -n N: data (every layer by sample, Caffe's multi-GPU rule), owt (layers below "
+                        "the fully-connected tail by sample, its InnerProduct layers by output channel), auto (the "
+                        "cost model's cheapest of the executed plans: the tail split n=a c=N/a), or a plan file "
+                        "('cct plan --out') of that form; the update stays exact (docs/distributed.md)")
     _add_common(p)
     add_device_arguments(p)
     return p
@@ -291,11 +292,9 @@ def run_train(args: argparse.Namespace) -> int:
         param.ClearField("weights")
         param.weights.append(args.weights)
 
-    if args.parallel not in ("data", "owt"):
-        raise CctError(f"--parallel {args.parallel}: training with a per-layer plan (auto or a plan file) is not "
-                       "implemented yet; 'cct plan' prices it; cct train runs data or owt")
-    if args.parallel == "owt" and args.groups is not None:
-        raise CctError("--parallel owt cannot be combined with Omnivore's --groups (both split the net across ranks)")
+    if args.parallel != "data" and args.groups is not None:
+        raise CctError(f"--parallel {args.parallel} cannot be combined with Omnivore's --groups (both split the net "
+                       "across ranks)")
     if args.groups is not None:
         from .omnivore.train import omnivore_train
 
@@ -307,13 +306,10 @@ def run_train(args: argparse.Namespace) -> int:
     solver = get_solver(param, _source=solver_path, config=config, comm=comm, phase_times=args.phase_times,
                         shares=_batch_shares(args.batch_shares))
     solver.set_action_function(handler.get_action_function())
-    if args.parallel == "owt":
-        if solver.parallel is None:
-            log.info("--parallel owt on one process: nothing to split, the net runs whole")
-        else:
-            from .parallel_plan.owt import enable_owt
+    if args.parallel != "data":
+        from .parallel_plan.execute import setup_parallel
 
-            enable_owt(solver)
+        setup_parallel(solver, args.parallel)
     with handler:
         if args.snapshot:
             log.info("Resuming from %s", args.snapshot)

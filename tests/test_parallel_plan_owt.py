@@ -48,6 +48,18 @@ def test_owt_on_three_ranks_with_uneven_slices_equals_data_parallelism(case):
     assert got["stats"]["bytes"] == 4 * (20 * 25 + 20 + 50 * 20 * 25 + 50) and got["owt_bytes"] > 0
 
 
+def test_a_mixed_tail_split_n2_c2_on_four_ranks_equals_data_parallelism(case):
+    """4 ranks: the FC tail as n=2 c=2 (ranks 0-1 split the channels of their samples, ranks 2-3 of theirs;
+    ranks 0 and 2 hold the same slices and all-reduce their gradients): data parallelism's weights."""
+    outs = {}
+    for mode in ("data", "owt2"):
+        outs[mode] = case / f"{mode}4.caffemodel"
+        p = run_mpi(4, ["python", script("train_run.py"), str(case), "1", "4", str(outs[mode]), "--init",
+                        "init.caffemodel", "--parallel", mode], timeout=180)
+    assert "Tail split n=2 c=2 on 4 MPI ranks" in p.stderr
+    assert _compare(outs["owt2"], outs["data"], 1e-6) > 0
+
+
 def test_cct_train_parallel_owt_equals_data_parallelism(case):
     """The command line: the same run under --parallel data and --parallel owt on 2 ranks (batch 4 each)
     ends with the same snapshot, written by rank 0 alone in the single-process format."""
@@ -61,12 +73,28 @@ def test_cct_train_parallel_owt_equals_data_parallelism(case):
     assert _compare(finals["owt"], finals["data"], 1e-6) > 0
 
 
-def test_cct_train_refuses_unexecuted_plans_and_omnivore_with_owt(case):
-    for extra, msg in ((["--parallel", "auto"], "not implemented yet; 'cct plan' prices it"),
-                       (["--parallel", "owt", "--groups", "2"], "cannot be combined with Omnivore's --groups")):
-        p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", *extra], cwd=str(case),
-                    timeout=60, check=False)
-        assert p.returncode == 1 and msg in p.stderr
+def test_cct_train_parallel_auto_and_plan_files(case):
+    """--parallel auto runs the cost model's cheapest executable plan and logs it beside DeePa's optimum; a
+    plan file of the executed family runs (here OWT, written by hand); one outside it is refused naming the
+    layer; --groups is refused with any per-layer plan."""
+    p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--weights", "init.caffemodel",
+                    "--parallel", "auto", "--noprogress"], cwd=str(case), timeout=180)
+    assert "Per-layer parallelism on 1 machine(s) x 2 worker(s)" in p.stderr
+    assert "DeePa's unrestricted optimum" in p.stderr and "update ms" in p.stderr
+    plan = case / "tail.plan"
+    names = ["mnist", "conv1", "pool1", "conv2", "pool2", "ip1", "ip2", "loss"]
+    lines = ["workers: 2"] + [f"{n}: {'c=2' if n.startswith('ip') else 'n=2'}" for n in names]
+    plan.write_text("\n".join(lines) + "\n")
+    p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--weights", "init.caffemodel",
+                    "--parallel", str(plan), "--noprogress"], cwd=str(case), timeout=180)
+    assert "OWT on 2 MPI ranks" in p.stderr
+    plan.write_text(plan.read_text().replace("conv2: n=2", "conv2: h=2"))
+    p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", str(plan)],
+                cwd=str(case), timeout=180, check=False)
+    assert p.returncode != 0 and "tail.plan: line 5: layer 'conv2' n=1 h=2 w=1 c=1: cct train executes" in p.stderr
+    p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", "owt", "--groups",
+                    "2"], cwd=str(case), timeout=60, check=False)
+    assert p.returncode == 1 and "cannot be combined with Omnivore's --groups" in p.stderr
 
 
 @pytest.mark.parametrize("first,then", [("owt", "data"), ("data", "owt")])

@@ -97,9 +97,17 @@ def tail_layers(net) -> list[int]:
 class ChannelSplitExecutor:
     """The net's executor under OWT (see module docstring): layers outside the tail run as they are."""
 
-    def __init__(self, net, comm):
-        self.net, self.comm = net, comm
-        self.size, self.rank = comm.size, comm.rank
+    def __init__(self, net, comm, sample_groups: int = 1):
+        if sample_groups < 1 or comm.size % sample_groups:
+            raise PlanError(f"the fully-connected tail's {sample_groups} sample group(s) must divide the "
+                            f"{comm.size} ranks")
+        self.net, self.world, self.sample_groups = net, comm, sample_groups
+        width = comm.size // sample_groups  # ranks splitting the channels within one group of samples
+        #: the exchanges run within a sample group (ranks g*width .. g*width + width-1)
+        self.comm = comm.split(comm.rank // width, comm.rank % width) if sample_groups > 1 else comm
+        #: the ranks holding the same channel slice (one per sample group): their slice gradients are summed
+        self.slice_comm = comm.split(comm.rank % width, comm.rank // width) if sample_groups > 1 else None
+        self.size, self.rank = self.comm.size, self.comm.rank
         self.chain = tail_layers(net)
         first = self.chain[0]
         bottom = net.blobs[net.bottom_names[first][0]]
@@ -246,7 +254,7 @@ class ChannelSplitExecutor:
         # block q: my samples of rank q's channels; back: rank r's samples of my channels
         got = self._exchange([dtop[:, lo:hi] for lo, hi in last.bounds], last.widest, "alltoall")
         grad = got[:, :, :last.hi - last.lo].reshape(n * b, last.hi - last.lo)
-        scale = net.dtype.type(1.0 / n)
+        scale = net.dtype.type(1.0 / self.world.size)
         for pos in range(len(self.chain) - 1, -1, -1):
             i = self.chain[pos]
             if i not in self.fcs:
@@ -262,7 +270,11 @@ class ChannelSplitExecutor:
                 blob.diff[...] = 0
             fc.part.backward([fc.out], [True], [fc.inp])
             for full, part in zip(fc.layer.blobs, fc.part.blobs):
-                full.diff[fc.lo:fc.hi] += part.diff * scale
+                contrib = part.diff * scale
+                if self.slice_comm is not None:  # the other sample groups' gradients of this slice
+                    self.slice_comm.allreduce(contrib, out=contrib)
+                    self.bytes_moved += int(2 * (self.slice_comm.size - 1) / self.slice_comm.size * contrib.nbytes)
+                full.diff[fc.lo:fc.hi] += contrib
             if pos == 0:
                 bottom = net.blobs[net.bottom_names[i][0]]
                 if net.bottom_need_backward[i][0]:
@@ -303,8 +315,11 @@ class ChannelSplitExecutor:
         self.bytes_moved = step_bytes
 
 
-def enable_owt(solver) -> ChannelSplitExecutor:
-    """Run ``solver``'s train net under OWT on its data-parallel ranks (see module docstring)."""
+def enable_owt(solver, sample_groups: int = 1) -> ChannelSplitExecutor:
+    """Run ``solver``'s train net under OWT on its data-parallel ranks (see module docstring). With
+    ``sample_groups = a > 1`` the tail's configuration is ``n=a, c=N/a``: the ranks form a groups of N/a
+    consecutive ranks, each group splits the channels of its own samples, and the a ranks holding the
+    same slice all-reduce its gradient."""
     par = solver.parallel
     if par is None:
         raise PlanError("OWT needs a distributed solver (built under mpiexec with more than one rank)")
@@ -314,13 +329,15 @@ def enable_owt(solver) -> ChannelSplitExecutor:
         raise PlanError("OWT: TEST nets during training are not supported yet (set test_interval: 0)")
     if solver.net.executor is not None:
         raise PlanError("OWT: the train net already has an executor (--devices); not combined yet")
-    ex = ChannelSplitExecutor(solver.net, par.comm)
+    ex = ChannelSplitExecutor(solver.net, par.comm, sample_groups)
     solver.net.executor = ex
     par.keep_local(ex.owned_param_ids())
     par.before_snapshot.append(lambda: ex.gather_owned(solver.history))
     if par.is_root:
         names = ", ".join(f"{solver.net.layer_names[i]} ({fc.hi - fc.lo} of {fc.layer.blobs[0].shape[0]} outputs "
                           f"per rank)" for i, fc in ex.fcs.items())
-        log.info("OWT on %d MPI ranks: layers below %s by sample, %s by output channel", par.size,
-                 solver.net.layer_names[ex.chain[0]], names)
+        log.info("%s on %d MPI ranks: layers below %s by sample, %s by output channel%s",
+                 "OWT" if sample_groups == 1 else f"Tail split n={sample_groups} c={par.size // sample_groups}",
+                 par.size, solver.net.layer_names[ex.chain[0]], names,
+                 f" within {sample_groups} groups of samples" if sample_groups > 1 else "")
     return ex

@@ -26,7 +26,7 @@ a.add_argument("--iter_size", type=int, default=1)
 a.add_argument("--shares", default=None, help="auto or b0,b1,... (unequal per-rank batch sizes)")
 a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fails at that iteration")
 a.add_argument("--devices", default=None, help="split each rank's batch over these devices (cct.set_devices)")
-a.add_argument("--parallel", default="data", help="data or owt (cct.parallel_plan.owt)")
+a.add_argument("--parallel", default="data", help="data, owt, or owtN: the tail split n=N (cct.parallel_plan.owt)")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -71,10 +71,10 @@ if solver.comm is not None and solver.comm.size > 1:
     from cct.distributed import abort_on_error
 
     with abort_on_error(solver.comm):
-        if args.parallel == "owt":
+        if args.parallel.startswith("owt"):
             from cct.parallel_plan.owt import enable_owt
 
-            owt = enable_owt(solver)
+            owt = enable_owt(solver, int(args.parallel[3:] or 1))
         solver.solve(args.resume)
         if owt is not None:
             owt.gather_owned(solver.history)
