@@ -1,6 +1,9 @@
-"""OWT execution on MPI ranks (cct.parallel_plan.owt): LeNet's convolutions by sample, its
-fully-connected layers by output channel, on 2 ranks at batch 2 equal real Caffe at batch 4."""
+"""Per-layer parallelism executed on MPI ranks (cct.parallel_plan.owt, .execute): LeNet's convolutions
+by sample, its fully-connected tail by output channel (OWT) or by channel within groups of samples;
+every run equals one process at the global batch (real Caffe's batch-4 run for 2 ranks at batch 2)."""
 import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -8,104 +11,91 @@ import pytest
 import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
 
+import cct
+from cct.parallel_plan.costs import price
+from cct.parallel_plan.execute import sample_groups_of, tail_plan
+from cct.parallel_plan.graph import graph_from_net
+from cct.parallel_plan.plans import Plan
+from cct.parallel_plan.split import PlanError, Split
+
 pytestmark = [needs_mpi(), pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")]
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 _compare = dp._compare
 
 
-def test_owt_on_two_ranks_at_batch_2_equals_caffe_at_batch_4(case):
-    """10 SGD iterations (momentum, weight decay, step lr) of LeNet: conv1-pool2 by sample, ip1 and ip2
-    by output channel (250 and 5 per rank); the weights (rank 0 gathers the slices) and the logged
-    losses equal Caffe's batch-4 run; only the convolutions' gradients are all-reduced."""
-    out = case / "owt.caffemodel"
-    p = run_mpi(2, ["python", script("train_run.py"), str(case), "2", "10", str(out), "--init", "init.caffemodel",
-                    "--parallel", "owt"], timeout=120)
+def train(case, ranks: int, batch: int, iters: int, out: str, *extra: str):
+    args = ["python", script("train_run.py"), str(case), str(batch), str(iters), str(case / out), *extra]
+    if ranks == 0:  # one plain process
+        p = subprocess.run([sys.executable] + args[1:], capture_output=True, text=True, timeout=120,
+                           env=dp._plain_env())
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p
+    return run_mpi(ranks, args, timeout=180)
+
+
+def test_owt_equals_caffe_and_resumes_across_configurations(case):
+    """10 SGD iterations (momentum, weight decay, step lr) of LeNet on 2 ranks at batch 2 in three runs:
+    OWT (ip1, ip2 by output channel: 250 and 5 per rank) for 5 with a snapshot (the slices and their
+    momentum gathered: single-process files), data parallelism resumed for 3 more with a snapshot, OWT
+    resumed to 10: real Caffe's batch-4 weights. The first run's losses are Caffe's, only the convolutions'
+    gradients are all-reduced, and the tail's exchanges move exactly the bytes counted below."""
+    p = train(case, 2, 2, 5, "a.caffemodel", "--init", "init.caffemodel", "--snapshot", "5", "--parallel", "owt")
     assert "OWT on 2 MPI ranks" in p.stderr
-    assert _compare(out, case / "final.caffemodel", 1e-6) > 0  # measured 1.2e-7, as data parallelism
-    got = json.loads((case / "owt.caffemodel.json").read_text())
+    got = json.loads((case / "a.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
-    assert np.allclose(got["losses"], want, rtol=1e-5)
-    conv_param_bytes = 4 * (20 * 1 * 5 * 5 + 20 + 50 * 20 * 5 * 5 + 50)
-    assert got["stats"]["bytes"] == conv_param_bytes  # ip1/ip2 (1.7 MB of weights) are never all-reduced
-    # floats each rank receives: forward: the other rank's pool2 (2 x 800), its ip1 slice (4 x 250), its ip2
-    # slice of my samples (2 x 5); backward: the same amounts (all-to-all, then reduce-scatters by channel and
-    # by sample); 10 iterations and the forward that displays the final loss
+    assert np.allclose(got["losses"], want[:5], rtol=1e-5)
+    assert got["stats"]["bytes"] == 4 * (20 * 25 + 20 + 50 * 20 * 25 + 50)  # ip1/ip2's 1.7 MB never all-reduced
+    # floats a rank receives per forward: the other rank's pool2 (2 x 800), its ip1 slice (4 x 250), its ip2
+    # slice of my samples (2 x 5); the backward the same (all-to-all, reduce-scatters by channel and by sample);
+    # 5 iterations and the forward that displays the last loss
     forward = 2 * 800 + 4 * 250 + 2 * 5
-    assert got["owt_bytes"] == 4 * (10 * 2 * forward + forward)
+    assert got["owt_bytes"] == 4 * (5 * 2 * forward + forward)
+    train(case, 2, 2, 8, "b.caffemodel", "--resume", "snap_iter_5.solverstate", "--snapshot", "8")
+    train(case, 2, 2, 10, "c.caffemodel", "--resume", "snap_iter_8.solverstate", "--parallel", "owt")
+    _compare(case / "c.caffemodel", case / "final.caffemodel", 1e-5)  # measured 1.2e-7 straight
 
 
-def test_owt_on_three_ranks_with_uneven_slices_equals_data_parallelism(case):
-    """3 ranks: ip1's 500 outputs split 167/167/166, ip2's 10 split 4/3/3 (exchanges padded); 5 iterations
-    at batch 1 per rank end with the weights of data parallelism on the same 3 ranks (= one process at
-    batch 3), and the OWT run all-reduces only the convolutions' gradients."""
-    outs = {}
-    for mode in ("data", "owt"):
-        outs[mode] = case / f"{mode}3.caffemodel"
-        run_mpi(3, ["python", script("train_run.py"), str(case), "1", "5", str(outs[mode]), "--init",
-                    "init.caffemodel", "--parallel", mode], timeout=120)
-    assert _compare(outs["owt"], outs["data"], 1e-6) > 0
-    got = json.loads((case / "owt3.caffemodel.json").read_text())
-    assert got["stats"]["bytes"] == 4 * (20 * 25 + 20 + 50 * 20 * 25 + 50) and got["owt_bytes"] > 0
-
-
-def test_a_mixed_tail_split_n2_c2_on_four_ranks_equals_data_parallelism(case):
-    """4 ranks: the FC tail as n=2 c=2 (ranks 0-1 split the channels of their samples, ranks 2-3 of theirs;
-    ranks 0 and 2 hold the same slices and all-reduce their gradients): data parallelism's weights."""
-    outs = {}
-    for mode in ("data", "owt2"):
-        outs[mode] = case / f"{mode}4.caffemodel"
-        p = run_mpi(4, ["python", script("train_run.py"), str(case), "1", "4", str(outs[mode]), "--init",
-                        "init.caffemodel", "--parallel", mode], timeout=180)
+def test_uneven_slices_on_3_ranks_and_a_mixed_tail_on_4_ranks_equal_one_process(case):
+    """One process at batch 12; OWT on 3 ranks at batch 4 (ip1's 500 outputs as 167/167/166, ip2's 10 as
+    4/3/3: padded exchanges); the tail as n=2 c=2 on 4 ranks at batch 3 (two groups of samples, each
+    splitting the channels; ranks 0 and 2 holding the same slices all-reduce their gradients)."""
+    train(case, 0, 12, 3, "one.caffemodel", "--init", "init.caffemodel")
+    train(case, 3, 4, 3, "owt3.caffemodel", "--init", "init.caffemodel", "--parallel", "owt")
+    p = train(case, 4, 3, 3, "mixed4.caffemodel", "--init", "init.caffemodel", "--parallel", "owt2")
     assert "Tail split n=2 c=2 on 4 MPI ranks" in p.stderr
-    assert _compare(outs["owt2"], outs["data"], 1e-6) > 0
+    for out in ("owt3", "mixed4"):
+        _compare(case / f"{out}.caffemodel", case / "one.caffemodel", 1e-5)
 
 
-def test_cct_train_parallel_owt_equals_data_parallelism(case):
-    """The command line: the same run under --parallel data and --parallel owt on 2 ranks (batch 4 each)
-    ends with the same snapshot, written by rank 0 alone in the single-process format."""
-    finals = {}
-    for mode in ("data", "owt"):
-        run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--weights", "init.caffemodel",
-                    "--parallel", mode, "--noprogress"], cwd=str(case), timeout=120)
-        snap = case / "solver_sgd_lenet_iter_10.caffemodel"
-        finals[mode] = case / f"{mode}.caffemodel"
-        snap.rename(finals[mode])
-    assert _compare(finals["owt"], finals["data"], 1e-6) > 0
-
-
-def test_cct_train_parallel_auto_and_plan_files(case):
-    """--parallel auto runs the cost model's cheapest executable plan and logs it beside DeePa's optimum; a
-    plan file of the executed family runs (here OWT, written by hand); one outside it is refused naming the
-    layer; --groups is refused with any per-layer plan."""
+def test_cct_train_parallel_auto_and_omnivore_refused(case):
+    """--parallel auto measures the links and the layers, runs the cost model's cheapest executable plan
+    (here OWT, whose runs equal Caffe's above) and logs it beside DeePa's unrestricted optimum; Omnivore's
+    --groups is refused with any per-layer plan. (Plan files: the family check below; the same setup.)"""
     p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--weights", "init.caffemodel",
-                    "--parallel", "auto", "--noprogress"], cwd=str(case), timeout=180)
+                    "--parallel", "auto", "--iterations", "2", "--noprogress"], cwd=str(case), timeout=180)
     assert "Per-layer parallelism on 1 machine(s) x 2 worker(s)" in p.stderr
     assert "DeePa's unrestricted optimum" in p.stderr and "update ms" in p.stderr
-    plan = case / "tail.plan"
-    names = ["mnist", "conv1", "pool1", "conv2", "pool2", "ip1", "ip2", "loss"]
-    lines = ["workers: 2"] + [f"{n}: {'c=2' if n.startswith('ip') else 'n=2'}" for n in names]
-    plan.write_text("\n".join(lines) + "\n")
-    p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--weights", "init.caffemodel",
-                    "--parallel", str(plan), "--noprogress"], cwd=str(case), timeout=180)
-    assert "OWT on 2 MPI ranks" in p.stderr
-    plan.write_text(plan.read_text().replace("conv2: n=2", "conv2: h=2"))
-    p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", str(plan)],
-                cwd=str(case), timeout=180, check=False)
-    assert p.returncode != 0 and "tail.plan: line 5: layer 'conv2' n=1 h=2 w=1 c=1: cct train executes" in p.stderr
     p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", "owt", "--groups",
                     "2"], cwd=str(case), timeout=60, check=False)
     assert p.returncode == 1 and "cannot be combined with Omnivore's --groups" in p.stderr
 
 
-@pytest.mark.parametrize("first,then", [("owt", "data"), ("data", "owt")])
-def test_resume_across_configurations(case, first, then):
-    """5 iterations under one configuration with a snapshot (single-process files: the OWT slices and their
-    momentum gathered), 5 more resumed under the other: Caffe's batch-4 run to float rounding."""
-    run_mpi(2, ["python", script("train_run.py"), str(case), "2", "5", str(case / "half.caffemodel"), "--init",
-                "init.caffemodel", "--snapshot", "5", "--parallel", first], timeout=120)
-    run_mpi(2, ["python", script("train_run.py"), str(case), "2", "10", str(case / "resumed.caffemodel"),
-                "--resume", "snap_iter_5.solverstate", "--parallel", then], timeout=120)
-    assert _compare(case / "resumed.caffemodel", case / "final.caffemodel", 1e-5) > 0
+def test_plans_outside_the_executed_family_are_refused_naming_the_layer(case, monkeypatch):
+    monkeypatch.chdir(case)  # the HDF5 list names data.h5 relative to the case
+    net = cct.Net("net.prototxt", "TRAIN")
+    graph = graph_from_net(net, 8)
+    priced = price(graph, 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
+        "seconds": lambda self, g, i, s: np.zeros(len(s))})())
+    tail = {"ip1", "ip2"}
+    for groups in (1, 2):
+        assert sample_groups_of(tail_plan(priced, tail, groups), priced, tail) == groups
+    bad = tail_plan(priced, tail, 1)
+    bad.splits["conv2"] = Split(h=2)
+    with pytest.raises(PlanError, match=r"layer 'conv2' n=1 h=2 w=1 c=1: cct train executes"):
+        sample_groups_of(bad, priced, tail)
+    mixed = Plan(2, dict(tail_plan(priced, tail, 1).splits, ip2=Split(n=2)))
+    with pytest.raises(PlanError, match="layer 'ip1'"):
+        sample_groups_of(mixed, priced, tail)
 
 
 def test_a_killed_rank_ends_an_owt_job_quickly(case):
