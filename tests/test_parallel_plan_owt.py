@@ -67,6 +67,44 @@ def test_uneven_slices_on_3_ranks_and_a_mixed_tail_on_4_ranks_equal_one_process(
         _compare(case / f"{out}.caffemodel", case / "one.caffemodel", 1e-5)
 
 
+CAFFENET_LIKE = """name: "caffenet_like"
+layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: TRAIN }
+        hdf5_data_param { source: "data_list.txt" batch_size: 4 } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 8 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1" lrn_param { local_size: 3 alpha: 0.1 beta: 0.75 } }
+layer { name: "pool1" type: "Pooling" bottom: "norm1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+        convolution_param { num_output: 16 kernel_size: 3 pad: 1 group: 2 weight_filler { type: "gaussian" std: 0.1 }
+                            bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "norm2" type: "LRN" bottom: "conv2" top: "norm2" lrn_param { local_size: 3 alpha: 0.1 beta: 0.75 } }
+layer { name: "pool2" type: "Pooling" bottom: "norm2" top: "pool2"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "fc6" type: "InnerProduct" bottom: "pool2" top: "fc6"
+        inner_product_param { num_output: 64 weight_filler { type: "gaussian" std: 0.05 } } }
+layer { name: "relu6" type: "ReLU" bottom: "fc6" top: "fc6" }
+layer { name: "fc7" type: "InnerProduct" bottom: "fc6" top: "fc7"
+        inner_product_param { num_output: 32 weight_filler { type: "gaussian" std: 0.05 } } }
+layer { name: "relu7" type: "ReLU" bottom: "fc7" top: "fc7" }
+layer { name: "fc8" type: "InnerProduct" bottom: "fc7" top: "fc8"
+        inner_product_param { num_output: 10 weight_filler { type: "gaussian" std: 0.05 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc8" bottom: "label" top: "loss" }
+"""
+
+
+def test_a_caffenet_like_net_with_groups_and_lrn_under_owt_equals_one_process(case):
+    """Grouped convolution, LRN, max pooling and a three-layer FC tail with ReLUs: OWT on 2 ranks at
+    batch 2 ends with one process's weights at batch 4 (5 iterations, momentum and weight decay)."""
+    (case / "net.prototxt").write_text(CAFFENET_LIKE)
+    train(case, 0, 4, 5, "one.caffemodel")
+    p = train(case, 2, 2, 5, "owt.caffemodel", "--parallel", "owt")
+    assert "fc6 (32 of 64 outputs per rank), fc7 (16 of 32 outputs per rank), fc8 (5 of 10" in p.stderr
+    _compare(case / "owt.caffemodel", case / "one.caffemodel", 1e-5)
+
+
 def test_cct_train_parallel_auto_and_omnivore_refused(case):
     """--parallel auto measures the links and the layers, runs the cost model's cheapest executable plan
     (here OWT, whose runs equal Caffe's above) and logs it beside DeePa's unrestricted optimum; Omnivore's
