@@ -2,6 +2,7 @@
 by sample, its fully-connected tail by output channel (OWT) or by channel within groups of samples;
 every run equals one process at the global batch (real Caffe's batch-4 run for 2 ranks at batch 2)."""
 import json
+import re
 import subprocess
 import sys
 import time
@@ -37,8 +38,9 @@ def test_owt_equals_caffe_and_resumes_across_configurations(case):
     """10 SGD iterations (momentum, weight decay, step lr) of LeNet on 2 ranks at batch 2 in three runs:
     OWT (ip1, ip2 by output channel: 250 and 5 per rank) for 5 with a snapshot (the slices and their
     momentum gathered: single-process files), data parallelism resumed for 3 more with a snapshot, OWT
-    resumed to 10: real Caffe's batch-4 weights. The first run's losses are Caffe's, only the convolutions'
-    gradients are all-reduced, and the tail's exchanges move exactly the bytes counted below."""
+    resumed to 10 with a TEST net: real Caffe's batch-4 weights, and rank 0's test of the whole net. The
+    first run's losses are Caffe's, only the convolutions' gradients are all-reduced, and the tail's
+    exchanges move exactly the bytes counted below."""
     p = train(case, 2, 2, 5, "a.caffemodel", "--init", "init.caffemodel", "--snapshot", "5", "--parallel", "owt")
     assert "OWT on 2 MPI ranks" in p.stderr
     got = json.loads((case / "a.caffemodel.json").read_text())
@@ -51,8 +53,14 @@ def test_owt_equals_caffe_and_resumes_across_configurations(case):
     forward = 2 * 800 + 4 * 250 + 2 * 5
     assert got["owt_bytes"] == 4 * (5 * 2 * forward + forward)
     train(case, 2, 2, 8, "b.caffemodel", "--resume", "snap_iter_5.solverstate", "--snapshot", "8")
-    train(case, 2, 2, 10, "c.caffemodel", "--resume", "snap_iter_8.solverstate", "--parallel", "owt")
+    solver = (case / "solver.prototxt").read_text()
+    (case / "solver.prototxt").write_text(solver + "test_iter: 2\ntest_interval: 9\n")  # mid-run: no snapshot before
+    p = train(case, 2, 2, 10, "c.caffemodel", "--resume", "snap_iter_8.solverstate", "--parallel", "owt")
     _compare(case / "c.caffemodel", case / "final.caffemodel", 1e-5)  # measured 1.2e-7 straight
+    # rank 0 tested the whole net (the slices gathered first): the same outputs as data parallelism's test
+    data = train(case, 2, 2, 10, "d.caffemodel", "--resume", "snap_iter_8.solverstate")
+    outputs = re.compile(r"Test net output #\d+: \w+ = [-\d.e]+")
+    assert outputs.findall(p.stderr) and outputs.findall(p.stderr) == outputs.findall(data.stderr)
 
 
 def test_uneven_slices_on_3_ranks_and_a_mixed_tail_on_4_ranks_equal_one_process(case):

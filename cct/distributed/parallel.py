@@ -86,8 +86,9 @@ class DataParallel:
         self.broadcast_weights()
         self._seed_rank_streams()
         self._bucket_bytes, self._overlap = bucket_bytes, overlap
-        #: collectives run on every rank before a snapshot (a split layer gathering its slices)
-        self.before_snapshot: list = []
+        #: collectives every rank runs before the root uses the whole net (a snapshot, a test): split layers
+        #: gathering their slices
+        self.share_slices: list = []
         self.sync = GradientSync(solver.net, comm, bucket_bytes=bucket_bytes, overlap=overlap)
         if shares is not None and shares != "equal":
             self.set_shares(self.measure_shares() if shares == "auto" else list(shares))

@@ -14,14 +14,14 @@ split by sample (as data parallelism), the tail's InnerProduct layers split by o
   and bias gradients of a slice are computed only where it lives, scaled by 1/N (Caffe's multi-solver
   rule) and never all-reduced (:meth:`~cct.distributed.parallel.DataParallel.keep_local`);
 * the update: each rank's solver updates its parameters; only the owned rows of the tail are read
-  afterwards. Before a snapshot (a collective), the owned rows of the weights and of the solver's
-  history are all-gathered so that rank 0 writes the single-process files.
+  afterwards. Before a snapshot or a test (collectives), the owned rows of the weights and of the
+  solver's history are all-gathered so that rank 0 writes the single-process files and tests the
+  whole net.
 
 N ranks at batch b then train as one process at batch N*b (tested on LeNet against Caffe's batch-4
-run; on 3 ranks, whose slices are uneven -- 167, 167, 166 of 500 --, equal to data parallelism). The
-exchanges of uneven slices pad each to the largest. Not supported yet: TEST nets during training,
-Dropout masks equal to a single process's (each rank draws its own), unequal batch shares, fewer
-outputs than ranks.
+run; on 3 ranks, whose slices are uneven -- 167, 167, 166 of 500 --, against one process). The
+exchanges of uneven slices pad each to the largest. Not supported: Dropout masks equal to a single
+process's (each rank draws its own), unequal batch shares, fewer outputs than ranks.
 """
 from __future__ import annotations
 
@@ -325,14 +325,12 @@ def enable_owt(solver, sample_groups: int = 1) -> ChannelSplitExecutor:
         raise PlanError("OWT needs a distributed solver (built under mpiexec with more than one rank)")
     if par.shares is not None:
         raise PlanError("OWT: unequal batch shares are not supported")
-    if solver.test_nets and solver.param.test_interval:
-        raise PlanError("OWT: TEST nets during training are not supported yet (set test_interval: 0)")
     if solver.net.executor is not None:
         raise PlanError("OWT: the train net already has an executor (--devices); not combined yet")
     ex = ChannelSplitExecutor(solver.net, par.comm, sample_groups)
     solver.net.executor = ex
     par.keep_local(ex.owned_param_ids())
-    par.before_snapshot.append(lambda: ex.gather_owned(solver.history))
+    par.share_slices.append(lambda: ex.gather_owned(solver.history))
     if par.is_root:
         names = ", ".join(f"{solver.net.layer_names[i]} ({fc.hi - fc.lo} of {fc.layer.blobs[0].shape[0]} outputs "
                           f"per rank)" for i, fc in ex.fcs.items())
