@@ -65,6 +65,10 @@ def setup_parallel(solver, parallel: str) -> None:
         enable_owt(solver)
         return
     comm, n, net = par.comm, par.size, solver.net
+    if parallel == "auto" and not any(layer.type == "InnerProduct" for layer in net.layers):
+        if comm.is_root:
+            log.info("--parallel auto: no fully-connected layer to split; every layer by sample (data parallel)")
+        return
     tail = {net.layer_names[i] for i in tail_layers(net) if net.layers[i].type == "InnerProduct"}
     plan = None if parallel == "auto" else read_plan(parallel)
     cluster = cluster_of_ranks(comm, measure_links(comm))
