@@ -8,7 +8,7 @@ from mpirun import needs_mpi, run_mpi
 
 from cct import cli
 from cct.parallel_plan.cluster import Cluster
-from cct.parallel_plan.compute import ScaledCompute
+from cct.parallel_plan.compute import MeasuredCompute, ScaledCompute, compute_cache
 from cct.parallel_plan.costs import price
 from cct.parallel_plan.graph import graph_from_net, planning_net
 from cct.parallel_plan.planfile import read_plan, write_plan
@@ -147,3 +147,18 @@ def test_cct_plan_on_two_mpi_ranks_measures_the_link(tmp_path):
                     "--out", str(out)], timeout=120)
     assert "1 machine(s) x 2 worker(s), links" in p.stderr
     assert read_plan(out).workers == 2
+
+
+def test_measured_compute_times_every_part_and_caches_them(tmp_path, capfd):
+    """--compute measured: each configuration's part net timed and cached (a second planner reads the same
+    times from the cache file instead of measuring again)."""
+    net, batch = planning_net(small_net(tmp_path))
+    graph = graph_from_net(net, batch)
+    fc1 = graph.index("fc1")
+    splits = [Split(), Split(c=2), Split(n=2)]
+    first = MeasuredCompute(net, compute_cache()).seconds(graph, fc1, splits)
+    assert all(t > 0 for t in first)
+    again = MeasuredCompute(net, compute_cache()).seconds(graph, fc1, splits)
+    assert list(again) == list(first)  # from the cache file
+    assert cli.main(["plan", "--model", small_net(tmp_path), "--workers", "2", "--compute", "measured"]) == 0
+    assert "(measured compute)" in capfd.readouterr().err
