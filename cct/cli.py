@@ -91,6 +91,8 @@ COMMANDS: dict[str, Command] = {
                            "build_export_parser", "run_export"),
     "import_onnx": Command("convert an ONNX model into a prototxt and caffemodel (the [onnx] extra)", "cct.onnx.cli",
                            "build_import_parser", "run_import"),
+    "plan": Command("choose each layer's parallelism over workers (DeePa) and write the plan",
+                    "cct.parallel_plan.command"),
 }
 
 
@@ -134,6 +136,11 @@ def build_train_parser() -> FlagParser:
                    help="data parallel under mpiexec -n N: equal (every rank the prototxt's batch, as Caffe), auto "
                         "(shares of the global batch in proportion to each rank's measured speed), or b0,b1,... "
                         "(per-rank batch sizes summing to N x batch_size); the update stays exact")
+    p.add_argument("--parallel", default="data",
+                   help="under mpiexec -n N: data (every layer by sample, Caffe's multi-GPU rule), owt (layers below "
+                        "the fully-connected tail by sample, its InnerProduct layers by output channel), auto (the "
+                        "cost model's cheapest of the executed plans: the tail split n=a c=N/a), or a plan file "
+                        "('cct plan --out') of that form; the update stays exact (docs/distributed.md)")
     add_common_arguments(p)
     add_device_arguments(p)
     return p
@@ -188,6 +195,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     if args.tensorboard_histograms and not args.tensorboard:
         raise CctError("--tensorboard_histograms needs --tensorboard DIR")
+    if args.parallel != "data" and args.groups is not None:
+        raise CctError(f"--parallel {args.parallel} cannot be combined with Omnivore's --groups (both split the net "
+                       "across ranks)")
     if args.groups is not None:
         from .omnivore.train import omnivore_train
 
@@ -204,6 +214,10 @@ def run_train(args: argparse.Namespace) -> int:
                         shares=_batch_shares(args.batch_shares), tensorboard=args.tensorboard,
                         tensorboard_histograms=args.tensorboard_histograms)
     solver.set_action_function(handler.get_action_function())
+    if args.parallel != "data":
+        from .parallel_plan.execute import setup_parallel
+
+        setup_parallel(solver, args.parallel)
     with handler:
         if args.snapshot:
             log.info("Resuming from %s", args.snapshot)

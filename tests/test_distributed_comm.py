@@ -50,6 +50,9 @@ def test_local_comm_collectives_and_messages():
         c.allreduce(a, op="avg")
     c.agree("x", "the nets")
     assert world().size == 1
+    assert np.array_equal(c.allgather(a, np.empty((1, 4), np.float32))[0], a)
+    assert np.array_equal(c.alltoall(a.reshape(1, 4), np.empty((1, 4), np.float32)), a.reshape(1, 4))
+    assert np.array_equal(c.reduce_scatter(a.reshape(1, 4), np.empty(4, np.float32)), a)
 
 
 @needs_mpi()

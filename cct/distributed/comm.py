@@ -145,6 +145,18 @@ class Comm:
         """Overwrite ``array`` on every rank with the root's (in place); returns it."""
         raise NotImplementedError
 
+    def allgather(self, array: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Every rank's ``array`` on every rank: ``out[r]`` is rank r's (``out``: ``(size,) + array.shape``)."""
+        raise NotImplementedError
+
+    def alltoall(self, send: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Personalised exchange: ``send[q]`` goes to rank q, ``out[r]`` comes from rank r (both ``(size, ...)``)."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, send: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out`` = the sum over ranks of their ``send[rank]`` (``send``: ``(size,) + out.shape``)."""
+        raise NotImplementedError
+
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         """The root's ``obj`` on every rank (pickled)."""
         raise NotImplementedError
@@ -243,6 +255,18 @@ class LocalComm(Comm):
     def bcast(self, array, root=0):
         self._self_only(root, "bcast")
         return array
+
+    def allgather(self, array, out):
+        out[0] = _contiguous(array, "allgather")
+        return out
+
+    def alltoall(self, send, out):
+        np.copyto(out, _contiguous(send, "alltoall"))
+        return out
+
+    def reduce_scatter(self, send, out):
+        np.copyto(out, _contiguous(send, "reduce_scatter")[0])
+        return out
 
     def bcast_obj(self, obj, root=0):
         self._self_only(root, "bcast_obj")
@@ -367,6 +391,19 @@ class MPIComm(Comm):
     def bcast(self, array, root=0):
         self._call("bcast", self.handle.Bcast, _contiguous(array, "bcast"), root)
         return array
+
+    def allgather(self, array, out):
+        self._call("allgather", self.handle.Allgather, _contiguous(array, "allgather"), _contiguous(out, "allgather"))
+        return out
+
+    def alltoall(self, send, out):
+        self._call("alltoall", self.handle.Alltoall, _contiguous(send, "alltoall"), _contiguous(out, "alltoall"))
+        return out
+
+    def reduce_scatter(self, send, out):
+        self._call("reduce_scatter", self.handle.Reduce_scatter_block, _contiguous(send, "reduce_scatter"),
+                   _contiguous(out, "reduce_scatter"), self._MPI.SUM)
+        return out
 
     def bcast_obj(self, obj, root=0):
         return self._call("bcast_obj", self.handle.bcast, obj, root)

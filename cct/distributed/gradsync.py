@@ -20,6 +20,7 @@ requests in flight (``MPI_Test``): that is what moves the data while backward co
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,10 +58,12 @@ class GradientSync:
     """Bucketed all-reduce of a net's learnable-parameter diffs over ``comm`` (see module docstring).
 
     ``overlap=False`` starts every bucket only in :meth:`finish` (blocking after backward: the
-    baseline the overlap is measured against).
+    baseline the overlap is measured against). ``exclude``: learnable-parameter indices left out (their
+    gradients stay local: a parameter slice owned by this rank alone).
     """
 
-    def __init__(self, net, comm: Comm, bucket_bytes: int = 1 << 20, overlap: bool = True):
+    def __init__(self, net, comm: Comm, bucket_bytes: int = 1 << 20, overlap: bool = True,
+                 exclude: Collection[int] = ()):
         self.net = net
         self.comm = comm
         self.overlap = bool(overlap)
@@ -74,7 +77,8 @@ class GradientSync:
         for nid, (lid, _pid) in enumerate(net.param_layer_indices):
             lp = net.learnable_param_ids[nid]
             ready[lp] = min(ready[lp], lid)
-        order = sorted(range(len(params)), key=lambda k: (-ready[k], k))
+        skip = set(exclude)
+        order = sorted((k for k in range(len(params)) if k not in skip), key=lambda k: (-ready[k], k))
         self.buckets: list[_Bucket] = []
         group: list[int] = []
         size = 0

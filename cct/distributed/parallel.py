@@ -85,6 +85,10 @@ class DataParallel:
                    "level/stage)")
         self.broadcast_weights()
         self._seed_rank_streams()
+        self._bucket_bytes, self._overlap = bucket_bytes, overlap
+        #: collectives every rank runs before the root uses the whole net (a snapshot, a test): split layers
+        #: gathering their slices
+        self.share_slices: list = []
         self.sync = GradientSync(solver.net, comm, bucket_bytes=bucket_bytes, overlap=overlap)
         if shares is not None and shares != "equal":
             self.set_shares(self.measure_shares() if shares == "auto" else list(shares))
@@ -181,6 +185,18 @@ class DataParallel:
             log.info("Measured speeds (passes/s at batch %d): %s", _train_batch(net),
                      ", ".join(f"rank {r} {x:.3g}" for r, x in enumerate(rates)))
         return shares
+
+    def keep_local(self, param_ids: Sequence[int]) -> None:
+        """Leave the learnable parameters ``param_ids`` out of the gradient all-reduce (slices this rank
+        owns alone: their gradients are reduced, if at all, by whoever split them)."""
+        net = self.solver.net
+        if self.sync.hook in net.backward_hooks:
+            net.backward_hooks.remove(self.sync.hook)
+        weight = self.sync.weight
+        self.sync = GradientSync(net, self.comm, bucket_bytes=self._bucket_bytes, overlap=self._overlap,
+                                 exclude=param_ids)
+        self.sync.weight = weight
+        net.backward_hooks.append(self.sync.hook)
 
     # -- each iteration --------------------------------------------------------------------------
     def arm(self) -> None:

@@ -529,7 +529,9 @@ class Solver:
                           "Lower base_lr, add clip_gradients, or check the input data.")
 
     def test_all(self) -> None:
-        """Run every test net (Caffe's TestAll)."""
+        """Run every test net (Caffe's TestAll). Distributed: every rank calls it (the root alone tests)."""
+        for gather in self.parallel.share_slices if self.parallel is not None else ():
+            gather()
         for i in range(len(self.test_nets)):
             if self.requested_early_exit:
                 break
@@ -662,6 +664,8 @@ class Solver:
         alone writes the files."""
         p = self.param
         hdf5 = p.snapshot_format == caffe_pb2.SolverParameter.HDF5
+        for gather in self.parallel.share_slices if self.parallel is not None else ():
+            gather()
         extra = self._cct_state()
         if not self.is_root:
             self._last_snapshot_iter = self.iter

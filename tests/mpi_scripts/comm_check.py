@@ -23,6 +23,16 @@ while not req.test():
 assert np.all(req.wait() == n)
 assert comm.allreduce_scalar(r + 0.5) == sum(k + 0.5 for k in range(n))
 
+# all-gather, all-to-all, reduce-scatter of arrays (per-layer parallelism's exchanges)
+got = comm.allgather(np.full(2, r, np.int64), np.empty((n, 2), np.int64))
+assert np.array_equal(got, np.repeat(np.arange(n), 2).reshape(n, 2))
+send = np.array([[10 * r + q] for q in range(n)], np.float64)  # send[q] goes to rank q
+got = comm.alltoall(send, np.empty_like(send))
+assert np.array_equal(got[:, 0], [10 * q + r for q in range(n)])  # got[q] came from rank q
+send = np.arange(n * 3, dtype=np.float32).reshape(n, 3) + r
+got = comm.reduce_scatter(send, np.empty(3, np.float32))
+assert np.array_equal(got, n * (np.arange(3) + 3 * r) + sum(range(n)))
+
 # broadcast and object collectives
 x = np.full(3, r, np.float32)
 comm.bcast(x, root=n - 1)

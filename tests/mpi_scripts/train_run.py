@@ -2,7 +2,7 @@
 data layer's batch_size set to BATCH (per rank), and write the final weights (root) to OUT.
 
 python train_run.py WORKDIR BATCH ITERS OUT [--init W] [--snapshot K] [--resume STATE] [--iter_size S]
-                   [--tensorboard DIR]
+                   [--tensorboard DIR] [--parallel owt]
 """
 import argparse
 import json
@@ -27,6 +27,7 @@ a.add_argument("--shares", default=None, help="auto or b0,b1,... (unequal per-ra
 a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fails at that iteration")
 a.add_argument("--devices", default=None, help="split each rank's batch over these devices (cct.set_devices)")
 a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (the root rank writes it)")
+a.add_argument("--parallel", default="data", help="data, owt, or owtN: the tail split n=N (cct.parallel_plan.owt)")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -66,11 +67,18 @@ if args.die:
             raise CctError(f"injected failure at iteration {solver.iter}")
 
     solver.add_callback(on_start=die)
+owt = None
 if solver.comm is not None and solver.comm.size > 1:
     from cct.distributed import abort_on_error
 
     with abort_on_error(solver.comm):
+        if args.parallel.startswith("owt"):
+            from cct.parallel_plan.owt import enable_owt
+
+            owt = enable_owt(solver, int(args.parallel[3:] or 1))
         solver.solve(args.resume)
+        if owt is not None:
+            owt.gather_owned(solver.history)
 else:
     solver.solve(args.resume)
 if solver.is_root:
@@ -78,4 +86,5 @@ if solver.is_root:
     with open(args.out + ".json", "w") as f:
         json.dump({"losses": losses, "ranks": 1 if solver.parallel is None else solver.parallel.size,
                    "shares": None if solver.parallel is None else solver.parallel.shares,
-                   "stats": None if solver.parallel is None else solver.parallel.sync.stats.as_dict()}, f)
+                   "stats": None if solver.parallel is None else solver.parallel.sync.stats.as_dict(),
+                   "owt_bytes": None if owt is None else owt.bytes_moved}, f)

@@ -1,0 +1,109 @@
+"""Which plans ``cct train`` executes, and setting a distributed solver up for one (``--parallel``).
+
+The executed family: every layer below the fully-connected tail split by sample over all N ranks (data
+parallelism), the tail's InnerProduct layers (with the element-wise layers between them) all split
+``n=a, c=N/a`` (:func:`~.owt.enable_owt` with ``a`` sample groups; ``a = N`` is data parallelism,
+``a = 1`` OWT), the layers above the tail (the loss) by sample. ``auto`` prices every member of the
+family with the cost model and runs the cheapest, logging it next to DeePa's unrestricted optimum; a
+plan file outside the family is refused, naming the first layer that cannot be executed yet.
+"""
+from __future__ import annotations
+
+import logging
+
+from .. import blas
+from .cluster import Cluster
+from .compute import ScaledCompute, compute_cache, reference_rates
+from .costs import PricedGraph, price
+from .graph import graph_from_net
+from .links import cluster_of_ranks, measure_links
+from .owt import enable_owt, tail_layers
+from .planfile import read_plan
+from .plans import Plan, optimal
+from .report import comparison, plan_table
+from .split import PlanError, Split, divisors
+
+log = logging.getLogger("cct")
+
+
+def tail_plan(priced: PricedGraph, tail: set[str], groups: int) -> Plan:
+    """The family member with ``groups`` sample groups in the tail (see module docstring)."""
+    n = priced.workers
+    splits = {node.name: Split(n=groups, c=n // groups) if node.name in tail else Split(n=n)
+              for node in priced.graph.nodes}
+    return Plan(n, splits, "data" if groups == n else "owt" if groups == 1 else f"tail n={groups}")
+
+
+def sample_groups_of(plan: Plan, priced: PricedGraph, tail: set[str]) -> int:
+    """The tail's sample groups of ``plan`` if it is in the executed family; else a :class:`PlanError`."""
+    plan.assignment(priced)  # every node configured, each configuration possible
+    n = priced.workers
+    groups = {plan.splits[name].n for name in tail}
+    for node in priced.graph.nodes:
+        s = plan.splits[node.name]
+        if node.name in tail:
+            ok = s.h == s.w == 1 and s.workers == n and len(groups) == 1
+        else:
+            ok = s == Split(n=n)
+        if not ok:
+            line = plan.lines.get(node.name)
+            where = f"{plan.source}: line {line}: " if plan.source and line else ""
+            raise PlanError(f"{where}layer '{node.name}' {s}: cct train executes plans whose layers are split n={n} "
+                            f"except the fully-connected tail ({', '.join(sorted(tail))}), which takes one n=a c={n}/a "
+                            f"for all its layers; 'cct plan --parallel FILE' prices any plan")
+    return groups.pop()
+
+
+def setup_parallel(solver, parallel: str) -> None:
+    """Set a distributed ``solver`` up for ``--parallel`` (``data``, ``owt``, ``auto`` or a plan file)."""
+    par = solver.parallel
+    if parallel == "data" or par is None:
+        if parallel != "data":
+            log.info("--parallel %s on one process: nothing to split, the net runs whole", parallel)
+        return
+    if parallel == "owt":
+        enable_owt(solver)
+        return
+    comm, n, net = par.comm, par.size, solver.net
+    if parallel == "auto" and not any(layer.type == "InnerProduct" for layer in net.layers):
+        if comm.is_root:
+            log.info("--parallel auto: no fully-connected layer to split; every layer by sample (data parallel)")
+        return
+    tail = {net.layer_names[i] for i in tail_layers(net) if net.layers[i].type == "InnerProduct"}
+    plan = None if parallel == "auto" else read_plan(parallel)
+    cluster = cluster_of_ranks(comm, measure_links(comm))
+    groups = None
+    if comm.is_root:
+        groups = _choose(solver, plan, tail, cluster)
+    groups = comm.bcast_obj(groups)
+    if groups != n:
+        enable_owt(solver, groups)
+
+
+def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> int:
+    net, n = solver.net, cluster.workers
+    batch = int(net.blobs[net.bottom_names[tail_layers(net)[0]][0]].shape[0])  # each rank's samples
+    graph = graph_from_net(net, n * batch)
+    with blas.blas_threads(1):  # each rank's share of this machine's cores
+        rates = reference_rates(net, graph, batch, compute_cache())
+    priced = price(graph, n, cluster.inv_bandwidth(), ScaledCompute(rates, cluster.speed))
+    family = {a: tail_plan(priced, tail, a) for a in divisors(n)}
+    estimates = {p.strategy: priced.estimate(p.assignment(priced)) for p in family.values()}
+    if plan is not None:
+        groups = sample_groups_of(plan, priced, tail)
+        chosen = family[groups]
+    else:
+        chosen = min(family.values(), key=lambda p: estimates[p.strategy].seconds)
+        groups = chosen.splits[next(iter(tail))].n
+    best, residual = optimal(priced)
+    shown = dict(estimates)
+    shown["DeePa"] = priced.estimate(best.assignment(priced))
+    log.info("Per-layer parallelism on %s: %s (predicted by the cost model)", cluster.describe(),
+             "the plan file's" if plan is not None else "the cheapest executable plan")
+    for line in plan_table(estimates[chosen.strategy]):
+        log.info("%s", line)
+    for line in comparison(shown):
+        log.info("%s", line)
+    log.info("DeePa's unrestricted optimum (%d nodes left after elimination) is priced, not executed: it splits %s",
+             residual, ", ".join(f"{k} {v}" for k, v in best.splits.items() if v != Split(n=n)) or "nothing else")
+    return groups

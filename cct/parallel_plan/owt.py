@@ -1,0 +1,341 @@
+"""Execution of Krizhevsky's "one weird trick" on MPI ranks: the layers below the fully-connected tail
+split by sample (as data parallelism), the tail's InnerProduct layers split by output channel.
+
+:func:`enable_owt` attaches a :class:`ChannelSplitExecutor` to a data-parallel solver (one built under
+``mpiexec``). Each rank runs the layers below the tail on its own ``b`` samples; at the tail:
+
+* forward: the tail's input is all-gathered (every rank gets the ``N*b`` samples); rank r computes the
+  output channels ``[r*C/N, (r+1)*C/N)`` of each InnerProduct for all samples with the layer itself
+  (a copy resized to its slice, fed the slice of the weights), element-wise layers between them run on
+  the slice, the next InnerProduct all-gathers the slices (channels); the last one's output goes back
+  to a sample split by an all-to-all (rank r gets its b samples, every channel) for the loss;
+* backward mirrors it: all-to-all of the top gradient to the channel split, each InnerProduct's input
+  gradient summed over ranks by a reduce-scatter (by channel, or by sample below the tail); the weight
+  and bias gradients of a slice are computed only where it lives, scaled by 1/N (Caffe's multi-solver
+  rule) and never all-reduced (:meth:`~cct.distributed.parallel.DataParallel.keep_local`);
+* the update: each rank's solver updates its parameters; only the owned rows of the tail are read
+  afterwards. Before a snapshot or a test (collectives), the owned rows of the weights and of the
+  solver's history are all-gathered so that rank 0 writes the single-process files and tests the
+  whole net.
+
+N ranks at batch b then train as one process at batch N*b (tested on LeNet against Caffe's batch-4
+run; on 3 ranks, whose slices are uneven -- 167, 167, 166 of 500 --, against one process). The
+exchanges of uneven slices pad each to the largest. Not supported: Dropout masks equal to a single
+process's (each rank draws its own), unequal batch shares, fewer outputs than ranks.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..blob import Blob
+from ..layers.base import Layer, create_layer
+from ..proto import caffe_pb2
+from .graph import ELEMENTWISE
+from .split import PlanError, part_bounds
+
+log = logging.getLogger("cct")
+
+
+@dataclass
+class _FC:
+    index: int              # layer index in the net
+    layer: Layer            # the net's layer (holds the full weights)
+    part: Layer             # a copy resized to this rank's slice
+    bounds: np.ndarray      # (N, 2): every rank's [lo, hi) of the output channels
+    inp: Blob               # (N*b, K): the whole input
+    out: Blob               # (N*b, hi - lo): this rank's slice of the output
+
+    @property
+    def lo(self) -> int:
+        return int(self.bounds[self.part_rank, 0])
+
+    @property
+    def hi(self) -> int:
+        return int(self.bounds[self.part_rank, 1])
+
+    @property
+    def widest(self) -> int:
+        return int(np.max(self.bounds[:, 1] - self.bounds[:, 0]))
+
+    part_rank: int = 0
+
+
+def tail_layers(net) -> list[int]:
+    """Indices of the fully-connected tail: from the first InnerProduct of the last chain of InnerProduct
+    and element-wise layers (each feeding only the next) to its last InnerProduct."""
+    ips = [i for i, layer in enumerate(net.layers) if layer.type == "InnerProduct"]
+    if not ips:
+        raise PlanError("OWT: the net has no InnerProduct layer to split by channel")
+    last = ips[-1]
+    start = last
+    while start > 0:
+        prev = start - 1
+        layer = net.layers[prev]
+        if layer.type not in ("InnerProduct",) and layer.type not in ELEMENTWISE:
+            break
+        if len(net.bottom_names[prev]) != 1 or len(net.top_names[prev]) != 1:
+            break
+        if net.top_names[prev][0] != net.bottom_names[start][0]:
+            break
+        start = prev
+    while net.layers[start].type != "InnerProduct":
+        start += 1
+    chain = list(range(start, last + 1))
+    for a, b in zip(chain, chain[1:]):
+        top = net.top_names[a][0]
+        users = [i for i, names in enumerate(net.bottom_names) if top in names and i not in chain]
+        if users and net.top_names[b][0] != top:
+            raise PlanError(f"OWT: blob '{top}' of the fully-connected tail also feeds layer "
+                            f"'{net.layer_names[users[0]]}'")
+    return chain
+
+
+class ChannelSplitExecutor:
+    """The net's executor under OWT (see module docstring): layers outside the tail run as they are."""
+
+    def __init__(self, net, comm, sample_groups: int = 1):
+        if sample_groups < 1 or comm.size % sample_groups:
+            raise PlanError(f"the fully-connected tail's {sample_groups} sample group(s) must divide the "
+                            f"{comm.size} ranks")
+        self.net, self.world, self.sample_groups = net, comm, sample_groups
+        width = comm.size // sample_groups  # ranks splitting the channels within one group of samples
+        #: the exchanges run within a sample group (ranks g*width .. g*width + width-1)
+        self.comm = comm.split(comm.rank // width, comm.rank % width) if sample_groups > 1 else comm
+        #: the ranks holding the same channel slice (one per sample group): their slice gradients are summed
+        self.slice_comm = comm.split(comm.rank % width, comm.rank // width) if sample_groups > 1 else None
+        self.size, self.rank = self.comm.size, self.comm.rank
+        self.chain = tail_layers(net)
+        first = self.chain[0]
+        bottom = net.blobs[net.bottom_names[first][0]]
+        self.batch = int(bottom.shape[0])
+        total = self.batch * self.size
+        self.in_features = int(np.prod(bottom.shape[1:]))
+        self.fcs: dict[int, _FC] = {}
+        self.slices: dict[int, Blob] = {}  # element-wise layer index -> the slice blob it runs on
+        cur: Blob | None = None
+        for i in self.chain:
+            layer = net.layers[i]
+            if layer.type == "InnerProduct":
+                p = layer.param.inner_product_param
+                if p.transpose or p.axis not in (1, -len(net.blobs[net.bottom_names[i][0]].shape) + 1):
+                    raise PlanError(f"OWT: layer '{layer.name}': only axis 1 without transpose is split by channel")
+                c_out = int(p.num_output)
+                if c_out < self.size:
+                    raise PlanError(f"OWT: layer '{layer.name}' has {c_out} outputs, fewer than the {self.size} "
+                                    f"ranks")
+                bounds = part_bounds(c_out, self.size)
+                mine = int(bounds[self.rank, 1] - bounds[self.rank, 0])
+                part_param = caffe_pb2.LayerParameter()
+                part_param.CopyFrom(layer.param)
+                part_param.inner_product_param.num_output = mine
+                ipp = part_param.inner_product_param
+                for filler in (ipp.weight_filler, ipp.bias_filler):
+                    filler.Clear()  # constant 0: the copy takes its weights from the layer (draws no random numbers)
+                part = create_layer(part_param)
+                k = int(layer.blobs[0].shape[1])
+                inp = Blob((total, k), net.dtype, name=f"{layer.name}_owt_in")
+                out = Blob((total, mine), net.dtype, name=f"{layer.name}_owt_out")
+                part.setup([inp], [out])
+                part.param_propagate_down = list(layer.param_propagate_down)
+                self.fcs[i] = _FC(i, layer, part, bounds, inp, out, self.rank)
+                cur = out
+            else:
+                if net.top_names[i][0] != net.bottom_names[i][0]:
+                    nxt = Blob(cur.shape, net.dtype, name=f"{layer.name}_owt")
+                    self.slices[i] = nxt
+                    cur = nxt
+                else:
+                    self.slices[i] = cur
+        #: bytes this rank received in the tail's exchanges of forward and backward passes
+        self.bytes_moved = 0
+        #: bytes this rank received gathering the slices (snapshots)
+        self.gather_bytes = 0
+
+    # -- which learnable parameters are split -------------------------------------------------------
+    def owned_param_ids(self) -> list[int]:
+        """Learnable-parameter indices of the tail's InnerProduct layers (their gradients stay local)."""
+        net = self.net
+        ids = []
+        for nid, (lid, _pid) in enumerate(net.param_layer_indices):
+            if lid in self.fcs:
+                ids.append(net.learnable_param_ids[nid])
+        return ids
+
+    # -- the executor interface --------------------------------------------------------------------
+    def forward(self, i: int, layer: Layer, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        """Run layer ``i``; the tail runs as a whole at its last layer."""
+        if i not in self.chain:
+            layer.forward(bottom, top)
+        elif i == self.chain[-1]:
+            self._forward_tail(top[0])
+
+    def backward(self, i: int, layer: Layer, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        """Back-propagate layer ``i``; the tail runs as a whole at its last layer."""
+        if i not in self.chain:
+            layer.backward(top, propagate_down, bottom)
+        elif i == self.chain[-1]:
+            self._backward_tail()
+
+    def finish_backward(self) -> None:
+        """Nothing is left to finish (the tail's communication is synchronous)."""
+
+    # -- the tail ------------------------------------------------------------------------------------
+    def _exchange(self, blocks: list[np.ndarray], widest: int, how: str) -> np.ndarray:
+        """``blocks[q]`` (each ``(rows, <= widest)``) padded to ``widest`` columns and exchanged: ``allgather``
+        (``blocks`` is one block: every rank's comes back), ``alltoall`` (block q goes to rank q) or
+        ``reduce_scatter`` (block q summed over ranks lands on rank q). Returns the padded result."""
+        rows = blocks[0].shape[0]
+        send = np.zeros((len(blocks), rows, widest), blocks[0].dtype)
+        for q, blk in enumerate(blocks):
+            send[q, :, :blk.shape[1]] = blk
+        if how == "allgather":
+            got = np.empty((self.size, rows, widest), send.dtype)
+            self.comm.allgather(send[0], got)
+            self.bytes_moved += got.nbytes - send.nbytes
+        elif how == "alltoall":
+            got = np.empty_like(send)
+            self.comm.alltoall(send, got)
+            self.bytes_moved += got.nbytes - got[self.rank].nbytes
+        else:
+            got = np.empty((rows, widest), send.dtype)
+            self.comm.reduce_scatter(send, got)
+            self.bytes_moved += send.nbytes - send[self.rank].nbytes
+        return got
+
+    def _gather_channels(self, part: np.ndarray, fc: _FC, out: np.ndarray) -> None:
+        """``out (B, C)`` = every rank's channel slice ``part (B, hi - lo)`` of ``fc``'s output side by side."""
+        got = self._exchange([part], fc.widest, "allgather")
+        for r, (lo, hi) in enumerate(fc.bounds):
+            out[:, lo:hi] = got[r, :, :hi - lo]
+
+    def _forward_tail(self, top: Blob) -> None:
+        net, b, n = self.net, self.batch, self.size
+        first = self.chain[0]
+        x = net.blobs[net.bottom_names[first][0]].data.reshape(b, self.in_features)
+        cur: Blob | None = None
+        prev: _FC | None = None
+        for i in self.chain:
+            if i in self.fcs:
+                fc = self.fcs[i]
+                if cur is None:
+                    got = np.empty((n, b, self.in_features), x.dtype)
+                    self.comm.allgather(np.ascontiguousarray(x), got)
+                    self.bytes_moved += got.nbytes - x.nbytes
+                    fc.inp.data[...] = got.reshape(fc.inp.shape)
+                else:
+                    self._gather_channels(cur.data, prev, fc.inp.data)
+                fc.part.blobs[0].data[...] = fc.layer.blobs[0].data[fc.lo:fc.hi]
+                if len(fc.layer.blobs) > 1:
+                    fc.part.blobs[1].data[...] = fc.layer.blobs[1].data[fc.lo:fc.hi]
+                fc.part.reshape([fc.inp], [fc.out])
+                fc.part.forward([fc.inp], [fc.out])
+                cur, prev = fc.out, fc
+            else:
+                layer, dst = net.layers[i], self.slices[i]
+                layer.reshape([cur], [dst])
+                layer.forward([cur], [dst])
+                cur = dst
+        last = self.fcs[self.chain[-1]]
+        # block q: rank q's samples of my channels; back: my samples of rank r's channels
+        got = self._exchange([cur.data[q * b:(q + 1) * b] for q in range(n)], last.widest, "alltoall")
+        out = top.data.reshape(b, -1)
+        for r, (lo, hi) in enumerate(last.bounds):
+            out[:, lo:hi] = got[r, :, :hi - lo]
+
+    def _backward_tail(self) -> None:
+        net, b, n = self.net, self.batch, self.size
+        last = self.fcs[self.chain[-1]]
+        dtop = net.blobs[net.top_names[self.chain[-1]][0]].diff.reshape(b, -1)
+        # block q: my samples of rank q's channels; back: rank r's samples of my channels
+        got = self._exchange([dtop[:, lo:hi] for lo, hi in last.bounds], last.widest, "alltoall")
+        grad = got[:, :, :last.hi - last.lo].reshape(n * b, last.hi - last.lo)
+        scale = net.dtype.type(1.0 / self.world.size)
+        for pos in range(len(self.chain) - 1, -1, -1):
+            i = self.chain[pos]
+            if i not in self.fcs:
+                layer, dst = net.layers[i], self.slices[i]
+                src = self._input_of(pos)
+                dst.diff[...] = grad
+                layer.backward([dst], [True], [src])
+                grad = src.diff.copy()
+                continue
+            fc = self.fcs[i]
+            fc.out.diff[...] = grad
+            for blob in fc.part.blobs:
+                blob.diff[...] = 0
+            fc.part.backward([fc.out], [True], [fc.inp])
+            for full, part in zip(fc.layer.blobs, fc.part.blobs):
+                contrib = part.diff * scale
+                if self.slice_comm is not None:  # the other sample groups' gradients of this slice
+                    self.slice_comm.allreduce(contrib, out=contrib)
+                    self.bytes_moved += int(2 * (self.slice_comm.size - 1) / self.slice_comm.size * contrib.nbytes)
+                full.diff[fc.lo:fc.hi] += contrib
+            if pos == 0:
+                bottom = net.blobs[net.bottom_names[i][0]]
+                if net.bottom_need_backward[i][0]:
+                    blocks = [fc.inp.diff[q * b:(q + 1) * b] for q in range(n)]  # rank q's samples, summed
+                    bottom.diff.reshape(b, self.in_features)[...] = self._exchange(blocks, self.in_features,
+                                                                                   "reduce_scatter")
+            else:
+                below = self._fc_below(pos)
+                blocks = [fc.inp.diff[:, lo:hi] for lo, hi in below.bounds]  # rank q's channels, summed
+                grad = self._exchange(blocks, below.widest, "reduce_scatter")[:, :below.hi - below.lo]
+
+    def _fc_below(self, pos: int) -> _FC:
+        """The InnerProduct layer nearest below tail position ``pos``."""
+        return next(self.fcs[i] for i in reversed(self.chain[:pos]) if i in self.fcs)
+
+    def _input_of(self, pos: int) -> Blob:
+        """The slice blob feeding the tail layer at ``pos`` (an element-wise layer's bottom)."""
+        prev = self.chain[pos - 1]
+        return self.fcs[prev].out if prev in self.fcs else self.slices[prev]
+
+    # -- the single-process copy -------------------------------------------------------------------
+    def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
+        """All-gather the owned rows of the tail's weights (and of the solver ``history`` arrays of the
+        same parameters) so that every rank holds the single-process values (a collective)."""
+        net = self.net
+        per = len(net.learnable_params)
+        step_bytes = self.bytes_moved
+        for nid, (lid, _pid) in enumerate(net.param_layer_indices):
+            if lid not in self.fcs:
+                continue
+            fc, k = self.fcs[lid], net.learnable_param_ids[nid]
+            for a in [net.learnable_params[k].data] + [h for j, h in enumerate(history) if j % per == k]:
+                flat = a.reshape(a.shape[0], -1)  # rows: output channels (uneven slices padded as columns)
+                got = self._exchange([flat[fc.lo:fc.hi].T], fc.widest, "allgather")
+                for r, (lo, hi) in enumerate(fc.bounds):
+                    flat[lo:hi] = got[r, :, :hi - lo].T
+        self.gather_bytes += self.bytes_moved - step_bytes
+        self.bytes_moved = step_bytes
+
+
+def enable_owt(solver, sample_groups: int = 1) -> ChannelSplitExecutor:
+    """Run ``solver``'s train net under OWT on its data-parallel ranks (see module docstring). With
+    ``sample_groups = a > 1`` the tail's configuration is ``n=a, c=N/a``: the ranks form a groups of N/a
+    consecutive ranks, each group splits the channels of its own samples, and the a ranks holding the
+    same slice all-reduce its gradient."""
+    par = solver.parallel
+    if par is None:
+        raise PlanError("OWT needs a distributed solver (built under mpiexec with more than one rank)")
+    if par.shares is not None:
+        raise PlanError("OWT: unequal batch shares are not supported")
+    if solver.net.executor is not None:
+        raise PlanError("OWT: the train net already has an executor (--devices); not combined yet")
+    ex = ChannelSplitExecutor(solver.net, par.comm, sample_groups)
+    solver.net.executor = ex
+    par.keep_local(ex.owned_param_ids())
+    par.share_slices.append(lambda: ex.gather_owned(solver.history))
+    if par.is_root:
+        names = ", ".join(f"{solver.net.layer_names[i]} ({fc.hi - fc.lo} of {fc.layer.blobs[0].shape[0]} outputs "
+                          f"per rank)" for i, fc in ex.fcs.items())
+        log.info("%s on %d MPI ranks: layers below %s by sample, %s by output channel%s",
+                 "OWT" if sample_groups == 1 else f"Tail split n={sample_groups} c={par.size // sample_groups}",
+                 par.size, solver.net.layer_names[ex.chain[0]], names,
+                 f" within {sample_groups} groups of samples" if sample_groups > 1 else "")
+    return ex

@@ -1,0 +1,152 @@
+"""Per-layer parallelism executed on MPI ranks (cct.parallel_plan.owt, .execute): LeNet's convolutions
+by sample, its fully-connected tail by output channel (OWT) or by channel within groups of samples;
+every run equals one process at the global batch (real Caffe's batch-4 run for 2 ranks at batch 2)."""
+import json
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import test_distributed_train as dp
+from mpirun import needs_mpi, run_mpi, script
+
+import cct
+from cct.parallel_plan.costs import price
+from cct.parallel_plan.execute import sample_groups_of, tail_plan
+from cct.parallel_plan.graph import graph_from_net
+from cct.parallel_plan.plans import Plan
+from cct.parallel_plan.split import PlanError, Split
+
+pytestmark = [needs_mpi(), pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")]
+case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
+_compare = dp._compare
+
+
+def train(case, ranks: int, batch: int, iters: int, out: str, *extra: str):
+    args = ["python", script("train_run.py"), str(case), str(batch), str(iters), str(case / out), *extra]
+    if ranks == 0:  # one plain process
+        p = subprocess.run([sys.executable] + args[1:], capture_output=True, text=True, timeout=120,
+                           env=dp._plain_env())
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p
+    return run_mpi(ranks, args, timeout=180)
+
+
+def test_owt_equals_caffe_and_resumes_across_configurations(case):
+    """10 SGD iterations (momentum, weight decay, step lr) of LeNet on 2 ranks at batch 2 in three runs:
+    OWT (ip1, ip2 by output channel: 250 and 5 per rank) for 5 with a snapshot (the slices and their
+    momentum gathered: single-process files), data parallelism resumed for 3 more with a snapshot, OWT
+    resumed to 10 with a TEST net: real Caffe's batch-4 weights, and rank 0's test of the whole net. The
+    first run's losses are Caffe's, only the convolutions' gradients are all-reduced, and the tail's
+    exchanges move exactly the bytes counted below."""
+    p = train(case, 2, 2, 5, "a.caffemodel", "--init", "init.caffemodel", "--snapshot", "5", "--parallel", "owt")
+    assert "OWT on 2 MPI ranks" in p.stderr
+    got = json.loads((case / "a.caffemodel.json").read_text())
+    want = json.loads((case / "losses.json").read_text())["losses"]
+    assert np.allclose(got["losses"], want[:5], rtol=1e-5)
+    assert got["stats"]["bytes"] == 4 * (20 * 25 + 20 + 50 * 20 * 25 + 50)  # ip1/ip2's 1.7 MB never all-reduced
+    # floats a rank receives per forward: the other rank's pool2 (2 x 800), its ip1 slice (4 x 250), its ip2
+    # slice of my samples (2 x 5); the backward the same (all-to-all, reduce-scatters by channel and by sample);
+    # 5 iterations and the forward that displays the last loss
+    forward = 2 * 800 + 4 * 250 + 2 * 5
+    assert got["owt_bytes"] == 4 * (5 * 2 * forward + forward)
+    train(case, 2, 2, 8, "b.caffemodel", "--resume", "snap_iter_5.solverstate", "--snapshot", "8")
+    solver = (case / "solver.prototxt").read_text()
+    (case / "solver.prototxt").write_text(solver + "test_iter: 2\ntest_interval: 9\n")  # mid-run: no snapshot before
+    p = train(case, 2, 2, 10, "c.caffemodel", "--resume", "snap_iter_8.solverstate", "--parallel", "owt")
+    _compare(case / "c.caffemodel", case / "final.caffemodel", 1e-5)  # measured 1.2e-7 straight
+    # rank 0 tested the whole net (the slices gathered first): the same outputs as data parallelism's test
+    data = train(case, 2, 2, 10, "d.caffemodel", "--resume", "snap_iter_8.solverstate")
+    outputs = re.compile(r"Test net output #\d+: \w+ = [-\d.e]+")
+    assert outputs.findall(p.stderr) and outputs.findall(p.stderr) == outputs.findall(data.stderr)
+
+
+def test_uneven_slices_on_3_ranks_and_a_mixed_tail_on_4_ranks_equal_one_process(case):
+    """One process at batch 12; OWT on 3 ranks at batch 4 (ip1's 500 outputs as 167/167/166, ip2's 10 as
+    4/3/3: padded exchanges); the tail as n=2 c=2 on 4 ranks at batch 3 (two groups of samples, each
+    splitting the channels; ranks 0 and 2 holding the same slices all-reduce their gradients)."""
+    train(case, 0, 12, 3, "one.caffemodel", "--init", "init.caffemodel")
+    train(case, 3, 4, 3, "owt3.caffemodel", "--init", "init.caffemodel", "--parallel", "owt")
+    p = train(case, 4, 3, 3, "mixed4.caffemodel", "--init", "init.caffemodel", "--parallel", "owt2")
+    assert "Tail split n=2 c=2 on 4 MPI ranks" in p.stderr
+    for out in ("owt3", "mixed4"):
+        _compare(case / f"{out}.caffemodel", case / "one.caffemodel", 1e-5)
+
+
+CAFFENET_LIKE = """name: "caffenet_like"
+layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: TRAIN }
+        hdf5_data_param { source: "data_list.txt" batch_size: 4 } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 8 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "norm1" type: "LRN" bottom: "conv1" top: "norm1" lrn_param { local_size: 3 alpha: 0.1 beta: 0.75 } }
+layer { name: "pool1" type: "Pooling" bottom: "norm1" top: "pool1"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
+        convolution_param { num_output: 16 kernel_size: 3 pad: 1 group: 2 weight_filler { type: "gaussian" std: 0.1 }
+                            bias_filler { type: "constant" value: 0.1 } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "norm2" type: "LRN" bottom: "conv2" top: "norm2" lrn_param { local_size: 3 alpha: 0.1 beta: 0.75 } }
+layer { name: "pool2" type: "Pooling" bottom: "norm2" top: "pool2"
+        pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "fc6" type: "InnerProduct" bottom: "pool2" top: "fc6"
+        inner_product_param { num_output: 64 weight_filler { type: "gaussian" std: 0.05 } } }
+layer { name: "relu6" type: "ReLU" bottom: "fc6" top: "fc6" }
+layer { name: "fc7" type: "InnerProduct" bottom: "fc6" top: "fc7"
+        inner_product_param { num_output: 32 weight_filler { type: "gaussian" std: 0.05 } } }
+layer { name: "relu7" type: "ReLU" bottom: "fc7" top: "fc7" }
+layer { name: "fc8" type: "InnerProduct" bottom: "fc7" top: "fc8"
+        inner_product_param { num_output: 10 weight_filler { type: "gaussian" std: 0.05 } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc8" bottom: "label" top: "loss" }
+"""
+
+
+def test_a_caffenet_like_net_with_groups_and_lrn_under_owt_equals_one_process(case):
+    """Grouped convolution, LRN, max pooling and a three-layer FC tail with ReLUs: OWT on 2 ranks at
+    batch 2 ends with one process's weights at batch 4 (5 iterations, momentum and weight decay)."""
+    (case / "net.prototxt").write_text(CAFFENET_LIKE)
+    train(case, 0, 4, 5, "one.caffemodel")
+    p = train(case, 2, 2, 5, "owt.caffemodel", "--parallel", "owt")
+    assert "fc6 (32 of 64 outputs per rank), fc7 (16 of 32 outputs per rank), fc8 (5 of 10" in p.stderr
+    _compare(case / "owt.caffemodel", case / "one.caffemodel", 1e-5)
+
+
+def test_cct_train_parallel_auto_and_omnivore_refused(case):
+    """--parallel auto measures the links and the layers, runs the cost model's cheapest executable plan
+    (here OWT, whose runs equal Caffe's above) and logs it beside DeePa's unrestricted optimum; Omnivore's
+    --groups is refused with any per-layer plan. (Plan files: the family check below; the same setup.)"""
+    p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--weights", "init.caffemodel",
+                    "--parallel", "auto", "--iterations", "2", "--noprogress"], cwd=str(case), timeout=180)
+    assert "Per-layer parallelism on 1 machine(s) x 2 worker(s)" in p.stderr
+    assert "DeePa's unrestricted optimum" in p.stderr and "update ms" in p.stderr
+    p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", "owt", "--groups",
+                    "2"], cwd=str(case), timeout=60, check=False)
+    assert p.returncode == 1 and "cannot be combined with Omnivore's --groups" in p.stderr
+
+
+def test_plans_outside_the_executed_family_are_refused_naming_the_layer(case, monkeypatch):
+    monkeypatch.chdir(case)  # the HDF5 list names data.h5 relative to the case
+    net = cct.Net("net.prototxt", "TRAIN")
+    graph = graph_from_net(net, 8)
+    priced = price(graph, 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
+        "seconds": lambda self, g, i, s: np.zeros(len(s))})())
+    tail = {"ip1", "ip2"}
+    for groups in (1, 2):
+        assert sample_groups_of(tail_plan(priced, tail, groups), priced, tail) == groups
+    bad = tail_plan(priced, tail, 1)
+    bad.splits["conv2"] = Split(h=2)
+    with pytest.raises(PlanError, match=r"layer 'conv2' n=1 h=2 w=1 c=1: cct train executes"):
+        sample_groups_of(bad, priced, tail)
+    mixed = Plan(2, dict(tail_plan(priced, tail, 1).splits, ip2=Split(n=2)))
+    with pytest.raises(PlanError, match="layer 'ip1'"):
+        sample_groups_of(mixed, priced, tail)
+
+
+def test_a_killed_rank_ends_an_owt_job_quickly(case):
+    t = time.perf_counter()
+    p = run_mpi(2, ["python", script("train_run.py"), str(case), "2", "10", str(case / "x.caffemodel"),
+                    "--parallel", "owt", "--die", "1:3:kill"], timeout=60, check=False)
+    assert p.returncode != 0 and time.perf_counter() - t < 30
+    assert "EXIT CODE: 9" in p.stdout + p.stderr
