@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, environment_report, print_environment, reexec_clean  # noqa: E402
+from common import environment_report, print_environment, reexec_clean, write_json  # noqa: E402
 
 from cct import blas  # noqa: E402
 from cct.parallel_plan.cluster import Cluster, parse_rate  # noqa: E402
@@ -250,9 +250,9 @@ def main() -> int:
               f"({'meets' if c['ratio'] >= 5 else 'MISSES'} the 5x check); step {c['data_step_ms']:.1f} -> "
               f"{c['auto_step_ms']:.1f} ms")
     measured = measure(args) if args.measure else None
-    out = RESULTS / ("bench_deepa_quick.json" if args.quick else "bench_deepa.json")
-    out.write_text(json.dumps({"environment": env, "args": vars(args), "model": "cost model (see docstring)",
-                               "rows": rows, "checks": checks, "measured": measured}, indent=1))
+    out = write_json("bench_deepa_quick" if args.quick else "bench_deepa",
+                     {"environment": env, "args": vars(args), "model": "cost model (see docstring)",
+                      "rows": rows, "checks": checks, "measured": measured})
     print(f"# wrote {out}")
     return 0
 

@@ -102,3 +102,12 @@ def ref_backward(dy, x, w, g):
                     dw[(ms, slice(None)) + k] += np.einsum("nmp,ncp->mc", dys.reshape(n, mg, -1), xs.reshape(n, cg, -1))
     db = dy.sum(axis=(0,) + tuple(range(2, dy.ndim)))
     return dxpad[_inner(g)].copy(), dw, db
+
+
+def random_conv_inputs(g, batch, rng):
+    """Standard-normal float64 ``(x, w, b, dy)`` for a convolution of geometry ``g`` (``b`` None without bias)."""
+    x = rng.standard_normal((batch, g.channels_in) + tuple(g.in_shape))
+    w = rng.standard_normal(g.weight_shape)
+    b = rng.standard_normal(g.channels_out) if g.bias_term else None
+    dy = rng.standard_normal((batch, g.channels_out) + tuple(g.out_shape))
+    return x, w, b, dy

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
-from naive import make_geom, naive_conv, ref_backward, ref_forward
+from naive import make_geom, naive_conv, random_conv_inputs, ref_backward, ref_forward
 
 from cct.backend import cupy_available, to_numpy
 from cct.lowering import get_strategy, strategy_names, supports
@@ -61,11 +61,7 @@ def conv_cases(draw):
 def _case(args, batch, dtype, rseed):
     """The geometry, float64 inputs and the exact results with their magnitude scales."""
     g = make_geom(*args)
-    rng = np.random.default_rng(rseed)
-    x = rng.standard_normal((batch, g.channels_in) + g.in_shape)
-    w = rng.standard_normal(g.weight_shape)
-    b = rng.standard_normal(g.channels_out) if g.bias_term else None
-    dy = rng.standard_normal((batch, g.channels_out) + g.out_shape)
+    x, w, b, dy = random_conv_inputs(g, batch, np.random.default_rng(rseed))
     y = ref_forward(x, w, b, g)
     dx, dw, db = ref_backward(dy, x, w, g)
     y_mag = ref_forward(abs(x), abs(w), None if b is None else abs(b), g)

@@ -10,7 +10,7 @@ import importlib
 
 import numpy as np
 import pytest
-from naive import make_geom, ref_backward, ref_forward
+from naive import make_geom, random_conv_inputs, ref_backward, ref_forward
 
 from cct import blas
 from cct.backend import cupy_available, to_numpy
@@ -79,11 +79,7 @@ def test_matches_direct_convolution(name, geom, xp_name):
     rng = np.random.default_rng(7)
     s = get_strategy(name)
     assert supports(s, geom)
-    n = 2
-    x = rng.standard_normal((n, geom.channels_in) + geom.in_shape)
-    w = rng.standard_normal(geom.weight_shape)
-    b = rng.standard_normal(geom.channels_out) if geom.bias_term else None
-    dy = rng.standard_normal((n, geom.channels_out) + geom.out_shape)
+    x, w, b, dy = random_conv_inputs(geom, 2, rng)
     y_ref = ref_forward(x, w, b, geom)
     dx_ref, dw_ref, db_ref = ref_backward(dy, x, w, geom)
     for dt, tol in ((np.float64, 1e-10), (np.float32, 2e-5)):

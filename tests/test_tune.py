@@ -133,18 +133,18 @@ def test_engine_tunes_when_configured():
 def test_cli_tunes_when_it_calibrates(monkeypatch):
     import argparse
 
-    from cct.cli import _configure_engine
+    from cct.runsetup import engine_config
 
     args = argparse.Namespace(partitions="model", lowering=None, lowering_mode="cct")
     monkeypatch.setenv("CCT_CALIBRATE", "1")
     monkeypatch.delenv("CCT_TUNE", raising=False)
-    assert _configure_engine(args, calibrate=True).tune
-    assert not _configure_engine(args, calibrate=False).tune  # commands that do not calibrate do not measure
+    assert engine_config(args, calibrate=True).tune
+    assert not engine_config(args, calibrate=False).tune  # commands that do not calibrate do not measure
     monkeypatch.setenv("CCT_TUNE", "0")
-    assert not _configure_engine(args, calibrate=True).tune
+    assert not engine_config(args, calibrate=True).tune
     monkeypatch.setenv("CCT_TUNE", "1")
     monkeypatch.setenv("CCT_CALIBRATE", "0")  # nominal constants: nothing to refine
-    assert not _configure_engine(args, calibrate=True).tune
+    assert not engine_config(args, calibrate=True).tune
 
 
 def test_a_measured_pick_must_beat_the_models_by_min_gain(monkeypatch):
