@@ -13,12 +13,11 @@ from ..errors import CctError, LayerError
 from ..io.atomic import atomic_write_bytes
 from ..net import Net
 from .graph import GraphBuilder, require
-from .layers import CONVERTERS, REFUSED, LayerContext, batch_norm_with_scale
+from .layers import BATCH_DIM, CONVERTERS, REFUSED, LayerContext, batch_norm_with_scale
 from .recurrent import convert_lstm, convert_lstm_unit, convert_rnn
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 13  # Softmax with Caffe's single-axis semantics, Split/ReduceSum/Unsqueeze taking inputs
-BATCH_DIM = "N"
 
 
 # every converter: the per-layer table of cct.onnx.layers and the unrolled recurrent layers
