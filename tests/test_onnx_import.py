@@ -64,6 +64,35 @@ def assert_same_weights(original: cct.Net, imported: cct.Net, skip=()) -> int:
     return compared
 
 
+# layer types whose parameters must come back with the same effective values (the exporter's multi-node forms)
+PARAMS_COMPARED = {"MVN": "mvn_param", "ArgMax": "argmax_param", "Reduction": "reduction_param",
+                   "Embed": "embed_param", "Crop": "crop_param", "Threshold": "threshold_param",
+                   "Scale": "scale_param", "Bias": "bias_param", "BatchNorm": "batch_norm_param"}
+
+
+def effective_params(net: cct.Net, lp: caffe_pb2.LayerParameter) -> dict:
+    """The effective value of every field of ``lp``'s own parameter message (defaults filled in, axes made
+    non-negative, Crop's offsets one per cropped axis, fillers left out): what the layer computes with."""
+    msg = getattr(lp, PARAMS_COMPARED[lp.type])
+    rank = len(net.blobs[lp.bottom[0]].shape)
+    out = {}
+    for field in msg.DESCRIPTOR.fields:
+        if field.message_type is not None:  # fillers: how a blob starts, not what the layer computes
+            continue
+        value = getattr(msg, field.name)
+        if not isinstance(value, (int, float, str)):  # a repeated field
+            value = list(value)
+        if field.name == "axis" and (lp.type != "ArgMax" or msg.HasField("axis")):
+            value %= rank
+        out[field.name] = value
+    if lp.type == "Crop":
+        out["offset"] = [out["offset"][0] if len(out["offset"]) == 1 else out["offset"][i] if out["offset"] else 0
+                         for i in range(rank - out["axis"])]
+    if lp.type == "ArgMax" and not msg.HasField("axis"):
+        out["axis"] = None
+    return out
+
+
 @pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
 @pytest.mark.parametrize("case", [c for c in UNIT_CASES if c not in REFUSED_CASES])
 def test_reference_case_round_trip(case, monkeypatch):
@@ -88,6 +117,11 @@ def test_reference_case_round_trip(case, monkeypatch):
     if case == "batchnorm_global_stats":  # the moving-average factor is not 1: the raw blobs come back
         assert net.layers[-1].blobs[2].data[0] not in (0, 1)
     assert_same_weights(net, back)
+    for lp in ref.net.layer:
+        if lp.type in PARAMS_COMPARED:
+            twin = next(t for t in param.layer if t.name == lp.name)
+            assert twin.type == lp.type and len(twin.bottom) == len(lp.bottom), f"{case}: layer {lp.name}"
+            assert effective_params(back, twin) == effective_params(net, lp), f"{case}: {lp.name}'s parameters"
     if case not in REWRITTEN:  # layer for layer: same types in the same order (Dropout -> Split, Flatten -> Reshape)
         same = {"Dropout": "Split", "Flatten": "Reshape"}
         assert [same.get(t, t) for t in (lp.type for lp in ref.net.layer)] == [lp.type for lp in param.layer]

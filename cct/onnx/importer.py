@@ -242,10 +242,12 @@ def _set_nd(p, kernel: list[int], stride: list[int], pad: list[int]) -> None:
         p.pad.extend(pad)
 
 
-def _caffe_pooled(size: int, k: int, pad: int, stride: int, ceil: bool) -> int:
+def _caffe_pooled(size: int, k: int, pad: int, stride: int, ceil: bool, padded: bool) -> int:
+    """Caffe's pooled size on one axis; ``padded``: either axis is padded (Caffe then drops, on every axis,
+    a last window that starts in the padding)."""
     span = size + 2 * pad - k
     out = (-(-span // stride) if ceil else span // stride) + 1
-    if pad > 0 and (out - 1) * stride >= size + pad:
+    if padded and (out - 1) * stride >= size + pad:
         out -= 1
     return out
 
@@ -292,7 +294,7 @@ def _pool(imp: _Importer, i: int, node) -> None:
     padded = any(pad)
 
     def sizes(ceil: bool) -> list[int]:
-        return [_caffe_pooled(h, k, q if padded else 0, s, ceil) for h, k, q, s in zip(in_hw, kernel, pad, stride)]
+        return [_caffe_pooled(h, k, q, s, ceil, padded) for h, k, q, s in zip(in_hw, kernel, pad, stride)]
 
     if sizes(True) == out_hw:
         return
@@ -944,7 +946,8 @@ def _argmax_pattern(imp: _Importer, rev) -> tuple | None:
     flattened = flat is not None and flat.op_type == "Reshape" and imp.ints(flat.input[1]) == [0, n] and \
         axis == 1 and imp.users(flat.output[0]) == [rev]
     unsq = imp.only_consumer(cast.output[0])
-    if not flattened or unsq is None or unsq.op_type != "Unsqueeze":  # ArgMax with an axis: the top is the indices, or the values through an Identity
+    if not flattened or unsq is None or unsq.op_type != "Unsqueeze":
+        # ArgMax with an axis: the top is the indices, or the values through an Identity
         uses = imp.users(values)
         if uses and len(uses) == 1 and uses[0].op_type == "Identity" and imp.users(cast.output[0]) == []:
             return rev.input[0], axis, False, k[0], True, nodes + uses, uses[0].output[0]
