@@ -18,7 +18,7 @@ from test_onnx_export import REFUSED_CASES, REPO, RTOL, UNIT_CASES, load_public_
 
 import cct
 from cct.io.caffemodel import read_caffemodel
-from cct.io.prototxt import read_net_prototxt
+from cct.io.prototxt import parse_text, read_net_prototxt
 from cct.proto import caffe_pb2
 
 onnx = pytest.importorskip("onnx")
@@ -303,3 +303,121 @@ def test_subtracting_constants_imports_as_bias_and_power():
     x = np.random.default_rng(4).standard_normal((2, 3, 4, 5)).astype(np.float32)
     forward(net, {"x": x})
     np.testing.assert_array_equal(net.blobs["y"].data, run_ort(model, {"x": x})["y"])
+
+
+# -- the exporter's multi-node forms and their plain-ONNX equivalents ----------------------------------------
+def _round_trip(net: cct.Net, feeds: dict, **export_args) -> tuple[cct.Net, caffe_pb2.NetParameter]:
+    """Export ``net``, import it back: cct's forward on the import equals the original's bit for bit and ONNX
+    Runtime's to RTOL; every parameter blob comes back bit for bit."""
+    model = to_onnx(net, **export_args)
+    back, param = imported_net(model)
+    forward(net, feeds)
+    forward(back, feeds)
+    ort_out = run_ort(model, feeds)
+    for blob in net.output_blob_names:
+        np.testing.assert_array_equal(back.blobs[blob].data, net.blobs[blob].data)
+        assert rel_err(ort_out[blob], net.blobs[blob].data) <= RTOL
+    return back, param
+
+
+@pytest.mark.parametrize("factor", [0.37, 0.0])
+@pytest.mark.parametrize("fold", [False, True])
+def test_batchnorm_moving_average_factor_round_trips_bit_identical(factor, fold):
+    net = tiny_net('layer { name: "bn" type: "BatchNorm" bottom: "x" top: "b" }\n'
+                   'layer { name: "sc" type: "Scale" bottom: "b" top: "y" scale_param { bias_term: true '
+                   'filler { type: "uniform" min: 0.5 max: 1.5 } bias_filler { type: "gaussian" } } }')
+    bn = net.layers[1]
+    bn.blobs[0].data[...] = np.linspace(-1, 1, 3, dtype=np.float32)
+    bn.blobs[1].data[...] = np.linspace(0.5, 2, 3, dtype=np.float32)
+    bn.blobs[2].data[...] = factor
+    x = np.random.default_rng(5).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    back, param = _round_trip(net, {"x": x}, fold_batchnorm=fold)
+    twin = back.layers[back.layer_names.index("bn")]
+    for a, b in zip(bn.blobs, twin.blobs):  # the raw running sums and the factor, not mean / factor
+        assert a.data.tobytes() == b.data.tobytes()
+    if not fold:
+        assert [lp.type for lp in param.layer] == ["Input", "BatchNorm", "Scale"]
+        assert_same_weights(net, back)
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+def test_crop_keeps_its_reference_blob_and_a_dynamic_batch(opset):
+    text = ('name: "c" layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 3 dim: 4 dim: 9 dim: 8 } } }'
+            'layer { name: "r" type: "Input" top: "r" input_param { shape { dim: 2 dim: 3 dim: 5 dim: 6 } } }'
+            'layer { name: "crop0" type: "Crop" bottom: "x" bottom: "r" top: "c0" '
+            'crop_param { axis: 0 offset: 0 offset: 1 offset: 2 offset: 1 } }'
+            'layer { name: "crop2" type: "Crop" bottom: "x" bottom: "r" top: "c2" crop_param { offset: 2 offset: 1 } }'
+            'layer { name: "pool" type: "Pooling" bottom: "c2" top: "p" pooling_param { pool: MAX kernel_size: 2 '
+            'stride: 2 } }')
+    param = caffe_pb2.NetParameter()
+    parse_text(text, param)
+    net = cct.Net(param, cct.TEST)
+    rng = np.random.default_rng(6)
+    feeds = {"x": rng.standard_normal((3, 4, 9, 8)).astype(np.float32),
+             "r": rng.standard_normal((2, 3, 5, 6)).astype(np.float32)}
+    back, imported = _round_trip(net, feeds, opset=opset, dynamic_batch=True)
+    crops = [lp for lp in imported.layer if lp.type == "Crop"]
+    assert [list(lp.bottom) for lp in crops] == [["x", "r"], ["x", "r"]]
+    assert [effective_params(back, lp) for lp in crops] == \
+        [{"axis": 0, "offset": [0, 1, 2, 1]}, {"axis": 2, "offset": [2, 1]}]
+    np.testing.assert_array_equal(back.blobs["c0"].data, feeds["x"][0:2, 1:4, 2:7, 1:7])
+
+
+def test_plain_onnx_forms_of_argmax_reduction_embed_threshold():
+    rng = np.random.default_rng(8)
+    table, bias = rng.standard_normal((10, 4)), rng.standard_normal(4)
+    nodes = [
+        helper.make_node("ArgMax", ["x"], ["am"], name="argmax", axis=1, keepdims=1, select_last_index=1),
+        helper.make_node("Cast", ["am"], ["amf"], name="amf", to=TensorProto.FLOAT),
+        helper.make_node("ArgMax", ["x"], ["am2"], name="argmax2", axis=3, keepdims=0, select_last_index=1),
+        helper.make_node("Cast", ["am2"], ["am2f"], name="am2f", to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["x", "axes"], ["rs"], name="rsum", keepdims=1),
+        helper.make_node("ReduceL1", ["x"], ["rl"], name="rl1", axes=[1, 2, 3], keepdims=0),
+        helper.make_node("Mul", ["rl", "half"], ["rlc"], name="rl1_coeff"),
+        helper.make_node("Greater", ["x", "t"], ["gt"], name="thr"),
+        helper.make_node("Cast", ["gt"], ["th"], name="thr_cast", to=TensorProto.FLOAT),
+        helper.make_node("Abs", ["x"], ["ax"], name="abs"),
+        helper.make_node("Cast", ["ax"], ["idx"], name="emb", to=TensorProto.INT64),
+        helper.make_node("Gather", ["table", "idx"], ["g"], name="gather", axis=0),
+        helper.make_node("Add", ["g", "bias"], ["emb_out"], name="emb_bias"),
+    ]
+    outs = {"amf": [2, 1, 4, 5], "am2f": [2, 3, 4], "rs": [2, 3, 1, 1], "rlc": [2], "th": [2, 3, 4, 5],
+            "emb_out": [2, 3, 4, 5, 4]}
+    graph = helper.make_graph(nodes, "plain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 5])],
+                              [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in outs.items()],
+                              [_const("axes", np.array([2, 3])), _const("half", np.float32(0.5)),
+                               _const("t", np.float32(0.25)), _const("table", table), _const("bias", bias)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    net, param = imported_net(model)
+    types = {lp.name: lp.type for lp in param.layer}
+    assert [types[n] for n in ("argmax", "argmax2", "rsum", "rl1", "thr", "emb")] == \
+        ["ArgMax", "ArgMax", "Reduction", "Reduction", "Threshold", "Embed"]
+    assert param.layer[[lp.name for lp in param.layer].index("rl1")].reduction_param.coeff == 0.5
+    x = rng.integers(0, 10, (2, 3, 4, 5)).astype(np.float32)  # ties on both ArgMax axes; valid table rows
+    forward(net, {"x": x})
+    ours = run_ort(model, {"x": x})
+    for name in outs:
+        np.testing.assert_allclose(net.blobs[name].data, ours[name], rtol=RTOL, atol=0, err_msg=name)
+    # Caffe's ArgMax picks the last of equal maxima, as select_last_index 1
+    expected = x.shape[1] - 1 - np.argmax(x[:, ::-1], axis=1)
+    np.testing.assert_array_equal(net.blobs["amf"].data[:, 0], expected)
+
+
+@pytest.mark.parametrize("nodes,inits,out_shape,match", [
+    ([helper.make_node("ArgMax", ["x"], ["a"], name="am", axis=1),
+      helper.make_node("Cast", ["a"], ["y"], name="c", to=TensorProto.FLOAT)], [], [1, 1, 8, 8],
+     r"ONNX node 'am' \(op ArgMax\): select_last_index 0 picks the first of equal maxima"),
+    ([helper.make_node("ReduceMean", ["x"], ["y"], name="rm", axes=[1, 2], keepdims=1)], [], [1, 1, 1, 8],
+     r"ONNX node 'rm' \(op ReduceMean\): reduces axes \[1, 2\]"),
+    ([helper.make_node("Slice", ["x", "s", "e", "a"], ["y"], name="sl")],
+     [_const("s", np.array([1])), _const("e", np.array([3])), _const("a", np.array([1]))], [1, 2, 8, 8],
+     r"ONNX node 'sl' \(op Slice\): .*constant bounds name no reference blob"),
+    ([helper.make_node("Greater", ["x", "k"], ["g"], name="gt"),
+      helper.make_node("Not", ["g"], ["n"], name="not"),
+      helper.make_node("Cast", ["n"], ["y"], name="c", to=TensorProto.FLOAT)], [_const("k", np.float32(0))],
+     [1, 3, 8, 8], r"ONNX node 'gt' \(op Greater\)"),
+])
+def test_unmappable_forms_of_the_new_ops_are_named(nodes, inits, out_shape, match):
+    with pytest.raises(OnnxImportError, match=match):
+        from_onnx(_model(nodes, inits, [1, 3, 8, 8], out_shape))
