@@ -130,26 +130,35 @@ def test_reference_case_round_trip(case, monkeypatch):
 @pytest.mark.parametrize("path,hw,narrowed", [
     ("zoo/squeezenet11_deploy.prototxt", (67, 67), ()),
     ("zoo/mobilenet_v2.prototxt", (64, 64), ()),
+    ("zoo/fcn8s_deploy.prototxt", (32, 32), ("conv", "fc")),  # Crop (Deconvolution outputs cut to a blob)
     ("models/lenet/lenet.prototxt", None, ()),
     ("models/caffenet/deploy.prototxt", None, ("fc6", "fc7")),
 ])
 def test_public_net_round_trip(path, hw, narrowed):
+    param = load_public_net(path, hw, narrowed if "fc6" in narrowed else ())
+    for lp in param.layer:  # FCN-8s: the VGG convolutions 8 wide (its 4096-wide fc6 alone is 400 MB)
+        if lp.type == "Convolution" and lp.name.startswith(tuple(n for n in narrowed if n != "fc6")):
+            lp.convolution_param.num_output = 8
     cct.set_random_seed(7)
-    net = cct.Net(load_public_net(path, hw, narrowed), cct.TEST)
+    net = cct.Net(param, cct.TEST)
+    rng = np.random.default_rng(1)
     for layer in net.layers:
-        if layer.type == "BatchNorm":
+        if layer.type == "BatchNorm":  # trained statistics: the moving-average factor is not 1
             layer.blobs[0].data[...] = np.linspace(-1, 1, layer.blobs[0].count, dtype=np.float32)
             layer.blobs[1].data[...] = np.linspace(0.5, 2, layer.blobs[1].count, dtype=np.float32)
-            layer.blobs[2].data[...] = 1
+            layer.blobs[2].data[...] = 0.9
+        elif layer.blobs and not np.any(layer.blobs[0].data):  # a deploy net without fillers: random weights
+            for b in layer.blobs:
+                b.data[...] = rng.standard_normal(b.shape).astype(np.float32) * 0.3
     model = to_onnx(net, dynamic_batch=True)
     back, _ = imported_net(model)
     assert assert_same_weights(net, back) == sum(len(layer.blobs) for layer in net.layers)
-    rng = np.random.default_rng(1)
     feeds = {n: rng.standard_normal((2,) + tuple(net.blobs[n].shape[1:])).astype(np.float32)
              for n in net.input_blob_names}
     forward(net, feeds)
     forward(back, feeds)
     for blob in net.output_blob_names:
+        assert np.abs(net.blobs[blob].data).max() > 0
         np.testing.assert_array_equal(back.blobs[blob].data, net.blobs[blob].data)
 
 
