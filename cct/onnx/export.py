@@ -20,6 +20,7 @@ DEFAULT_OPSET = 17
 MIN_OPSET = 13  # Softmax with Caffe's single-axis semantics, Split/ReduceSum/Unsqueeze taking inputs
 
 
+UNROLLED = ("LSTM", "LSTMUnit", "RNN")
 # every converter: the per-layer table of cct.onnx.layers and the unrolled recurrent layers
 ALL_CONVERTERS = {**CONVERTERS, "LSTM": convert_lstm, "LSTMUnit": convert_lstm_unit, "RNN": convert_rnn}
 
@@ -110,10 +111,14 @@ def to_onnx(net: Net, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False, f
         ctx = LayerContext(g, layer, bottoms, top_values,
                            [tuple(b.shape) for b in net.bottom_vecs[i]], [tuple(t.shape) for t in net.top_vecs[i]],
                            dynamic_batch)
+        first = len(g.nodes)
         if i in folded:
             batch_norm_with_scale(ctx, net.layers[folded[i]])
         else:
             convert(ctx)
+        if lp.type in UNROLLED:  # tells the importer (and a reader) why these nodes form no layer of their own
+            for node in g.nodes[first:]:
+                node.doc_string = f"unrolled {lp.type} layer '{lp.name}'"
         values.update(zip(tops, ctx.tops))
     for name in net.output_blob_names:
         shape = list(net.blobs[name].shape)

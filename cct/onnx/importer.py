@@ -69,6 +69,8 @@ class _Importer:
 
     # -- helpers --------------------------------------------------------------------------------------
     def fail(self, node, why: str) -> OnnxImportError:
+        if node.doc_string.startswith("unrolled "):  # cct's export of a recurrent layer, step by step
+            why += f" (part of an {node.doc_string}: recurrent layers unrolled into ONNX nodes are not imported)"
         return OnnxImportError(f"ONNX node '{node.name or node.output[0]}' (op {node.op_type}): {why}")
 
     def const(self, v: str):
