@@ -431,3 +431,34 @@ def test_plain_onnx_forms_of_argmax_reduction_embed_threshold():
 def test_unmappable_forms_of_the_new_ops_are_named(nodes, inits, out_shape, match):
     with pytest.raises(OnnxImportError, match=match):
         from_onnx(_model(nodes, inits, [1, 3, 8, 8], out_shape))
+
+
+@pytest.mark.parametrize("gate_first", [False, True])
+def test_squeeze_excitation_gate_imports_as_two_bottom_scale(gate_first):
+    rng = np.random.default_rng(11)
+    w, b = rng.standard_normal((3, 3, 1, 1)), rng.standard_normal(3)
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["gap"], name="squeeze"),
+             helper.make_node("Conv", ["gap", "w", "b"], ["z"], name="excite", kernel_shape=[1, 1]),
+             helper.make_node("Sigmoid", ["z"], ["gate"], name="gate"),
+             helper.make_node("Mul", ["gate", "x"] if gate_first else ["x", "gate"], ["y"], name="se"),
+             helper.make_node("Add", ["y", "bias_blob"], ["y2"], name="shift"),
+             helper.make_node("ReduceMean", ["x"], ["bias_blob"], name="chan_mean", axes=[2, 3], keepdims=1)]
+    nodes = nodes[:4] + [nodes[5], nodes[4]]
+    graph = helper.make_graph(nodes, "se", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4, 5])],
+                              [helper.make_tensor_value_info("y2", TensorProto.FLOAT, ["N", 3, 4, 5])],
+                              [_const("w", w), _const("b", b)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    net, param = imported_net(model)
+    by_name = {lp.name: lp for lp in param.layer}
+    assert by_name["se"].type == "Scale" and by_name["se"].scale_param.axis == 0
+    assert by_name["shift"].type == "Bias" and by_name["shift"].bias_param.axis == 0
+    x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    forward(net, {"x": x})
+    assert rel_err(net.blobs["y2"].data, run_ort(model, {"x": x})["y2"]) <= RTOL
+    # a blob broadcast in the middle (1 on the channel axis, full spatial axes) has no Caffe Scale
+    bad = _model([helper.make_node("Conv", ["x", "wc"], ["m"], name="rows", kernel_shape=[8, 1]),  # (1, 3, 1, 8)
+                  helper.make_node("Mul", ["x", "m"], ["y"], name="mid")],
+                 [_const("wc", rng.standard_normal((3, 3, 8, 1)))], [1, 3, 8, 8], [1, 3, 8, 8])
+    with pytest.raises(OnnxImportError, match=r"ONNX node 'mid' \(op Mul\): a blob of shape \[1, 3, 1, 8\]"):
+        from_onnx(bad)

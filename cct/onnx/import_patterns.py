@@ -390,11 +390,57 @@ def _two_bottom(imp: ImportState, node) -> None:
 
 
 def _mul_add(imp: ImportState, i: int, node) -> None:
-    """Mul/Add: a two-bottom Scale/Bias when its second input is a recorded operand, else as one node."""
+    """Mul/Add: a two-bottom Scale/Bias when its second input is a recorded operand or a blob broadcast over
+    the first as Caffe's Scale/Bias broadcasts (e.g. a squeeze-and-excitation gate); else as one node."""
     if node.input[1] in imp.operands:
         _two_bottom(imp, node)
         return
+    a, b = node.input[0], node.input[1]
+    if imp.const(a) is None and imp.const(b) is None and imp.shape(a) != imp.shape(b):
+        x, operand = (a, b) if imp.shape(a) == imp.shape(node.output[0]) else (b, a)
+        found = _blob_broadcast(imp, x, operand)
+        if found is None:
+            raise imp.fail(node, f"a blob of shape {imp.shape(operand)} broadcast over one of {imp.shape(x)} "
+                                 "(Caffe's Scale/Bias broadcast a blob over the leading and trailing axes only)")
+        _broadcast_layer(imp, node, x, operand, *found)
+        return
     binary_op(imp, i, node)
+
+
+def _blob_broadcast(imp: ImportState, x: str, operand: str) -> tuple[int, list[int]] | None:
+    """(axis, dims) when ``operand`` broadcasts over ``x`` as bottom[1] of Caffe's Scale/Bias of those dims at
+    that axis (its other axes all 1), else None."""
+    xs, os_ = imp.shape(x), imp.shape(operand)
+    if not xs or not os_ or None in xs[1:] or None in os_[1:] or len(os_) > len(xs):
+        return None
+    full = [1] * (len(xs) - len(os_)) + list(os_)
+    used = [k for k, d in enumerate(full) if d != 1]
+    if not used:
+        return None
+    start, end = used[0], used[-1] + 1
+    # (a symbolic batch on both: equal or, at run time, Caffe's shape check fails cleanly; never a silent broadcast)
+    if full[start:end] != xs[start:end]:
+        return None
+    return start, full[start:end]
+
+
+def _broadcast_layer(imp: ImportState, node, x: str, operand: str, axis: int, dims: list[int]) -> None:
+    """Scale (Mul) or Bias (Add) of ``x`` by the blob ``operand``, first reshaped to ``dims`` where it has
+    more axes (1s before or after them)."""
+    bottom = imp.blob(node, operand)
+    name = node.name or node.output[0]
+    if list(imp.shape(operand)) != dims:
+        shaped = f"{node.output[0]}__operand"
+        rp = imp.layer(node, "Reshape", [bottom], [shaped], name=f"{name}_operand")
+        rp.reshape_param.shape.dim.extend(0 if d is None else d for d in dims)  # (None: a symbolic batch)
+        if axis == 0 and len(imp.shape(operand)) == len(imp.shape(x)):
+            rp.reshape_param.shape.dim[0] = 0  # the batch: copied (it may differ from the imported Input's)
+        bottom = shaped
+    lp = imp.layer(node, "Scale" if node.op_type == "Mul" else "Bias", [imp.blob(node, x), bottom], name=name)
+    if node.op_type == "Mul":
+        lp.scale_param.axis = axis
+    else:
+        lp.bias_param.axis = axis
 
 
 def _reshape_or_pattern(imp: ImportState, i: int, node) -> None:
