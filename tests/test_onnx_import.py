@@ -462,3 +462,27 @@ def test_squeeze_excitation_gate_imports_as_two_bottom_scale(gate_first):
                  [_const("wc", rng.standard_normal((3, 3, 8, 1)))], [1, 3, 8, 8], [1, 3, 8, 8])
     with pytest.raises(OnnxImportError, match=r"ONNX node 'mid' \(op Mul\): a blob of shape \[1, 3, 1, 8\]"):
         from_onnx(bad)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_two_bottom_scale_and_bias_round_trip(dynamic):
+    # (with a dynamic batch every input's axis 0 is the batch: the operands then span it, at axis 0)
+    second, axis, bias = ("dim: 2 dim: 3", 0, "false") if dynamic else ("dim: 3 dim: 4", 1, "true")
+    text = ('name: "s" layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 4 dim: 5 } } }'
+            f'layer {{ name: "g" type: "Input" top: "g" input_param {{ shape {{ {second} }} }} }}'
+            'layer { name: "h" type: "Input" top: "h" input_param { shape { dim: 2 dim: 3 dim: 4 } } }'
+            f'layer {{ name: "sc" type: "Scale" bottom: "x" bottom: "g" top: "y" scale_param {{ axis: {axis} '
+            f'bias_term: {bias} bias_filler {{ type: "gaussian" }} }} }}'
+            'layer { name: "b" type: "Bias" bottom: "y" bottom: "h" top: "z" bias_param { axis: 0 } }')
+    param = caffe_pb2.NetParameter()
+    parse_text(text, param)
+    cct.set_random_seed(4)
+    net = cct.Net(param, cct.TEST)
+    rng = np.random.default_rng(12)
+    feeds = {n: rng.standard_normal(net.blobs[n].shape).astype(np.float32) for n in ("x", "g", "h")}
+    back, imported = _round_trip(net, feeds, dynamic_batch=dynamic)
+    assert [(lp.type, list(lp.bottom)) for lp in imported.layer[3:]] == [("Scale", ["x", "g"]), ("Bias", ["y", "h"])]
+    for lp in param.layer[3:]:
+        twin = imported.layer[[t.name for t in imported.layer].index(lp.name)]
+        assert effective_params(back, twin) == effective_params(net, lp)
+    assert_same_weights(net, back)

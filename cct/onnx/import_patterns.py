@@ -25,12 +25,18 @@ def claim_batchnorm_stats(imp: ImportState) -> None:
         if node.op_type != "BatchNormalization" or len(node.input) < 5:
             continue
         found = [_scaled_stat(imp, v, node) for v in node.input[3:5]]
-        if None in found or found[0][1] is not found[1][1] and not np.array_equal(found[0][1], found[1][1]):
+        if any(f is None for f in found) or not np.array_equal(found[0][1], found[1][1]):
             continue
-        for v, (raw, factor, helpers) in zip(node.input[3:5], found):
+        claimed = [h for f in found for h in f[2]]
+        values = [out for h in claimed for out in h.output]
+        readers = [u for out in values for u in imp.consumers.get(out, [])]
+        if any(out in imp.graph_outputs for out in values) or \
+                any(u is not node and all(u is not h for h in claimed) for u in readers):
+            continue  # a helper value read elsewhere too: not only this BatchNorm's arithmetic
+        for v, (raw, factor, _) in zip(node.input[3:5], found):
             imp.bn_stats[v] = (raw, factor)
-            for h in helpers:
-                imp.mark(h)
+        for h in claimed:
+            imp.mark(h)
 
 
 def _scaled_stat(imp: ImportState, v: str, bn) -> tuple[np.ndarray, np.ndarray, list] | None:
@@ -204,7 +210,8 @@ def _argmax_pattern(imp: ImportState, rev) -> tuple | None:
     if not flattened or unsq is None or unsq.op_type != "Unsqueeze":
         # ArgMax with an axis: the top is the indices, or the values through an Identity
         uses = imp.users(values)
-        if uses and len(uses) == 1 and uses[0].op_type == "Identity" and imp.users(cast.output[0]) == []:
+        if uses and len(uses) == 1 and uses[0].op_type == "Identity" and not imp.consumers.get(cast.output[0]) \
+                and cast.output[0] not in imp.graph_outputs:
             return rev.input[0], axis, False, k[0], True, nodes + uses, uses[0].output[0]
         if not uses:
             return rev.input[0], axis, False, k[0], False, nodes, cast.output[0]
@@ -359,7 +366,7 @@ def _operand_reshape(imp: ImportState, node) -> bool:
     r = len(src)
     x = imp.shape(user.input[0])
     if dims[:r] != [0] * r or any(d != 1 for d in dims[r:]) or imp.const(user.input[0]) is not None or \
-            len(x) < len(dims) or None in src or x[len(x) - len(dims):][:r] != src:
+            len(x) < len(dims) or x[len(x) - len(dims):][:r] != src:
         return False
     imp.operands[node.output[0]] = (imp.blob(node, node.input[0]), len(x) - len(dims), node.name or node.output[0])
     return True
