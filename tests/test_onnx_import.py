@@ -420,9 +420,9 @@ def test_plain_onnx_forms_of_argmax_reduction_embed_threshold():
      r"ONNX node 'am' \(op ArgMax\): select_last_index 0 picks the first of equal maxima"),
     ([helper.make_node("ReduceMean", ["x"], ["y"], name="rm", axes=[1, 2], keepdims=1)], [], [1, 1, 1, 8],
      r"ONNX node 'rm' \(op ReduceMean\): reduces axes \[1, 2\]"),
-    ([helper.make_node("Slice", ["x", "s", "e", "a"], ["y"], name="sl")],
-     [_const("s", np.array([1])), _const("e", np.array([3])), _const("a", np.array([1]))], [1, 2, 8, 8],
-     r"ONNX node 'sl' \(op Slice\): .*constant bounds name no reference blob"),
+    ([helper.make_node("Slice", ["x", "s", "e", "a", "st"], ["y"], name="sl")],
+     [_const("s", np.array([1])), _const("e", np.array([8])), _const("a", np.array([2])), _const("st", np.array([2]))],
+     [1, 3, 4, 8], r"ONNX node 'sl' \(op Slice\): steps \[2\]"),
     ([helper.make_node("Greater", ["x", "k"], ["g"], name="gt"),
       helper.make_node("Not", ["g"], ["n"], name="not"),
       helper.make_node("Cast", ["n"], ["y"], name="c", to=TensorProto.FLOAT)], [_const("k", np.float32(0))],
@@ -486,3 +486,17 @@ def test_two_bottom_scale_and_bias_round_trip(dynamic):
         twin = imported.layer[[t.name for t in imported.layer].index(lp.name)]
         assert effective_params(back, twin) == effective_params(net, lp)
     assert_same_weights(net, back)
+
+
+def test_slice_of_constant_bounds_imports_as_caffe_slices():
+    nodes = [helper.make_node("Slice", ["x", "s", "e", "a"], ["y"], name="sl")]
+    # x[:, 1:3, :, 2:-1] (ends past the size and negative: ONNX's clamping), axes given out of order
+    inits = [_const("s", np.array([2, 1, 0])), _const("e", np.array([-1, 3, 2 ** 62])),
+             _const("a", np.array([3, 1, 2]))]
+    model = _model(nodes, inits, [2, 4, 5, 6], [2, 2, 5, 3])
+    net, param = imported_net(model)
+    assert [lp.type for lp in param.layer] == ["Input", "Slice", "Slice", "Silence"]
+    x = np.random.default_rng(13).standard_normal((2, 4, 5, 6)).astype(np.float32)
+    forward(net, {"x": x})
+    np.testing.assert_array_equal(net.blobs["y"].data, x[:, 1:3, :, 2:-1])
+    np.testing.assert_array_equal(run_ort(model, {"x": x})["y"], x[:, 1:3, :, 2:-1])

@@ -235,12 +235,51 @@ def _argmax_pattern(imp: ImportState, rev) -> tuple | None:
 
 
 def _slice(imp: ImportState, i: int, node) -> None:
-    """The exporter's reversing Slice of an ArgMax (else: no BVLC layer for a plain Slice of constant bounds)."""
+    """The exporter's reversing Slice of an ArgMax, else a Slice of constant bounds with step 1: per cut axis
+    one Caffe Slice layer whose middle top is kept (the parts cut off end in a Silence layer)."""
     found = _argmax_pattern(imp, node)
-    if found is None:
-        raise imp.fail(node, "a Slice maps only as Caffe's Crop (ends computed from the reference blob's shape, as "
-                             "cct exports it) or within cct's ArgMax form; constant bounds name no reference blob")
-    _argmax_layer(imp, node, *found)
+    if found is not None:
+        _argmax_layer(imp, node, *found)
+        return
+    cuts = _slice_bounds(imp, node)
+    name, src = node.name or node.output[0], imp.blob(node, node.input[0])
+    if not cuts:  # the whole blob
+        imp.alias[node.output[0]] = src
+        return
+    dropped = []
+    for k, (axis, start, end, size) in enumerate(cuts):
+        out = node.output[0] if k == len(cuts) - 1 else f"{node.output[0]}__axis{axis}"
+        tops = ([f"{out}__before"] if start > 0 else []) + [out] + ([f"{out}__after"] if end < size else [])
+        lp = imp.layer(node, "Slice", [src], tops, name=name if k == 0 else f"{name}_axis{axis}")
+        lp.slice_param.axis = axis
+        lp.slice_param.slice_point.extend(p for p in (start, end) if 0 < p < size)
+        dropped += [t for t in tops if t != out]
+        src = out
+    imp.layer(node, "Silence", dropped, [], name=f"{name}_cut_off")
+
+
+def _slice_bounds(imp: ImportState, node) -> list[tuple[int, int, int, int]]:
+    """(axis, start, end, size) per axis a Slice of constant bounds and step 1 cuts (ONNX's clamping applied)."""
+    ins = [imp.ints(v) if v else None for v in list(node.input[1:]) + [""] * (5 - len(node.input))]
+    starts, ends, axes, steps = ins
+    if starts is None or ends is None or (len(node.input) > 3 and node.input[3] and axes is None) or \
+            (len(node.input) > 4 and node.input[4] and steps is None):
+        raise imp.fail(node, "a Slice maps onto Caffe's Slice only with constant starts, ends, axes and steps")
+    shape = imp.shape(node.input[0])
+    axes = list(range(len(starts))) if axes is None else axes
+    if any(st != 1 for st in steps or []):
+        raise imp.fail(node, f"steps {steps} (Caffe's Slice and Crop copy contiguous ranges: step 1 only)")
+    cuts = []
+    for axis, start, end in sorted((a % len(shape), st, e) for a, st, e in zip(axes, starts, ends)):
+        size = shape[axis]
+        if size is None:
+            raise imp.fail(node, f"slices axis {axis} of unknown size (Caffe's Slice takes fixed slice points)")
+        start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))
+        if end <= start:
+            raise imp.fail(node, f"an empty slice [{start}, {end}) of axis {axis} (Caffe blobs are not empty)")
+        if (start, end) != (0, size):
+            cuts.append((axis, start, end, size))
+    return cuts
 
 
 def _argmax_layer(imp: ImportState, head, x: str, axis: int | None, flattened: bool, k: int, out_max_val: bool,
