@@ -500,3 +500,20 @@ def test_slice_of_constant_bounds_imports_as_caffe_slices():
     forward(net, {"x": x})
     np.testing.assert_array_equal(net.blobs["y"].data, x[:, 1:3, :, 2:-1])
     np.testing.assert_array_equal(run_ort(model, {"x": x})["y"], x[:, 1:3, :, 2:-1])
+
+
+def test_parameter_swish_clip_round_trip_layer_for_layer():
+    net = tiny_net('layer { name: "p" type: "Parameter" top: "p" parameter_param { shape { dim: 2 dim: 3 } } }\n'
+                   'layer { name: "sw" type: "Swish" bottom: "x" top: "s" swish_param { beta: 1.5 } }\n'
+                   'layer { name: "sw1" type: "Swish" bottom: "s" top: "s1" }\n'
+                   'layer { name: "clip" type: "Clip" bottom: "s1" top: "c" clip_param { min: -0.5 max: 0.75 } }')
+    net.layers[1].blobs[0].data[...] = np.random.default_rng(14).standard_normal((2, 3)).astype(np.float32)
+    x = np.random.default_rng(15).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    back, param = _round_trip(net, {"x": x})
+    assert [(lp.name, lp.type) for lp in param.layer] == [("x", "Input"), ("p", "Parameter"), ("sw", "Swish"),
+                                                         ("sw1", "Swish"), ("clip", "Clip")]
+    assert param.layer[2].swish_param.beta == 1.5 and not param.layer[3].HasField("swish_param")
+    assert list(param.layer[1].parameter_param.shape.dim) == [2, 3]
+    assert (param.layer[4].clip_param.min, param.layer[4].clip_param.max) == (-0.5, 0.75)
+    assert assert_same_weights(net, back) == 1
+    np.testing.assert_array_equal(back.blobs["p"].data, net.layers[1].blobs[0].data)

@@ -523,6 +523,13 @@ def _flattens_for_matmul(imp: ImportState, node) -> bool:
 
 
 def _identity(imp: ImportState, i: int, node) -> None:
+    value = imp.const(node.input[0])
+    if value is not None:  # a constant as a blob: Caffe's Parameter layer (its blob, bits kept)
+        if value.dtype != np.float32:
+            raise imp.fail(node, f"a {value.dtype} constant as a blob (Caffe's Parameter blobs are float32)")
+        lp = imp.layer(node, "Parameter", [], blobs=[value])
+        lp.parameter_param.shape.dim.extend(value.shape)
+        return
     imp.alias[node.output[0]] = imp.blob(node, node.input[0])
 
 

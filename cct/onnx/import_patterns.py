@@ -435,12 +435,53 @@ def _two_bottom(imp: ImportState, node) -> None:
         lp.bias_param.axis = axis
 
 
+def _swish_pattern(imp: ImportState, sig) -> tuple[str, float, list, str] | None:
+    """x * Sigmoid(x) or x * Sigmoid(x * beta) (beta a float32 scalar) from the Sigmoid node: (x, beta, the
+    other nodes, the product's value) of Caffe's Swish, or None."""
+    x, beta, nodes = sig.input[0], 1.0, []
+    pre = imp.producer(x)
+    if pre is not None and pre.op_type == "Mul" and imp.users(x) == [sig] and imp.scalar(pre, pre.input[1]) is \
+            not None and imp.const(pre.input[0]) is None:
+        x, beta, nodes = pre.input[0], imp.scalar(pre, pre.input[1]), [pre]
+    mul = imp.only_consumer(sig.output[0])
+    if mul is None or mul.op_type != "Mul" or sorted(mul.input) != sorted([x, sig.output[0]]) or \
+            np.float32(beta) != beta:
+        return None
+    return x, beta, nodes + [sig, mul], mul.output[0]
+
+
+def _swish(imp: ImportState, head, found: tuple) -> None:
+    x, beta, nodes, top = found
+    for n in nodes:
+        if n is not head:
+            imp.mark(n)
+    lp = imp.layer(head, "Swish", [imp.blob(head, x)], [top])
+    if beta != 1:
+        lp.swish_param.beta = beta
+
+
+def _sigmoid(imp: ImportState, i: int, node) -> None:
+    """Sigmoid: Caffe's Swish where it gates its own input (x * Sigmoid(x)), else Caffe's Sigmoid."""
+    found = _swish_pattern(imp, node)
+    if found is not None and not found[2][:-2]:  # (with a beta the Mul before the Sigmoid opened the pattern)
+        _swish(imp, node, found)
+        return
+    imp.layer(node, "Sigmoid", [imp.blob(node, node.input[0])])
+
+
 def _mul_add(imp: ImportState, i: int, node) -> None:
     """Mul/Add: a two-bottom Scale/Bias when its second input is a recorded operand or a blob broadcast over
-    the first as Caffe's Scale/Bias broadcasts (e.g. a squeeze-and-excitation gate); else as one node."""
+    the first as Caffe's Scale/Bias broadcasts (e.g. a squeeze-and-excitation gate); x * beta opening a
+    Swish; else as one node."""
     if node.input[1] in imp.operands:
         _two_bottom(imp, node)
         return
+    sig = imp.only_consumer(node.output[0])
+    if node.op_type == "Mul" and sig is not None and sig.op_type == "Sigmoid":
+        found = _swish_pattern(imp, sig)
+        if found is not None and found[2][0] is node:
+            _swish(imp, node, found)
+            return
     a, b = node.input[0], node.input[1]
     if imp.const(a) is None and imp.const(b) is None and imp.shape(a) != imp.shape(b):
         x, operand = (a, b) if imp.shape(a) == imp.shape(node.output[0]) else (b, a)
@@ -517,5 +558,6 @@ def _shape_or_crop(imp: ImportState, i: int, node) -> None:
 HANDLERS: dict[str, Handler] = {
     **OP_HANDLERS, "Add": _mul_add, "Mul": _mul_add, "Sub": _sub, "Reshape": _reshape_or_pattern,
     "Shape": _shape_or_crop, "ReduceSum": _reduce, "ReduceMean": _reduce, "ReduceSumSquare": _reduce,
-    "ReduceL1": _reduce, "Slice": _slice, "ArgMax": _argmax, "Cast": _cast, "Gather": _gather, "Greater": _greater,
+    "ReduceL1": _reduce, "Sigmoid": _sigmoid, "Slice": _slice, "ArgMax": _argmax, "Cast": _cast, "Gather": _gather,
+    "Greater": _greater,
 }
