@@ -31,7 +31,7 @@ from cct.onnx import OnnxImportError, from_onnx, import_onnx, to_onnx  # noqa: E
 # decompositions): the importer must name the op it cannot map
 NOT_IMPORTABLE = {"lstm_t3_n2": "LSTM", "rnn_t3_n2": "RNN", "lstmunit": "LSTMUnit"}  # unrolled: refused
 # imported as other BVLC layers with the same semantics (not layer for layer)
-REWRITTEN = {"lrn_within_channel_ls3", "spp_max_h2", "exp_base2_scale0.5_shift0.1", "log_base10_scale2_shift0.5"}
+REWRITTEN = {"lrn_within_channel_ls3", "spp_max_h2"}
 
 
 def imported_net(model) -> tuple[cct.Net, caffe_pb2.NetParameter]:
@@ -67,7 +67,8 @@ def assert_same_weights(original: cct.Net, imported: cct.Net, skip=()) -> int:
 # layer types whose parameters must come back with the same effective values (the exporter's multi-node forms)
 PARAMS_COMPARED = {"MVN": "mvn_param", "ArgMax": "argmax_param", "Reduction": "reduction_param",
                    "Embed": "embed_param", "Crop": "crop_param", "Threshold": "threshold_param",
-                   "Scale": "scale_param", "Bias": "bias_param", "BatchNorm": "batch_norm_param"}
+                   "Scale": "scale_param", "Bias": "bias_param", "BatchNorm": "batch_norm_param",
+                   "Exp": "exp_param", "Log": "log_param", "Flatten": "flatten_param", "Swish": "swish_param"}
 
 
 def effective_params(net: cct.Net, lp: caffe_pb2.LayerParameter) -> dict:
@@ -124,7 +125,7 @@ def test_reference_case_round_trip(case, monkeypatch):
             assert twin.type == lp.type and len(twin.bottom) == len(lp.bottom), f"{case}: layer {lp.name}"
             assert effective_params(back, twin) == effective_params(net, lp), f"{case}: {lp.name}'s parameters"
     if case not in REWRITTEN:  # layer for layer: same types in the same order (Dropout -> Split, Flatten -> Reshape)
-        same = {"Dropout": "Split", "Flatten": "Reshape"}
+        same = {"Dropout": "Split"}
         assert [same.get(t, t) for t in (lp.type for lp in ref.net.layer)] == [lp.type for lp in param.layer]
 
 
@@ -517,3 +518,18 @@ def test_parameter_swish_clip_round_trip_layer_for_layer():
     assert (param.layer[4].clip_param.min, param.layer[4].clip_param.max) == (-0.5, 0.75)
     assert assert_same_weights(net, back) == 1
     np.testing.assert_array_equal(back.blobs["p"].data, net.layers[1].blobs[0].data)
+
+
+def test_recorded_exp_layer_is_taken_only_where_its_parameters_give_the_nodes():
+    net = tiny_net('layer { name: "e" type: "Exp" bottom: "x" top: "e" exp_param { base: 2 scale: 0.5 shift: 0.1 } }')
+    model = to_onnx(net)
+    assert [lp.type for lp in from_onnx(model)[0].layer] == ["Input", "Exp"]
+    head = next(n for n in model.graph.node if n.doc_string)
+    head.doc_string = head.doc_string.replace("base: 2", "base: 3")  # a record the constants contradict
+    net_param = from_onnx(model)[0]
+    assert [lp.type for lp in net_param.layer] == ["Input", "Power", "Exp", "Power"]  # the nodes, one by one
+    back = cct.Net(net_param, cct.TEST)
+    x = np.random.default_rng(16).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    forward(back, {"x": x})
+    forward(net, {"x": x})
+    assert rel_err(back.blobs["e"].data, net.blobs["e"].data) <= RTOL

@@ -45,6 +45,8 @@ def _walk(imp: ImportState) -> tuple[caffe_pb2.NetParameter, caffe_pb2.NetParame
         if node.op_type == "Constant":
             imp.consts[node.output[0]] = imp.onnx.numpy_helper.to_array(imp.attr(node, "value"))
             continue
+        if node.doc_string.startswith("unrolled "):  # cct's step-by-step LSTM/RNN: no layer of its own
+            raise imp.fail(node, "no BVLC layer stands for one step of a recurrent layer")
         handler = HANDLERS.get(node.op_type)
         if handler is None:
             raise imp.fail(node, "no BVLC Caffe layer computes this op")

@@ -274,12 +274,24 @@ def _base_scale_shift(c: LayerContext, p, field: str) -> tuple[float, float, flo
     return base, scale, shift
 
 
-def _exp(c: LayerContext) -> None:
-    base, scale, shift = _base_scale_shift(c, c.lp.exp_param, "exp_param")
+def exp_steps(base: float, scale: float, shift: float) -> tuple[np.float32, np.float32]:
+    """Caffe's Exp as ``outer * exp(inner * x)``: the float32 (inner, outer) factors (1: no step)."""
     log_base = 1.0 if base == -1 else math.log(base)
     inner = np.float32(log_base * scale)
     outer = np.float32(1.0) if shift == 0 else np.float32(math.exp(log_base * shift)) if base == -1 \
         else np.float32(base) ** np.float32(shift)
+    return inner, outer
+
+
+def log_steps(base: float, scale: float, shift: float) -> tuple[np.float32, np.float32, np.float32]:
+    """Caffe's Log as ``log(x * scale + shift) * base_scale``: the float32 (scale, shift, base_scale)
+    (1, 0, 1: no step)."""
+    base_scale = np.float32(1.0) if base == -1 else np.float32(1.0 / math.log(base))
+    return np.float32(scale), np.float32(shift), base_scale
+
+
+def _exp(c: LayerContext) -> None:
+    inner, outer = exp_steps(*_base_scale_shift(c, c.lp.exp_param, "exp_param"))
     x = c.bottoms[0]
     if inner != 1:
         x = c.node("Mul", [x, c.scalar("inner_scale", inner)])
@@ -290,10 +302,10 @@ def _exp(c: LayerContext) -> None:
 
 
 def _log(c: LayerContext) -> None:
-    base, scale, shift = _base_scale_shift(c, c.lp.log_param, "log_param")
+    scale, shift, base_scale = log_steps(*_base_scale_shift(c, c.lp.log_param, "log_param"))
     x = c.node("Log", [_affine(c, c.bottoms[0], scale, shift)])
-    if base != -1:
-        x = c.node("Mul", [x, c.scalar("base_scale", 1.0 / math.log(base))])
+    if base_scale != 1:
+        x = c.node("Mul", [x, c.scalar("base_scale", base_scale)])
     _finish(c, x)
 
 
