@@ -11,11 +11,10 @@ from collections import Counter
 
 from ..errors import CctError, LayerError
 from ..io.atomic import atomic_write_bytes
-from ..io.prototxt import to_text
 from ..net import Net
-from ..proto import caffe_pb2
 from .graph import GraphBuilder, require
 from .layers import BATCH_DIM, CONVERTERS, REFUSED, LayerContext, batch_norm_with_scale
+from .records import RECORDED, record_layer
 from .recurrent import convert_lstm, convert_lstm_unit, convert_rnn
 
 DEFAULT_OPSET = 17
@@ -23,17 +22,6 @@ MIN_OPSET = 13  # Softmax with Caffe's single-axis semantics, Split/ReduceSum/Un
 
 
 UNROLLED = ("LSTM", "LSTMUnit", "RNN")
-# layers whose ONNX form is also another layer's (Reshape; Power + Exp + Power, ...): their first node records
-# the layer, which the importer takes back where the recorded parameters give exactly these nodes
-RECORDED = {"Exp": "exp_param", "Log": "log_param", "Flatten": "flatten_param"}
-RECORD_PREFIX = "cct layer: "
-
-
-def record_layer(lp) -> str:
-    """The doc_string recording layer ``lp`` (name, type and its own parameters, as prototxt)."""
-    kept = caffe_pb2.LayerParameter(name=lp.name, type=lp.type)
-    getattr(kept, RECORDED[lp.type]).CopyFrom(getattr(lp, RECORDED[lp.type]))
-    return RECORD_PREFIX + to_text(kept)
 # every converter: the per-layer table of cct.onnx.layers and the unrolled recurrent layers
 ALL_CONVERTERS = {**CONVERTERS, "LSTM": convert_lstm, "LSTMUnit": convert_lstm_unit, "RNN": convert_rnn}
 

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import CctError
-from ..io.prototxt import parse_text
 from ..proto import caffe_pb2
-from .export import RECORD_PREFIX, RECORDED
 from .import_ops import OP_HANDLERS, Handler, binary_op, broadcast_axis, renamed_node, reshape_op, shape_op
 from .import_state import ImportState
-from .layers import exp_steps, log_steps
 
 _RED = caffe_pb2.ReductionParameter
 _FLOAT, _INT64 = 1, 7  # TensorProto element types (Cast's 'to')
@@ -473,94 +469,10 @@ def _sigmoid(imp: ImportState, i: int, node) -> None:
     imp.layer(node, "Sigmoid", [imp.blob(node, node.input[0])])
 
 
-def _recorded_layer(imp: ImportState, node) -> bool:
-    """The layer the exporter recorded on ``node`` (Exp, Log, Flatten), where the recorded parameters give
-    exactly the nodes that follow (same ops, bit-identical constants): that layer emitted, True; else False
-    (the nodes are then imported one by one, with the same semantics)."""
-    if not node.doc_string.startswith(RECORD_PREFIX):
-        return False
-    lp = caffe_pb2.LayerParameter()
-    try:
-        parse_text(node.doc_string[len(RECORD_PREFIX):], lp)
-    except CctError:
-        return False
-    if lp.type not in RECORDED:
-        return False
-    if lp.type == "Flatten":
-        found = _flatten_match(imp, node, lp.flatten_param)
-    else:
-        p = getattr(lp, RECORDED[lp.type])
-        base, scale, shift = float(p.base), float(p.scale), float(p.shift)
-        if base != -1 and base <= 0:
-            return False
-        if lp.type == "Exp":
-            inner, outer = exp_steps(base, scale, shift)
-            steps = _steps(("Mul", inner, inner != 1), ("Exp", None, True), ("Mul", outer, outer != 1))
-        else:
-            scale, shift, base_scale = log_steps(base, scale, shift)
-            steps = _steps(("Mul", scale, scale != 1), ("Add", shift, shift != 0), ("Log", None, True),
-                           ("Mul", base_scale, base_scale != 1))
-        found = _chain(imp, node, steps)
-    if found is None:
-        return False
-    x, nodes, top = found
-    for n in nodes:
-        if n is not node:
-            imp.mark(n)
-    out = imp.layer(node, lp.type, [imp.blob(node, x)], [top], name=lp.name if lp.name not in imp.layer_names
-                    else None)
-    getattr(out, RECORDED[lp.type]).CopyFrom(getattr(lp, RECORDED[lp.type]))
-    return True
-
-
-def _steps(*steps: tuple) -> list[tuple[str, np.float32 | None]]:
-    """The (op, constant) steps whose third entry (the step is not an identity) holds."""
-    return [(op, value) for op, value, present in steps if present]
-
-
-def _chain(imp: ImportState, head, steps: list) -> tuple[str, list, str] | None:
-    """(input, nodes, output) when ``head`` starts a chain of single-consumer nodes with exactly ``steps``
-    ((op, float32 scalar second input or None for a unary op)), else None."""
-    nodes, node, x = [], head, head.input[0]
-    for k, (op, value) in enumerate(steps):
-        if k:
-            node = imp.only_consumer(nodes[-1].output[0])
-            if node is None or node.input[0] != nodes[-1].output[0]:
-                return None
-        if node.op_type != op or len(node.input) != (1 if value is None else 2):
-            return None
-        if value is not None:
-            c = imp.const(node.input[1])
-            if c is None or c.dtype != np.float32 or c.size != 1 or c.reshape(-1)[0].tobytes() != value.tobytes():
-                return None
-        nodes.append(node)
-    return x, nodes, nodes[-1].output[0]
-
-
-def _flatten_match(imp: ImportState, node, p) -> tuple[str, list, str] | None:
-    """The Reshape of a Flatten with ``p`` (its dims [0] * axis + [-1] + the kept trailing sizes)."""
-    shape = imp.shape(node.input[0])
-    dims = imp.ints(node.input[1]) if node.op_type == "Reshape" and len(node.input) > 1 else None
-    if dims is None or not shape or None in shape[1:]:
-        return None
-    start, end = p.axis % len(shape), p.end_axis % len(shape)
-    if start > end or dims != [0] * start + [-1] + list(shape[end + 1:]):
-        return None
-    return node.input[0], [node], node.output[0]
-
-
-def _exp_log(imp: ImportState, i: int, node) -> None:
-    """Exp/Log: the exporter's recorded Exp/Log layer where it starts here, else Caffe's Exp/Log (base e)."""
-    if not _recorded_layer(imp, node):
-        imp.layer(node, "Exp" if node.op_type == "Exp" else "Log", [imp.blob(node, node.input[0])])
-
-
 def _mul_add(imp: ImportState, i: int, node) -> None:
     """Mul/Add: a two-bottom Scale/Bias when its second input is a recorded operand or a blob broadcast over
     the first as Caffe's Scale/Bias broadcasts (e.g. a squeeze-and-excitation gate); x * beta opening a
-    Swish; the first step of a recorded Exp/Log; else as one node."""
-    if _recorded_layer(imp, node):
-        return
+    Swish; else as one node."""
     if node.input[1] in imp.operands:
         _two_bottom(imp, node)
         return
@@ -621,8 +533,6 @@ def _broadcast_layer(imp: ImportState, node, x: str, operand: str, axis: int, di
 def _reshape_or_pattern(imp: ImportState, i: int, node) -> None:
     """A Reshape that opens a pattern (a two-bottom Scale/Bias operand, the flattening of an ArgMax without an
     axis) or a plain one (:func:`cct.onnx.import_ops.reshape_op`)."""
-    if _recorded_layer(imp, node):  # a Flatten
-        return
     if node.op_type == "Reshape" and len(node.input) > 1 and imp.ints(node.input[1]) is not None and \
             not imp.attr(node, "allowzero", 0):
         if _operand_reshape(imp, node):
@@ -649,5 +559,5 @@ HANDLERS: dict[str, Handler] = {
     **OP_HANDLERS, "Add": _mul_add, "Mul": _mul_add, "Sub": _sub, "Reshape": _reshape_or_pattern,
     "Shape": _shape_or_crop, "ReduceSum": _reduce, "ReduceMean": _reduce, "ReduceSumSquare": _reduce,
     "ReduceL1": _reduce, "Sigmoid": _sigmoid, "Slice": _slice, "ArgMax": _argmax, "Cast": _cast, "Gather": _gather,
-    "Greater": _greater, "Exp": _exp_log, "Log": _exp_log,
+    "Greater": _greater,
 }

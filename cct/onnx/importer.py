@@ -16,6 +16,7 @@ from ..proto import caffe_pb2
 from .graph import require
 from .import_patterns import HANDLERS, claim_batchnorm_stats
 from .import_state import ImportState, OnnxImportError
+from .records import recorded_layer
 
 __all__ = ["IMPORTABLE_OPS", "OnnxImportError", "from_onnx", "import_onnx"]
 
@@ -47,6 +48,8 @@ def _walk(imp: ImportState) -> tuple[caffe_pb2.NetParameter, caffe_pb2.NetParame
             continue
         if node.doc_string.startswith("unrolled "):  # cct's step-by-step LSTM/RNN: no layer of its own
             raise imp.fail(node, "no BVLC layer stands for one step of a recurrent layer")
+        if recorded_layer(imp, i, node):  # a layer the exporter recorded, matching its nodes exactly
+            continue
         handler = HANDLERS.get(node.op_type)
         if handler is None:
             raise imp.fail(node, "no BVLC Caffe layer computes this op")
