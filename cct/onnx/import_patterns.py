@@ -1,9 +1,11 @@
 """The import of the exporter's multi-node forms (and their plain-ONNX equivalents) as one BVLC layer each.
 
-MVN (mean, centring, variance chain), ArgMax (TopK of the reversed axis), Reduction (+ its coeff), Embed
-(Cast + Gather), Threshold (Greater + Cast), Crop (a Slice whose ends are the reference blob's shape plus
-the offsets), two-bottom Scale/Bias (bottom[1] reshaped for ONNX's broadcast) and BatchNorm statistics
-divided by the moving-average factor. :data:`HANDLERS` is the importer's whole op table.
+MVN (mean, centring, variance chain), ArgMax (TopK of the reversed axis; or ONNX's ArgMax picking the last
+maximum), Reduction (+ its coeff), Embed (Cast + Gather), Threshold (Greater + Cast), Swish (x * Sigmoid),
+Crop (a Slice whose ends are the reference blob's shape plus the offsets), a Slice of constant bounds
+(Caffe Slice layers), two-bottom Scale/Bias (bottom[1] reshaped for ONNX's broadcast, or a blob broadcast
+over another) and BatchNorm statistics divided by the moving-average factor. :data:`HANDLERS` is the
+importer's whole op table (:data:`cct.onnx.import_ops.OP_HANDLERS` with these on top).
 """
 from __future__ import annotations
 
@@ -49,15 +51,15 @@ def _scaled_stat(imp: ImportState, v: str, bn) -> tuple[np.ndarray, np.ndarray, 
     node = imp.producer(inv)
     if raw is None or node is None:
         return None
-    helpers = [mul]
-    if node.op_type == "Where":
+    helpers, where_factor = [mul], None
+    if node.op_type == "Where":  # Where(factor == 0, factor, 1 / factor)
         eq, recip = imp.producer(node.input[0]), imp.producer(node.input[2])
         if eq is None or eq.op_type != "Equal" or imp.scalar(eq, eq.input[1]) != 0 or \
                 eq.input[0] != node.input[1] or recip is None:
             return None
         helpers += [node, eq]
-        node = recip
-    if node.op_type != "Reciprocal" or node.input[0] != (helpers[1].input[1] if len(helpers) > 1 else node.input[0]):
+        node, where_factor = recip, node.input[1]
+    if node.op_type != "Reciprocal" or where_factor not in (None, node.input[0]):
         return None
     factor = imp.const(node.input[0])
     if factor is None or factor.size != 1:
