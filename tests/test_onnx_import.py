@@ -1,10 +1,14 @@
 """ONNX import (cct.onnx.import_onnx, ``cct import_onnx``): round trips and PyTorch-style graphs.
 
-* export -> import of the reference unit cases and of public nets: the imported net has the same layers'
-  weights bit for bit and cct's forward on it equals the original's (and ONNX Runtime's).
+* export -> import of the reference unit cases and of public nets: the imported net has the same layers
+  (type, effective parameters) with weights bit for bit, and cct's forward on it equals the original's (and
+  ONNX Runtime's); the exporter's multi-node forms (MVN, ArgMax, Reduction, Embed, Crop, Threshold, Swish,
+  two-bottom Scale/Bias, BatchNorm with a moving-average factor, the recorded Exp/Log/Flatten/LRN/SPP)
+  come back as the one layer they were; the unrolled LSTM/RNN/LSTMUnit are refused by name.
 * Hand-built graphs in the patterns PyTorch's exporter writes (Pad before Conv, Gemm with transB 0/1,
   BatchNormalization with an affine part, broadcast Mul/Add constants, ceil-mode MaxPool, ...): the
   imported net's cct forward equals ONNX Runtime's on the same input.
+* Plain-ONNX forms of those layers (ArgMax, Reduce*, Gather, Greater + Cast, Slice, SiLU, SE gates).
 * Ops with no exact BVLC layer are errors naming the node and op; nothing is written then.
 """
 from __future__ import annotations
