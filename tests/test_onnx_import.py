@@ -394,9 +394,11 @@ def test_plain_onnx_forms_of_argmax_reduction_embed_threshold():
         helper.make_node("Cast", ["ax"], ["idx"], name="emb", to=TensorProto.INT64),
         helper.make_node("Gather", ["table", "idx"], ["g"], name="gather", axis=0),
         helper.make_node("Add", ["g", "bias"], ["emb_out"], name="emb_bias"),
+        helper.make_node("Sigmoid", ["x"], ["sig"], name="silu"),  # PyTorch's SiLU
+        helper.make_node("Mul", ["sig", "x"], ["silu_out"], name="silu_mul"),
     ]
     outs = {"amf": [2, 1, 4, 5], "am2f": [2, 3, 4], "rs": [2, 3, 1, 1], "rlc": [2], "th": [2, 3, 4, 5],
-            "emb_out": [2, 3, 4, 5, 4]}
+            "emb_out": [2, 3, 4, 5, 4], "silu_out": [2, 3, 4, 5]}
     graph = helper.make_graph(nodes, "plain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 5])],
                               [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in outs.items()],
                               [_const("axes", np.array([2, 3])), _const("half", np.float32(0.5)),
@@ -405,8 +407,8 @@ def test_plain_onnx_forms_of_argmax_reduction_embed_threshold():
     model.ir_version = 8
     net, param = imported_net(model)
     types = {lp.name: lp.type for lp in param.layer}
-    assert [types[n] for n in ("argmax", "argmax2", "rsum", "rl1", "thr", "emb")] == \
-        ["ArgMax", "ArgMax", "Reduction", "Reduction", "Threshold", "Embed"]
+    assert [types[n] for n in ("argmax", "argmax2", "rsum", "rl1", "thr", "emb", "silu")] == \
+        ["ArgMax", "ArgMax", "Reduction", "Reduction", "Threshold", "Embed", "Swish"]
     assert param.layer[[lp.name for lp in param.layer].index("rl1")].reduction_param.coeff == 0.5
     x = rng.integers(0, 10, (2, 3, 4, 5)).astype(np.float32)  # ties on both ArgMax axes; valid table rows
     forward(net, {"x": x})
