@@ -538,3 +538,15 @@ def test_recorded_exp_layer_is_taken_only_where_its_parameters_give_the_nodes():
     forward(back, {"x": x})
     forward(net, {"x": x})
     assert rel_err(back.blobs["e"].data, net.blobs["e"].data) <= RTOL
+
+
+def test_recorded_layer_that_cannot_be_built_is_not_trusted():
+    net = tiny_net('layer { name: "lrn" type: "LRN" bottom: "x" top: "y" lrn_param { local_size: 3 alpha: 0.3 '
+                   'norm_region: WITHIN_CHANNEL } }')
+    model = to_onnx(net)
+    assert [lp.type for lp in from_onnx(model)[0].layer] == ["Input", "LRN"]
+    head = next(n for n in model.graph.node if n.doc_string)
+    head.doc_string = head.doc_string.replace("local_size: 3", "local_size: 4")  # even: Caffe refuses it
+    assert "LRN" not in [lp.type for lp in from_onnx(model)[0].layer]
+    head.doc_string = "cct layer: this is not prototxt {"
+    assert "LRN" not in [lp.type for lp in from_onnx(model)[0].layer]
