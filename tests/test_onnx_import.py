@@ -550,3 +550,20 @@ def test_recorded_layer_that_cannot_be_built_is_not_trusted():
     assert "LRN" not in [lp.type for lp in from_onnx(model)[0].layer]
     head.doc_string = "cct layer: this is not prototxt {"
     assert "LRN" not in [lp.type for lp in from_onnx(model)[0].layer]
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_reduce_forms_round_trip_at_the_oldest_and_newer_opsets(opset):
+    # Reduce* take their axes as an attribute before opset 18 (ReduceSum from 13) and as an input from 18
+    net = tiny_net('layer { name: "mvn" type: "MVN" bottom: "x" top: "m" mvn_param { across_channels: true } }\n'
+                   'layer { name: "red" type: "Reduction" bottom: "m" top: "r" reduction_param { operation: MEAN '
+                   'axis: 2 coeff: 3 } }\n'
+                   'layer { name: "sq" type: "Reduction" bottom: "x" top: "q" reduction_param { operation: SUMSQ '
+                   'axis: 1 } }\n'
+                   'layer { name: "am" type: "ArgMax" bottom: "r" top: "a" argmax_param { top_k: 2 } }')
+    x = np.random.default_rng(17).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    back, param = _round_trip(net, {"x": x}, opset=opset)
+    assert [lp.type for lp in param.layer] == ["Input", "MVN", "Reduction", "Reduction", "ArgMax"]
+    original = {lp.name: lp for lp in net.to_proto().layer}
+    for twin in param.layer[1:]:
+        assert effective_params(back, twin) == effective_params(net, original[twin.name]), twin.name
