@@ -13,14 +13,15 @@ from ..errors import CctError, LayerError
 from ..io.atomic import atomic_write_bytes
 from ..net import Net
 from .graph import GraphBuilder, require
-from .layers import CONVERTERS, REFUSED, LayerContext, batch_norm_with_scale
+from .layers import BATCH_DIM, CONVERTERS, REFUSED, LayerContext, batch_norm_with_scale
+from .records import RECORDED, record_layer
 from .recurrent import convert_lstm, convert_lstm_unit, convert_rnn
 
 DEFAULT_OPSET = 17
 MIN_OPSET = 13  # Softmax with Caffe's single-axis semantics, Split/ReduceSum/Unsqueeze taking inputs
-BATCH_DIM = "N"
 
 
+UNROLLED = ("LSTM", "LSTMUnit", "RNN")
 # every converter: the per-layer table of cct.onnx.layers and the unrolled recurrent layers
 ALL_CONVERTERS = {**CONVERTERS, "LSTM": convert_lstm, "LSTMUnit": convert_lstm_unit, "RNN": convert_rnn}
 
@@ -111,10 +112,16 @@ def to_onnx(net: Net, opset: int = DEFAULT_OPSET, dynamic_batch: bool = False, f
         ctx = LayerContext(g, layer, bottoms, top_values,
                            [tuple(b.shape) for b in net.bottom_vecs[i]], [tuple(t.shape) for t in net.top_vecs[i]],
                            dynamic_batch)
+        first = len(g.nodes)
         if i in folded:
             batch_norm_with_scale(ctx, net.layers[folded[i]])
         else:
             convert(ctx)
+        if lp.type in UNROLLED:  # tells the importer (and a reader) why these nodes form no layer of their own
+            for node in g.nodes[first:]:
+                node.doc_string = f"unrolled {lp.type} layer '{lp.name}'"
+        elif lp.type in RECORDED and len(g.nodes) > first:
+            g.nodes[first].doc_string = record_layer(lp)
         values.update(zip(tops, ctx.tops))
     for name in net.output_blob_names:
         shape = list(net.blobs[name].shape)

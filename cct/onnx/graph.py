@@ -33,6 +33,7 @@ class GraphBuilder:
         self.initializers: list = []
         self.inputs: list = []
         self.outputs: list = []
+        self.value_info: list = []
         self._used: set[str] = set()
         self._node_names: set[str] = set()
 
@@ -94,10 +95,15 @@ class GraphBuilder:
         self.outputs.append(self.onnx.helper.make_tensor_value_info(
             name, self.onnx.TensorProto.FLOAT, None if shape is None else list(shape)))
 
+    def add_value_info(self, name: str, shape: Sequence[int | str]) -> None:
+        """Declare the float32 shape of an inner value (where shape inference cannot derive it)."""
+        self.value_info.append(self.onnx.helper.make_tensor_value_info(name, self.onnx.TensorProto.FLOAT, list(shape)))
+
     def model(self, graph_name: str, doc: str = ""):
         """The ``ModelProto`` of everything added so far."""
         helper = self.onnx.helper
-        graph = helper.make_graph(self.nodes, graph_name or "cct", self.inputs, self.outputs, self.initializers)
+        graph = helper.make_graph(self.nodes, graph_name or "cct", self.inputs, self.outputs, self.initializers,
+                                  value_info=self.value_info)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", self.opset)],
                                   producer_name="cct", producer_version=__version__, doc_string=doc)
         model.ir_version = helper.find_min_ir_version_for(model.opset_import)  # runtimes refuse newer IRs

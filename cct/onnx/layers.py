@@ -26,6 +26,7 @@ _POOL = caffe_pb2.PoolingParameter
 _LRN = caffe_pb2.LRNParameter
 _ELT = caffe_pb2.EltwiseParameter
 _RED = caffe_pb2.ReductionParameter
+BATCH_DIM = "N"  # the symbolic batch axis of a --dynamic_batch export
 
 
 @dataclass
@@ -273,12 +274,24 @@ def _base_scale_shift(c: LayerContext, p, field: str) -> tuple[float, float, flo
     return base, scale, shift
 
 
-def _exp(c: LayerContext) -> None:
-    base, scale, shift = _base_scale_shift(c, c.lp.exp_param, "exp_param")
+def exp_steps(base: float, scale: float, shift: float) -> tuple[np.float32, np.float32]:
+    """Caffe's Exp as ``outer * exp(inner * x)``: the float32 (inner, outer) factors (1: no step)."""
     log_base = 1.0 if base == -1 else math.log(base)
     inner = np.float32(log_base * scale)
     outer = np.float32(1.0) if shift == 0 else np.float32(math.exp(log_base * shift)) if base == -1 \
         else np.float32(base) ** np.float32(shift)
+    return inner, outer
+
+
+def log_steps(base: float, scale: float, shift: float) -> tuple[np.float32, np.float32, np.float32]:
+    """Caffe's Log as ``log(x * scale + shift) * base_scale``: the float32 (scale, shift, base_scale)
+    (1, 0, 1: no step)."""
+    base_scale = np.float32(1.0) if base == -1 else np.float32(1.0 / math.log(base))
+    return np.float32(scale), np.float32(shift), base_scale
+
+
+def _exp(c: LayerContext) -> None:
+    inner, outer = exp_steps(*_base_scale_shift(c, c.lp.exp_param, "exp_param"))
     x = c.bottoms[0]
     if inner != 1:
         x = c.node("Mul", [x, c.scalar("inner_scale", inner)])
@@ -289,10 +302,10 @@ def _exp(c: LayerContext) -> None:
 
 
 def _log(c: LayerContext) -> None:
-    base, scale, shift = _base_scale_shift(c, c.lp.log_param, "log_param")
+    scale, shift, base_scale = log_steps(*_base_scale_shift(c, c.lp.log_param, "log_param"))
     x = c.node("Log", [_affine(c, c.bottoms[0], scale, shift)])
-    if base != -1:
-        x = c.node("Mul", [x, c.scalar("base_scale", 1.0 / math.log(base))])
+    if base_scale != 1:
+        x = c.node("Mul", [x, c.scalar("base_scale", base_scale)])
     _finish(c, x)
 
 
@@ -331,15 +344,19 @@ def batch_norm_with_scale(c: LayerContext, scale: Layer | None) -> None:
                        "batch; build the net in the TEST phase")
     if len(c.bottom_shapes[0]) < 2:
         raise c.refuse("BatchNorm of a blob without a channel axis")
-    mean, var, factor = c.blob(0), c.blob(1), c.blob(2)
-    channels = mean.size
-    if factor.reshape(-1)[0] == 1:
-        m, v = c.param(0), c.param(1)
-    else:
-        # Caffe divides the running sums by the moving-average normaliser (0 -> 0) in float32.
-        f = np.float32(0) if factor.reshape(-1)[0] == 0 else np.float32(1) / factor.reshape(-1)[0]
-        m = c.g.const(f"{c.name}.mean", mean * f)
-        v = c.g.const(f"{c.name}.var", var * f)
+    channels = c.blob(0).size
+    m, v = c.param(0), c.param(1)
+    factor = c.blob(2).reshape(-1)[0]
+    if factor != 1:
+        # Caffe multiplies the running sums by 1 / the moving-average normaliser (0 -> 0) in float32: the
+        # three stored blobs stay initializers (bits kept) and the folding is explicit nodes.
+        f = c.param(2)
+        inv = c.g.one("Reciprocal", [f], name=f"{c.name}/factor_inv")
+        if factor == 0:  # 1/0 is inf: take the factor itself (0) where it is 0, as Caffe
+            zero = c.g.one("Equal", [f, c.scalar("zero", 0.0)], name=f"{c.name}/factor_is_0")
+            inv = c.g.one("Where", [zero, f, inv], name=f"{c.name}/factor_inv_or_0")
+        m = c.g.one("Mul", [m, inv], name=f"{c.name}/mean")
+        v = c.g.one("Mul", [v, inv], name=f"{c.name}/var")
     if scale is None:
         gamma = c.g.const(f"{c.name}.gamma", np.ones(channels, np.float32))
         beta = c.g.const(f"{c.name}.beta", np.zeros(channels, np.float32))
@@ -446,17 +463,27 @@ def _split(c: LayerContext) -> None:
 
 
 def _crop(c: LayerContext) -> None:
+    """Caffe's Crop: bottom[0] from ``offset`` to ``offset`` + bottom[1]'s size on every axis from ``axis``.
+
+    The ends are computed from bottom[1]'s shape (Shape, Add), so the graph keeps Caffe's two bottoms (and a
+    dynamic batch flows through a crop from axis 0); the top's shape is declared, as inference cannot derive it."""
     p = c.lp.crop_param
-    shape, ref = c.bottom_shapes[0], c.bottom_shapes[1]
+    shape = c.bottom_shapes[0]
     start = _axis(p.axis, len(shape))
     offsets = [int(p.offset[0] if len(p.offset) == 1 else p.offset[i - start]) if p.offset else 0
                for i in range(start, len(shape))]
-    if start == 0:
-        c.fixes_batch("Crop from axis 0 cuts the batch axis to bottom[1]'s")
     axes = list(range(start, len(shape)))
-    ends = [o + ref[a] for o, a in zip(offsets, axes)]
-    c.node("Slice", [c.bottoms[0], c.g.ints(f"{c.name}.starts", offsets), c.g.ints(f"{c.name}.ends", ends),
-                     c.g.ints(f"{c.name}.axes", axes)], 0)
+    if c.g.opset >= 15:
+        ref = c.node("Shape", [c.bottoms[1]], start=start)
+    else:
+        whole = c.node("Shape", [c.bottoms[1]])
+        ref = c.g.one("Slice", [whole, c.g.ints(f"{c.name}.axis", [start]), c.g.ints(f"{c.name}.rank", [len(shape)]),
+                                c.g.ints(f"{c.name}.zero", [0])], name=f"{c.name}/ref_shape")
+    starts = c.g.ints(f"{c.name}.starts", offsets)
+    ends = c.g.one("Add", [ref, starts], name=f"{c.name}/ends")
+    c.g.one("Slice", [c.bottoms[0], starts, ends, c.g.ints(f"{c.name}.axes", axes)], c.tops[0], name=f"{c.name}/crop")
+    out = list(c.top_shapes[0])
+    c.g.add_value_info(c.tops[0], [BATCH_DIM] + out[1:] if c.dynamic_batch and out else out)
 
 
 def _softmax(c: LayerContext) -> None:
