@@ -73,12 +73,13 @@ def test_fragments_equal_pooling_at_each_offset(window, size):
 
 
 @pytest.mark.parametrize("method", ["MAX", "AVE"])
-@pytest.mark.parametrize("window,size", [((2, 2), (7, 9)), ((2, 3, 2), (5, 5, 7))])
+@pytest.mark.parametrize("window,size", [((2, 3), (7, 8)), ((3, 3, 3), (5, 8, 11))])
 def test_fragment_pooling_layer(method, window, size):
     nd = len(window)
-    kernel = " ".join(f"kernel_size: {k}" for k in window) if nd == 3 else f"kernel_h: {window[0]} kernel_w: {window[1]}"
-    if nd == 3 and len(set(window)) > 1:
-        pytest.skip("cct's 3-D pooling takes one kernel_size for all axes")
+    if nd == 3:
+        kernel = f"kernel_size: {window[0]}"
+    else:
+        kernel = f"kernel_h: {window[0]} kernel_w: {window[1]}"
     lp = text_format.Parse(f'name: "p" type: "Pooling" bottom: "x" top: "y" pooling_param {{ pool: {method} '
                            f"{kernel} }}", caffe_pb2.LayerParameter())
     rng = np.random.default_rng(2)

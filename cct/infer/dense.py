@@ -88,7 +88,8 @@ class PatchRunner:
         shifts = [(0,) * nd]
         starts = [(0,) * nd]
         for op, frag in zip(self.geom.pools, self.mpf):
-            digits = [tuple(o * r for o, r in zip(off, radix)) for off in itertools.product(*(range(p) for p in op.size))]
+            offsets = itertools.product(*(range(p) for p in op.size))
+            digits = [tuple(o * r for o, r in zip(off, radix)) for off in offsets]
             if frag:  # offset outermost in the batch, as FragmentPooling folds it
                 starts = [tuple(a + b for a, b in zip(d, s)) for d in digits for s in starts]
             else:

@@ -26,18 +26,25 @@ def fragment_shape(size: Sequence[int], window: Sequence[int]) -> tuple[int, ...
     return tuple((n + 1) // p - 1 for n, p in zip(size, window))
 
 
-def fold_offsets(dense, window: Sequence[int]):
-    """``(B, C, *(F*p))`` stride-1 pooled values -> ``(prod(p) * B, C, *F)`` fragments, offset outermost."""
-    xp_shape = dense.shape
-    b, c, spatial = xp_shape[0], xp_shape[1], xp_shape[2:]
+def _fold_view(dense, window: Sequence[int]):
+    """``dense`` ``(B, C, *(F*p))`` as a view ``(*p, B, C, *F)``: ``(o, b, c, f)`` is ``dense[b, c, f*p + o]``."""
+    b, c, spatial = dense.shape[0], dense.shape[1], dense.shape[2:]
     nd = len(spatial)
     frag = tuple(n // p for n, p in zip(spatial, window))
     split = (b, c) + tuple(itertools.chain.from_iterable(zip(frag, window)))
     order = tuple(3 + 2 * a for a in range(nd)) + (0, 1) + tuple(2 + 2 * a for a in range(nd))
-    count = 1
-    for p in window:
-        count *= p
-    return dense.reshape(split).transpose(order).reshape((count * b, c) + frag)
+    return dense.reshape(split).transpose(order)
+
+
+def fold_offsets(dense, window: Sequence[int], out=None):
+    """``(B, C, *(F*p))`` stride-1 pooled values -> ``(prod(p) * B, C, *F)`` fragments, offset outermost
+    (written into ``out`` when given, without a temporary)."""
+    view = _fold_view(dense, window)
+    shape = (-1,) + view.shape[len(window) + 1:]
+    if out is None:
+        return view.reshape(shape)
+    out.reshape(view.shape)[...] = view
+    return out
 
 
 def offsets(window: Sequence[int]) -> list[tuple[int, ...]]:
@@ -81,4 +88,4 @@ class FragmentPooling:
         self.layer.forward([bottom], [self.dense])
         spatial = tuple(f * p for f, p in zip(top.shape[2:], self.window))
         crop = (slice(None), slice(None)) + tuple(slice(0, n) for n in spatial)
-        top.data[...] = fold_offsets(self.dense.data[crop], self.window)
+        fold_offsets(self.dense.data[crop], self.window, out=top.data)

@@ -39,7 +39,8 @@ def znni_prototxt(name: str, fmaps: int = 80, nd: int = 3, input_size: int | Non
         fov = fov * 2 if x == "P" else fov + int(x) - 1
     size = input_size or fov
     dims = "".join(f" dim: {d}" for d in [1, channels] + [size] * nd)
-    lines = [f'name: "{name}"', 'layer { name: "data" type: "Input" top: "data" input_param { shape {' + dims + " } } }"]
+    lines = [f'name: "{name}"',
+             'layer { name: "data" type: "Input" top: "data" input_param { shape {' + dims + " } } }"]
     bottom, nconv, npool = "data", 0, 0
     convs = sum(1 for x in layout if x != "P")
     for x in layout:
