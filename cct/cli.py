@@ -76,6 +76,7 @@ COMMANDS: dict[str, Command] = {
     "parse_log": Command("parse a training log into LOG.train / LOG.test CSV files", "cct.tools.parse_log"),
     "plot": Command("plot training curves of one or more logs (PNG; the [plot] extra)", "cct.tools.plot"),
     "draw": Command("draw a net as a graph (PNG/SVG/...; the [draw] extra)", "cct.tools.draw"),
+    "infer": Command("dense sliding-window inference of a 2-D/3-D net over a large image", "cct.infer.cli"),
 }
 
 

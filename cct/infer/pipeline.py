@@ -86,7 +86,7 @@ class DenseInference:
                 self.plan = plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget)
             else:
                 self.plan = choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf)
-            log.info("%s", self.plan.describe())
+            log.debug("%s", self.plan.describe())
             self.runner = PatchRunner(self.net, geom, self.plan.grid, self.plan.mpf, self.method, self.blob)
             self._prepared_for = key
         r = self.runner
