@@ -13,8 +13,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
+
 from ..blob import Blob
-from ..layers import create_layer
 from ..proto import caffe_pb2
 
 
@@ -52,32 +53,67 @@ def offsets(window: Sequence[int]) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(p) for p in window)))
 
 
-class FragmentPooling:
-    """A Pooling layer run as max-pooling fragments: :meth:`reshape` then :meth:`forward` on Blobs.
+def stage_shapes(shape: Sequence[int], window: Sequence[int]) -> list[tuple[int, ...]]:
+    """Shapes after pooling the spatial axes of ``shape`` ``(B, C, *n)`` one at a time (stride 1)."""
+    out, cur = [], list(shape)
+    for a, p in enumerate(window):
+        cur[2 + a] = cur[2 + a] - p + 1
+        out.append(tuple(cur))
+    return out
 
-    Built once at setup from the pooling layer's own parameters with stride 1 (so MAX/AVE semantics
-    are cct's Pooling layer's); holds the stride-1 result in its own blob.
+
+def pool_stride1(x, window: Sequence[int], average: bool, stages: Sequence) -> None:
+    """Stride-1 MAX (or AVE) pooling of ``x`` ``(B, C, *n)`` into ``stages[-1]``, one axis at a time.
+
+    The maximum (sum) over a box is the maximum (sum) over each axis in turn, so ``p`` comparisons per
+    axis replace ``prod(p)``; ``stages`` are the preallocated per-axis results (:func:`stage_shapes`).
+    AVE divides by the window's size: the windows of a pooling with stride = window and no padding are
+    never clipped (the sum's order differs from the one-pass sum, within float rounding).
+    """
+    src = x
+    for a, (p, dst) in enumerate(zip(window, stages)):
+        n = dst.shape[2 + a]
+
+        def part(o, a=a, n=n, src=src):
+            return src[(slice(None), slice(None)) + (slice(None),) * a + (slice(o, o + n),)]
+
+        dst[...] = part(0)
+        for o in range(1, p):
+            if average:
+                dst += part(o)
+            else:
+                np.maximum(dst, part(o), out=dst)
+        src = dst
+    if average:
+        count = 1
+        for p in window:
+            count *= p
+        stages[-1] *= stages[-1].dtype.type(1.0 / count)
+
+
+class FragmentPooling:
+    """A MAX/AVE pooling layer (stride = window, no padding) run as max-pooling fragments.
+
+    Inference only: no index of the maxima is kept (nothing propagates back), so the stride-1 pooling runs
+    axis by axis (:func:`pool_stride1`) into buffers allocated by :meth:`reshape`, then the offsets fold
+    into the batch (:func:`fold_offsets`).
     """
 
     def __init__(self, param: caffe_pb2.LayerParameter, window: Sequence[int], like: Blob) -> None:
-        lp = caffe_pb2.LayerParameter()
-        lp.CopyFrom(param)
-        lp.name = f"{param.name} (fragments)"
-        del lp.top[1:]
-        pp = lp.pooling_param
-        pp.ClearField("stride_h")
-        pp.ClearField("stride_w")
-        pp.stride = 1
+        self.name = param.name
         self.window = tuple(window)
-        self.layer = create_layer(lp)
-        self.dense = Blob((), dtype=like.dtype, xp=like.xp, name=lp.name)
-        self.layer.setup([like], [self.dense])
+        self.average = param.pooling_param.pool == caffe_pb2.PoolingParameter.AVE
+        self.xp = like.xp
+        self.dtype = like.dtype
+        self.stages: list = []
 
     def reshape(self, bottom: Blob, top: Blob) -> None:
         """Shape ``top`` as the fragments of ``bottom`` (raises ValueError when ``n + 1`` breaks the rule)."""
         shape = tuple(bottom.shape)
         frag = fragment_shape(shape[2:], self.window)
-        self.layer.reshape([bottom], [self.dense])
+        shapes = stage_shapes(shape, self.window)
+        if [s.shape for s in self.stages] != shapes:
+            self.stages = [self.xp.empty(s, dtype=self.dtype) for s in shapes]
         count = 1
         for p in self.window:
             count *= p
@@ -85,7 +121,5 @@ class FragmentPooling:
 
     def forward(self, bottom: Blob, top: Blob) -> None:
         """Pool ``bottom`` at every offset into ``top``."""
-        self.layer.forward([bottom], [self.dense])
-        spatial = tuple(f * p for f, p in zip(top.shape[2:], self.window))
-        crop = (slice(None), slice(None)) + tuple(slice(0, n) for n in spatial)
-        fold_offsets(self.dense.data[crop], self.window, out=top.data)
+        pool_stride1(bottom.data, self.window, self.average, self.stages)
+        fold_offsets(self.stages[-1], self.window, out=top.data)

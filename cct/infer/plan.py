@@ -8,7 +8,7 @@ batch the fragments create), its predicted seconds and workspace. It keeps the c
 predicted output voxels per second whose predicted peak memory fits the budget.
 
 Predicted peak bytes = every blob's data and diff (as :class:`cct.Blob` allocates them; in-place layers
-share one blob), the stride-1 pooling buffer of each MPF layer, the buffers each convolution keeps between
+share one blob), the per-axis stride-1 pooling buffers of each MPF layer, the buffers each convolution keeps between
 calls plus the largest transient workspace (:func:`conv_memory`), the index array MAX pooling keeps, the
 input patch and the output tile. Predicted time = the convolutions' forward passes times the number of
 shifted runs (plain pooling layers need one run per offset), plus one streaming pass over each blob.
@@ -155,12 +155,13 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         shape = (batches[k], bottom.shape[1]) + tuple(sizes[k])
         if op.kind == "pool":
             is_max = lp.pooling_param.pool == caffe_pb2.PoolingParameter.MAX
-            if mpf[pool_i]:  # the stride-1 pooled buffer (a Blob: data and diff)
-                count = shape[0] * shape[1] * _prod(n - p + 1 for n, p in zip(sizes[k], op.size))
-                blob_bytes += 2 * count * itemsize
-            else:
+            if mpf[pool_i]:  # the per-axis stride-1 pooled buffers
+                cur = list(shape)
+                for a, p in enumerate(op.size):
+                    cur[2 + a] -= p - 1
+                    kept += _prod(cur) * itemsize
+            elif is_max:  # the net's own MAX pooling keeps an int32 index per maximum, compares via a mask
                 count = batches[k + 1] * shape[1] * _prod(sizes[k + 1])
-            if is_max:  # MAX keeps the int32 index of each maximum, and compares through a boolean mask
                 kept += 4 * count
                 work = max(work, count)
             pool_i += 1
