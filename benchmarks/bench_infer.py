@@ -16,6 +16,7 @@ Every output is compared with cct-mpf's at the largest patch (max abs difference
 torch and monai come from the ``[bench-infer]`` extra: ``pip install -e '.[bench-infer]'``.
 
     flock /tmp/cct-timing.lock python benchmarks/bench_infer.py [--nets n337:8:1,2 n537:4:1] [--runs 3]
+        [--shift_grids max|none|1,2] [--out results/bench_infer_n337.json]
 
 A net spec is ``name:fmaps:grids`` (grids: output voxels per fragment and axis; the patch is
 ``grid * stride + fov - 1``); the volume's output is the largest grid's tile.
@@ -103,6 +104,14 @@ def _monai(net, geom, vol, patch, runs):
     return timing, out[crop], {"sw_batch_size": bs, "tuning_s": tuned}
 
 
+def _shift_wanted(flag: str, grid: int, grids: list[int]) -> bool:
+    if flag == "none":
+        return False
+    if flag == "max":
+        return grid == max(grids)
+    return grid in {int(g) for g in flag.split(",")}
+
+
 def worker(spec: dict) -> dict:
     """One row, in this process: time it, save its output, report peak RSS."""
     net = cct.Net(spec["model"], cct.TEST, weights=spec["weights"])
@@ -143,7 +152,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--windows", type=int, default=8, help="window positions timed by the naive approach")
     ap.add_argument("--methods", default="naive,cct-shift,cct-mpf,cct-plan,monai")
-    ap.add_argument("--shift_max_grid", type=int, default=2, help="cct-shift only up to this grid (it is slow)")
+    ap.add_argument("--shift_grids", default="max",
+                    help="grids cct-shift runs at: 'max' (the largest), 'none' or a list such as 1,2 "
+                         "(it runs prod(stride) plain nets per patch)")
     ap.add_argument("--budget", default=None, help="memory budget of cct-plan (default CCT_MEMORY_BUDGET)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--keep-env", action="store_true")
@@ -186,7 +197,7 @@ def main() -> None:
             order = [m for m in ("cct-mpf", "naive", "cct-shift", "cct-plan", "monai") if m in methods]
             for method in order:
                 for g in (grids if method in ("cct-mpf", "cct-shift", "monai") else [max(grids)]):
-                    if method == "cct-shift" and g > args.shift_max_grid:
+                    if method == "cct-shift" and not _shift_wanted(args.shift_grids, g, grids):
                         continue
                     patch = (g * stride + fov - 1,) * 3
                     out = os.path.join(tmp, f"{name}_{method}_{g}.npy")

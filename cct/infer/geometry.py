@@ -172,10 +172,31 @@ def _check_channelwise(lp: caffe_pb2.LayerParameter) -> None:
         raise NotDensifiableError(lp.name, t, "LRN within a channel normalizes over space (pads the border)")
 
 
+def analyze_param(param: caffe_pb2.NetParameter, num_spatial: int, input_blob: str, output_blob: str) -> NetGeometry:
+    """The :class:`NetGeometry` of the layers of ``param`` (no net is built: the geometry needs no blob);
+    raises :class:`NotDensifiableError` at the first layer that cannot be made dense."""
+    ops = []
+    for i, lp in enumerate(param.layer):
+        t = lp.type
+        if t == "Input":
+            continue
+        if t == "Convolution":
+            ops.append(_conv_op(i, lp, num_spatial))
+        elif t == "Pooling":
+            ops.append(_pool_op(i, lp, num_spatial))
+        elif t in POINTWISE:
+            continue
+        elif t in ("Scale", "Bias", "Softmax", "Concat", "LRN"):
+            _check_channelwise(lp)
+        else:
+            raise NotDensifiableError(lp.name, t, "this layer type cannot be applied densely (sliding window); "
+                                      "dense inference takes Convolution, Pooling and per-voxel layers")
+    return NetGeometry(tuple(ops), num_spatial, input_blob, output_blob)
+
+
 def analyze(net) -> NetGeometry:
     """The :class:`NetGeometry` of a built :class:`cct.Net` with one Input blob of shape ``(N, C, *spatial)``;
     raises :class:`NotDensifiableError` at the first layer that cannot be made dense."""
-    params = list(net.param.layer)
     if len(net.input_blob_names) != 1:
         raise CctError(f"dense inference needs a net with exactly one input blob, got {net.input_blob_names or 'none'}"
                        " (declare it with an Input layer)")
@@ -184,26 +205,21 @@ def analyze(net) -> NetGeometry:
     if nd < 1 or nd > 3:
         raise CctError(f"input blob '{in_name}' has shape {list(net.blobs[in_name].shape)}: dense inference needs "
                        "(N, C, x), (N, C, y, x) or (N, C, z, y, x)")
-    ops = []
-    for i, lp in enumerate(params):
-        t = lp.type
-        if t == "Input":
-            continue
-        if t == "Convolution":
-            ops.append(_conv_op(i, lp, nd))
-        elif t == "Pooling":
-            ops.append(_pool_op(i, lp, nd))
-        elif t in POINTWISE:
-            continue
-        elif t in ("Scale", "Bias", "Softmax", "Concat", "LRN"):
-            _check_channelwise(lp)
-        else:
-            raise NotDensifiableError(lp.name, t, "this layer type cannot be applied densely (sliding window); "
-                                      "dense inference takes Convolution, Pooling and per-voxel layers")
     if len(net.output_blob_names) < 1:
         raise CctError("the net has no output blob")
-    out = net.output_blob_names[-1]
-    return NetGeometry(tuple(ops), nd, in_name, out)
+    return analyze_param(net.param, nd, in_name, net.output_blob_names[-1])
+
+
+def field_of_view(prototxt: str) -> tuple[int, ...]:
+    """The field of view of a deploy prototxt with one Input layer, read without building the net."""
+    from ..io.prototxt import read_net_prototxt
+
+    param = read_net_prototxt(prototxt)
+    inputs = [lp for lp in param.layer if lp.type == "Input"]
+    if len(inputs) != 1 or not inputs[0].input_param.shape:
+        raise CctError(f"{prototxt}: dense inference needs exactly one Input layer with a shape")
+    nd = len(inputs[0].input_param.shape[0].dim) - 2
+    return analyze_param(param, nd, inputs[0].top[0], param.layer[-1].top[0]).field_of_view
 
 
 def check_chain(net, geom: NetGeometry) -> None:

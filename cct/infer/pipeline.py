@@ -72,25 +72,29 @@ class DenseInference:
                f"{', '.join('zyx'[3 - nd:])})"
         raise CctError(f"a volume of shape {list(shape)} does not fit the net, which takes {want}")
 
-    def prepare(self, spatial: Sequence[int]) -> Tiling:
-        """Plan (or fit ``patch``), build the patch runner and the tiling for a volume of ``spatial`` shape."""
-        spatial = tuple(spatial)
-        key = (spatial,)
+    def make_plan(self, spatial: Sequence[int]) -> InferencePlan:
+        """The plan for a volume of ``spatial`` shape: the ``patch`` given, fitted, or the planner's choice."""
         geom = self.geom
-        probe = Tiling(spatial, geom.field_of_view, geom.field_of_view, (1,) * geom.num_spatial,
-                       geom.stride if self.method == "strided" else (1,) * geom.num_spatial, self.mode, self.padding)
+        step = geom.stride if self.method == "strided" else (1,) * geom.num_spatial
+        probe = Tiling(tuple(spatial), geom.field_of_view, geom.field_of_view, (1,) * geom.num_spatial, step,
+                       self.mode, self.padding)
         unit = (1,) * geom.num_spatial if self.method == "strided" else geom.stride
         limit = tuple(-(-o // u) for o, u in zip(probe.output, unit))
-        if self._prepared_for != key:
-            if self.patch is not None:
-                self.plan = plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget)
-            else:
-                self.plan = choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf)
+        if self.patch is not None:
+            return plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget)
+        return choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf)
+
+    def prepare(self, spatial: Sequence[int]) -> Tiling:
+        """Plan (:meth:`make_plan`), build the patch runner and the tiling for a volume of ``spatial`` shape."""
+        spatial = tuple(spatial)
+        if self._prepared_for != spatial:
+            self.plan = self.make_plan(spatial)
             log.debug("%s", self.plan.describe())
-            self.runner = PatchRunner(self.net, geom, self.plan.grid, self.plan.mpf, self.method, self.blob)
-            self._prepared_for = key
+            self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob)
+            self._prepared_for = spatial
         r = self.runner
-        return Tiling(spatial, geom.field_of_view, r.patch_shape, r.out_shape, r.out_step, self.mode, self.padding)
+        return Tiling(spatial, self.geom.field_of_view, r.patch_shape, r.out_shape, r.out_step, self.mode,
+                      self.padding)
 
     # -- running ---------------------------------------------------------------------------
     def __call__(self, volume) -> np.ndarray:

@@ -2,9 +2,9 @@
 
 For every choice of MPF or plain pooling per pooling layer and every patch size (the grid of output
 voxels per fragment, the same on every axis, capped by the volume), the planner walks the net without
-allocating anything: each blob's shape (batch = fragments so far), each convolution's lowering plan
-from cct's optimizer and cost model (:func:`cct.lowering.optimizer.plan_convolution`, priced at the
-batch the fragments create), its predicted seconds and workspace. It keeps the candidate with the most
+allocating anything: each blob's shape (batch = fragments so far), each convolution's fastest lowering by
+cct's optimizer and cost model (:func:`cct.lowering.optimizer.predictions` of the forward pass, chunk-aware,
+priced at the batch the fragments create), its predicted seconds and workspace. It keeps the candidate with the most
 predicted output voxels per second whose predicted peak memory fits the budget.
 
 Predicted peak bytes = every blob's data and diff (as :class:`cct.Blob` allocates them; in-place layers
@@ -23,7 +23,8 @@ from ..lowering import direct_layout as dl
 from ..lowering.calibrate import load_machine
 from ..lowering.cost_model import Machine, workspace_bytes
 from ..lowering.geometry import ConvGeometry
-from ..lowering.optimizer import plan_convolution
+from ..lowering.optimizer import predictions
+from ..lowering.partition import memory_budget
 from ..membudget import human
 from ..proto import caffe_pb2
 from .geometry import NetGeometry
@@ -116,9 +117,13 @@ def blob_depths(net, geom: NetGeometry) -> dict[str, int]:
 
 
 def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], method: str = "mpf",
-            machine: Machine | None = None, budget: int | None = None, itemsize: int | None = None) -> InferencePlan:
-    """The predictions of one candidate (see the module docstring)."""
+            machine: Machine | None = None, budget: int | None = None, itemsize: int | None = None,
+            cache: dict | None = None) -> InferencePlan:
+    """The predictions of one candidate (see the module docstring); ``cache`` keeps the convolution prices
+    between candidates of one planning."""
     machine = machine if machine is not None else load_machine(measure_if_missing=False)
+    cache = {} if cache is None else cache
+    cap = memory_budget(budget)
     itemsize = itemsize or net.dtype.itemsize
     mpf = tuple(mpf) if method == "mpf" else (False,) * len(geom.pools)
     run_shape = geom.input_size(tuple(grid), mpf)
@@ -167,11 +172,13 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
             pool_i += 1
             continue
         cg = ConvGeometry.from_param(lp.convolution_param, shape)
-        plan = plan_convolution(cg, shape[0], machine, budget=budget, passes=("fwd",))
-        t = plan.predicted("fwd")
-        name = plan.fwd.split("+")[0] if isinstance(plan.fwd, str) else str(plan.fwd)
+        key = (cg, shape[0])
+        if key not in cache:  # the optimizer's chunk-aware forward prices, as a TEST net's layer plans
+            preds = predictions(cg, shape[0], machine, "fwd", None, cap)
+            cache[key] = min(preds.items(), key=lambda kv: (kv[1], kv[0]))
+        name, t = cache[key]
         kept_ws, transient = conv_memory(name, cg, shape[0], itemsize)
-        layers.append(LayerPlan(lp.name, shape, plan.fwd, t, kept_ws + transient))
+        layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient))
         seconds += t
         kept += kept_ws
         work = max(work, transient)
@@ -207,13 +214,14 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
     machine = machine if machine is not None else load_machine(measure_if_missing=False)
     best: InferencePlan | None = None
     smallest: InferencePlan | None = None
+    cache: dict = {}
     choices = [tuple(mpf)] if mpf is not None and method == "mpf" else mpf_choices(len(geom.pools), method)
     grids = sorted({g for g in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if g <= max_grid})
     for flags in choices:
         top = 0.0
         for g in grids:
             grid = tuple(min(g, max(1, lim)) for lim in limit)
-            cand = predict(net, geom, grid, flags, method, machine, budget)
+            cand = predict(net, geom, grid, flags, method, machine, budget, cache=cache)
             if smallest is None or cand.peak_bytes < smallest.peak_bytes:
                 smallest = cand
             if budget is not None and cand.peak_bytes > budget:
