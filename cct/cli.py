@@ -93,6 +93,7 @@ COMMANDS: dict[str, Command] = {
                            "build_import_parser", "run_import"),
     "plan": Command("choose each layer's parallelism over workers (DeePa) and write the plan",
                     "cct.parallel_plan.command"),
+    "infer": Command("dense sliding-window inference of a 2-D/3-D net over a large image", "cct.infer.cli"),
 }
 
 

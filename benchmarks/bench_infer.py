@@ -1,0 +1,238 @@
+"""Dense sliding-window inference throughput (ZNNi, Fig. 5/7): output voxels/s against the input patch size.
+
+For ZNNi's n337 and n537 (Table III; ``--fmaps`` feature maps, random weights) on one random volume, each
+row runs in its own process (so its peak resident memory is its own) and times, median of ``--runs``:
+
+* ``naive``: the net applied once per window position (batches of windows; a sample of positions),
+* ``cct-shift``: cct patch inference without MPF (the plain strided net run at every offset),
+* ``cct-mpf``: cct with max-pooling fragments on every pooling layer, at the given patch,
+* ``cct-plan``: cct with the planner's choice of patch and MPF under the memory budget,
+* ``monai``: the same net and weights in PyTorch in its dense form (pooling with stride 1, later layers
+  dilated: filter rarefaction) run by MONAI's ``sliding_window_inference`` with ``roi_size`` = the patch,
+  ``overlap`` = (field of view - 1) / patch so the valid outputs tile, the ROI weight map 1 on the valid
+  part, ``sw_batch_size`` tuned over 1, 2, 4.
+
+Every output is compared with cct-mpf's at the largest patch (max abs difference in the table).
+torch and monai come from the ``[bench-infer]`` extra: ``pip install -e '.[bench-infer]'``.
+
+    flock /tmp/cct-timing.lock python benchmarks/bench_infer.py [--nets n337:8:1,2 n537:4:1] [--runs 3]
+        [--shift_grids max|none|1,2] [--out results/bench_infer_n337.json]
+
+A net spec is ``name:fmaps:grids`` (grids: output voxels per fragment and axis; the patch is
+``grid * stride + fov - 1``); the volume's output is the largest grid's tile.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np  # noqa: I001
+from common import environment_report, print_environment, print_table, reexec_clean, time_call, write_json
+
+import cct
+from cct.infer.geometry import analyze
+from cct.infer.naive import naive_dense
+from cct.infer.pipeline import DenseInference
+from cct.infer.znni_nets import znni_prototxt
+
+
+def _torch_dense_net(net):
+    """The PyTorch dense form of a cct chain net: stride-1 pooling, later layers dilated."""
+    import torch
+    from torch import nn
+
+    mods, dil = [], 1
+    for lp in net.param.layer:
+        if lp.type == "Convolution":
+            w, b = net.params[lp.name][0].data, net.params[lp.name][1].data
+            conv = nn.Conv3d(w.shape[1], w.shape[0], w.shape[2:], dilation=dil)
+            conv.weight.data = torch.from_numpy(np.ascontiguousarray(w))
+            conv.bias.data = torch.from_numpy(np.ascontiguousarray(b))
+            mods.append(conv)
+        elif lp.type == "Pooling":
+            k = lp.pooling_param.kernel_size
+            mods.append(nn.MaxPool3d(k, stride=1, dilation=dil))
+            dil *= k
+        elif lp.type == "ReLU":
+            mods.append(nn.ReLU(inplace=True))
+        elif lp.type == "Sigmoid":
+            mods.append(nn.Sigmoid())
+    return nn.Sequential(*mods).eval()
+
+
+def _monai(net, geom, vol, patch, runs):
+    import torch
+    from monai.inferers import sliding_window_inference
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = _torch_dense_net(net)
+    fov = geom.field_of_view
+    lo = [(f - 1) // 2 for f in fov]
+
+    def predictor(x):
+        y = model(x)
+        pad = []
+        for a in reversed(range(3)):
+            pad += [lo[a], fov[a] - 1 - lo[a]]
+        return torch.nn.functional.pad(y, pad)
+
+    weight = torch.zeros((1, 1) + tuple(patch))
+    weight[(0, 0) + tuple(slice(a, a + p - f + 1) for a, p, f in zip(lo, patch, fov))] = 1
+    x = torch.from_numpy(vol)[None, None]
+    overlap = [(f - 1) / p for f, p in zip(fov, patch)]
+
+    def run(bs):
+        with torch.no_grad():
+            return sliding_window_inference(x, patch, bs, predictor, overlap=overlap, mode="constant",
+                                            roi_weight_map=weight)
+
+    tuned = {}
+    for bs in (1, 2, 4):
+        t0 = time.perf_counter()
+        run(bs)
+        tuned[bs] = time.perf_counter() - t0
+    bs = min(tuned, key=tuned.get)
+    timing = time_call(lambda: run(bs), repeats=runs, warmup=0)
+    out = run(bs)[0].numpy()
+    crop = (slice(None),) + tuple(slice(a, n - (f - 1 - a)) for a, n, f in zip(lo, vol.shape, fov))
+    return timing, out[crop], {"sw_batch_size": bs, "tuning_s": tuned}
+
+
+def _shift_wanted(flag: str, grid: int, grids: list[int]) -> bool:
+    if flag == "none":
+        return False
+    if flag == "max":
+        return grid == max(grids)
+    return grid in {int(g) for g in flag.split(",")}
+
+
+def worker(spec: dict) -> dict:
+    """One row, in this process: time it, save its output, report peak RSS."""
+    net = cct.Net(spec["model"], cct.TEST, weights=spec["weights"])
+    geom = analyze(net)
+    vol = np.load(spec["volume"])
+    method, patch, runs = spec["method"], tuple(spec["patch"]), spec["runs"]
+    extra: dict = {}
+    if method == "naive":
+        k = spec["windows"]
+        sub = vol[: geom.field_of_view[0], : geom.field_of_view[1], : geom.field_of_view[2] + k - 1]
+        timing = time_call(lambda: naive_dense(net, geom, sub[None], batch=k), repeats=runs)
+        out = naive_dense(net, geom, sub[None], batch=k)
+        voxels = k
+    elif method == "monai":
+        timing, out, extra = _monai(net, geom, vol, patch, runs)
+        voxels = int(np.prod(out.shape[1:]))
+    else:
+        if method == "cct-plan":
+            di = DenseInference(net, budget=spec.get("budget"))
+        else:
+            di = DenseInference(net, patch=patch, method="shift" if method == "cct-shift" else "mpf")
+        di.prepare(vol.shape)
+        timing = time_call(lambda: di(vol), repeats=runs)
+        out = di(vol)
+        voxels = int(np.prod(out.shape[1:]))
+        extra = {"plan": di.plan.describe().splitlines()[0], "predicted_peak_bytes": di.plan.peak_bytes,
+                 "predicted_voxels_per_s": di.plan.voxels_per_second, "patch": list(di.plan.patch),
+                 "mpf": list(di.plan.mpf)}
+    np.save(spec["out"], out)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"timing": timing, "voxels": voxels, "voxels_per_s": voxels / timing["median"], "peak_rss": rss,
+            **extra}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nets", nargs="+", default=["n337:8:1,2", "n537:4:1"])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--windows", type=int, default=8, help="window positions timed by the naive approach")
+    ap.add_argument("--methods", default="naive,cct-shift,cct-mpf,cct-plan,monai")
+    ap.add_argument("--shift_grids", default="max",
+                    help="grids cct-shift runs at: 'max' (the largest), 'none' or a list such as 1,2 "
+                         "(it runs prod(stride) plain nets per patch)")
+    ap.add_argument("--budget", default=None, help="memory budget of cct-plan (default CCT_MEMORY_BUDGET)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--keep-env", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    removed = reexec_clean(keep_env=args.keep_env)
+    env = environment_report(removed)
+    print_environment(env)
+    methods = args.methods.split(",")
+    budget = None
+    if args.budget:
+        from cct.membudget import parse_size
+
+        budget = parse_size(args.budget)
+    rows, results = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.nets:
+            name, fmaps, grids = spec.split(":")
+            grids = [int(g) for g in grids.split(",")]
+            model = os.path.join(tmp, f"{name}.prototxt")
+            with open(model, "w") as f:
+                f.write(znni_prototxt(name, fmaps=int(fmaps), outputs=3))
+            net = cct.Net(model, cct.TEST)
+            rng = np.random.default_rng(0)
+            for blobs in net.params.values():  # He-scaled weights keep activations O(1) through the depth
+                blobs[0].data[...] = rng.standard_normal(blobs[0].shape) * np.sqrt(2.0 / blobs[0].data[0].size)
+                blobs[1].data[...] = rng.uniform(-0.1, 0.1, blobs[1].shape)
+            weights = os.path.join(tmp, f"{name}.caffemodel")
+            net.save(weights)
+            geom = analyze(net)
+            fov, stride = geom.field_of_view[0], geom.stride[0]
+            out_n = max(grids) * stride
+            vol = rng.standard_normal((out_n + fov - 1,) * 3).astype(np.float32)
+            vpath = os.path.join(tmp, f"{name}_vol.npy")
+            np.save(vpath, vol)
+            ref = None
+            order = [m for m in ("cct-mpf", "naive", "cct-shift", "cct-plan", "monai") if m in methods]
+            for method in order:
+                for g in (grids if method in ("cct-mpf", "cct-shift", "monai") else [max(grids)]):
+                    if method == "cct-shift" and not _shift_wanted(args.shift_grids, g, grids):
+                        continue
+                    patch = (g * stride + fov - 1,) * 3
+                    out = os.path.join(tmp, f"{name}_{method}_{g}.npy")
+                    job = {"model": model, "weights": weights, "volume": vpath, "method": method, "patch": patch,
+                           "runs": args.runs, "out": out, "windows": args.windows, "budget": budget}
+                    t0 = time.perf_counter()
+                    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
+                                          capture_output=True, text=True, env=os.environ.copy())
+                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                    if proc.returncode != 0 or not lines:
+                        raise SystemExit(f"{name} {method} {g} failed:\n{proc.stderr[-3000:]}")
+                    res = json.loads(lines[-1][7:])
+                    got = np.load(out)
+                    if ref is None:
+                        ref = got  # cct-mpf at the first grid: the whole volume
+                    if method == "naive":
+                        diff = float(np.abs(got - ref[(slice(None), 0, 0, slice(0, got.shape[-1]))]
+                                            .reshape(got.shape)).max())
+                    else:
+                        diff = float(np.abs(got - ref).max())
+                    res.update({"net": name, "fmaps": int(fmaps), "fov": fov, "method": method, "grid": g,
+                                "patch": res.get("patch", list(patch)), "volume": list(vol.shape),
+                                "max_abs_diff_vs_cct_mpf": diff, "wall_s": time.perf_counter() - t0})
+                    results.append(res)
+                    rows.append([name, int(fmaps), method, "x".join(map(str, res["patch"])) if method != "naive"
+                                 else f"{fov}^3 windows", round(res["voxels_per_s"], 1), res["timing"]["median"],
+                                 round(res["peak_rss"] / 2**20), f"{diff:.1e}", res.get("sw_batch_size", "")])
+                    print_table(["net", "fmaps", "method", "patch", "voxels/s", "median s", "peak RSS MiB",
+                                 "max|diff|", "sw_bs"], rows[-1:])
+    print()
+    print_table(["net", "fmaps", "method", "patch", "voxels/s", "median s", "peak RSS MiB", "max|diff|", "sw_bs"],
+                rows)
+    path = write_json("bench_infer", {"environment": env, "results": results}, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Dense output of a net on one input patch: max-pooling fragments, shifted runs, or the net's strided output.
+
+:class:`PatchRunner` runs a built :class:`cct.Net` layer by layer on a fixed input patch. Each pooling
+layer runs either as max-pooling fragments (``mpf[i]``; :mod:`cct.infer.fragments`) or as the net's
+own strided pooling. Output position ``x`` of the dense output then has one digit per pooling layer
+(``x = d_1 + p_1 (d_2 + p_2 (... + p_L g))``): an MPF layer supplies its digit through its fragment
+offset, a plain one through a shift of the input. So the runner makes ``prod`` (windows of the plain
+pooling layers) runs, each on the input shifted by those digits, and writes each fragment of each run
+to its strided place in the output. With every pooling layer as MPF that is one run (ZNNi); with none
+it is ``prod(p)`` runs of the plain net (patch inference without MPF). ``method="strided"`` makes one
+run of the plain net and returns its own strided output (every ``stride``-th window position).
+
+Shapes are fixed at construction (the convolutions plan their lowering then, for the batch sizes the
+fragments create); :meth:`PatchRunner.run` only computes.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import CctError, LayerError
+from .fragments import FragmentPooling
+from .geometry import NetGeometry
+
+METHODS = ("mpf", "shift", "strided")
+
+
+def _prod(values: Sequence[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+class PatchRunner:
+    """Runs ``net`` on input patches of one shape and returns their dense (or strided) output.
+
+    ``grid``: output voxels per fragment and axis (the patch shape follows from it and ``mpf``);
+    ``mpf``: per pooling layer, fragments (True) or plain strided pooling (False); ``method``: ``"mpf"``
+    or ``"shift"`` (dense output; ``"shift"`` forces every ``mpf`` False) or ``"strided"``.
+    ``blob``: the output blob (default the net's last output).
+    """
+
+    def __init__(self, net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool] | None = None,
+                 method: str = "mpf", blob: str | None = None) -> None:
+        if method not in METHODS:
+            raise CctError(f"unknown dense-inference method '{method}' (use {', '.join(METHODS)})")
+        npool = len(geom.pools)
+        if method != "mpf":
+            mpf = (False,) * npool
+        elif mpf is None:
+            mpf = (True,) * npool
+        if len(mpf) != npool:
+            raise CctError(f"mpf has {len(mpf)} entries for {npool} pooling layers")
+        self.net, self.geom, self.method = net, geom, method
+        self.mpf = tuple(bool(m) for m in mpf)
+        self.grid = tuple(int(g) for g in grid)
+        self.blob = blob or geom.output_blob
+        if not net.has_blob(self.blob):
+            raise CctError(f"the net has no blob '{self.blob}' (outputs: {', '.join(net.output_blob_names)})")
+        nd = geom.num_spatial
+        self.stride = geom.stride
+        self.fov = geom.field_of_view
+        self.run_shape = geom.input_size(self.grid, self.mpf)
+        self.shifts, self.frag_starts = self._digits()
+        if method == "strided":
+            self.out_step = self.stride  # input voxels between two output voxels
+            self.out_shape = self.grid
+            self.patch_shape = self.run_shape
+        else:
+            self.out_step = (1,) * nd
+            self.out_shape = tuple(g * s for g, s in zip(self.grid, self.stride))
+            self.patch_shape = tuple(o + f - 1 for o, f in zip(self.out_shape, self.fov))
+        if method == "strided":
+            self.shifts = [(0,) * nd]
+        last = [max(s[a] for s in self.shifts) + self.run_shape[a] for a in range(nd)]
+        if any(x > n for x, n in zip(last, self.patch_shape)):  # pragma: no cover (geometry invariant)
+            raise CctError(f"internal: shifted runs {last} exceed the patch {list(self.patch_shape)}")
+        self._setup()
+
+    # -- setup ------------------------------------------------------------------------
+    def _digits(self) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """Input shifts (digits of the plain pooling layers) and each output fragment's offset (MPF digits)."""
+        nd = self.geom.num_spatial
+        radix = [1] * nd
+        shifts = [(0,) * nd]
+        starts = [(0,) * nd]
+        for op, frag in zip(self.geom.pools, self.mpf):
+            offsets = itertools.product(*(range(p) for p in op.size))
+            digits = [tuple(o * r for o, r in zip(off, radix)) for off in offsets]
+            if frag:  # offset outermost in the batch, as FragmentPooling folds it
+                starts = [tuple(a + b for a, b in zip(d, s)) for d in digits for s in starts]
+            else:
+                shifts = [tuple(a + b for a, b in zip(d, s)) for d in digits for s in shifts]
+            radix = [r * p for r, p in zip(radix, op.size)]
+        return shifts, starts
+
+    def _setup(self) -> None:
+        net, geom = self.net, self.geom
+        inp = net.blobs[geom.input_blob]
+        shape = tuple(inp.shape)
+        inp.reshape((1, shape[1]) + self.run_shape)
+        pools = {op.layer: (op, i) for i, op in enumerate(geom.pools)}
+        self.steps: list[tuple[int, object]] = []
+        for i, layer in enumerate(net.layers):
+            lp = net.param.layer[i]
+            if lp.type == "Input":
+                continue
+            bottom, top = net.bottom_vecs[i], net.top_vecs[i]
+            runner: object = layer
+            if i in pools and self.mpf[pools[i][1]]:
+                runner = FragmentPooling(lp, pools[i][0].size, bottom[0])
+            try:
+                if isinstance(runner, FragmentPooling):
+                    runner.reshape(bottom[0], top[0])
+                else:
+                    layer.reshape(bottom, top)
+            except LayerError:
+                raise
+            except (CctError, ValueError) as e:
+                raise LayerError(lp.name, lp.type, f"patch {list(self.run_shape)}: {e}") from e
+            self.steps.append((i, runner))
+        out = net.blobs[self.blob]
+        nfrag = len(self.frag_starts)
+        if out.shape[0] != nfrag or tuple(out.shape[2:]) != self.grid:
+            raise CctError(f"blob '{self.blob}' has shape {list(out.shape)}; expected {nfrag} fragments of "
+                           f"{list(self.grid)} voxels (is it after the last convolution?)")
+        self.channels = int(out.shape[1])
+
+    # -- running ------------------------------------------------------------------------
+    def run(self, patch: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Dense output ``(C_out, *out_shape)`` of one input patch ``(C_in, *patch_shape)``."""
+        net = self.net
+        inp = net.blobs[self.geom.input_blob]
+        if tuple(patch.shape[1:]) != self.patch_shape or patch.shape[0] != inp.shape[1]:
+            raise CctError(f"patch of shape {list(patch.shape)}; expected {[inp.shape[1], *self.patch_shape]}")
+        if out is None:
+            out = np.empty((self.channels,) + self.out_shape, dtype=net.dtype)
+        top = net.blobs[self.blob]
+        for shift in self.shifts:
+            window = tuple(slice(s, s + n) for s, n in zip(shift, self.run_shape))
+            inp.data[0] = patch[(slice(None),) + window]
+            for i, runner in self.steps:
+                if isinstance(runner, FragmentPooling):
+                    runner.forward(net.bottom_vecs[i][0], net.top_vecs[i][0])
+                else:
+                    runner.forward(net.bottom_vecs[i], net.top_vecs[i])
+            result = top.data
+            if self.method == "strided":
+                out[...] = result[0]
+                continue
+            for b, start in enumerate(self.frag_starts):
+                place = tuple(slice(s + st, s + st + g * p, p)
+                              for s, st, g, p in zip(shift, start, self.grid, self.stride))
+                out[(slice(None),) + place] = result[b]
+        return out

@@ -1,0 +1,184 @@
+"""Dense inference of a whole volume: plan, tile, run each patch, write each tile (``DenseInference``).
+
+``DenseInference(net, ...)`` takes a built :class:`cct.Net` (TEST phase, weights loaded) whose input blob
+is ``(N, C, *spatial)``. Calling it on an array ``(C, *spatial)`` (or ``spatial`` for one channel) returns
+the dense output ``(C_out, *out)``; :meth:`DenseInference.run_files` streams a volume from a file to a
+file tile by tile (never loading it whole), shows progress with voxels/s and ETA, and resumes an
+interrupted run from the tiles already written.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..errors import CctError
+from ..progress import Progress
+from .dense import METHODS, PatchRunner
+from .geometry import NetGeometry, analyze, check_chain
+from .plan import InferencePlan, choose_plan, plan_for_patch
+from .tiling import Tile, Tiling
+from .volume_io import InputVolume, OutputVolume
+
+log = logging.getLogger("cct")
+
+
+class DenseInference:
+    """The net's output at every window position of a 2-D or 3-D volume (see module docstring).
+
+    ``patch``: input patch shape (None: chosen by the planner under ``budget``, default the net's
+    ``config.memory_budget``); ``mode``: ``"valid"`` or ``"same"``; ``padding``: ``"zero"`` or
+    ``"mirror"`` (``same`` mode); ``method``: ``"mpf"`` (max-pooling fragments), ``"shift"`` (dense output
+    by shifted runs of the plain net, no MPF) or ``"strided"`` (the net's own strided output); ``mpf``:
+    per pooling layer, with ``method="mpf"`` (default: the planner's choice, or all with ``patch``);
+    ``blob``: the output blob (default the net's last output).
+    """
+
+    def __init__(self, net, patch: Sequence[int] | None = None, mode: str = "valid", padding: str = "zero",
+                 method: str = "mpf", mpf: Sequence[bool] | None = None, blob: str | None = None,
+                 budget: int | None = None) -> None:
+        if method not in METHODS:
+            raise CctError(f"unknown method '{method}' (use {', '.join(METHODS)})")
+        self.net = net
+        self.geom: NetGeometry = analyze(net)
+        check_chain(net, self.geom)
+        if blob is not None and not net.has_blob(blob):
+            raise CctError(f"the net has no blob '{blob}' (outputs: {', '.join(net.output_blob_names)})")
+        self.blob = blob
+        self.patch = tuple(int(p) for p in patch) if patch is not None else None
+        self.mode, self.padding, self.method = mode, padding, method
+        self.mpf = tuple(mpf) if mpf is not None else None
+        self.budget = budget if budget is not None else net.config.memory_budget
+        self.channels = int(net.blobs[self.geom.input_blob].shape[1])
+        self.plan: InferencePlan | None = None
+        self.runner: PatchRunner | None = None
+        self._prepared_for: tuple | None = None
+
+    # -- setup ----------------------------------------------------------------------------
+    def volume_layout(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The spatial shape of a volume of ``shape`` (``spatial`` or ``(C, *spatial)``); refuses a volume
+        whose axes do not fit the net (a 2-D net on a 3-D volume, a wrong channel count)."""
+        nd = self.geom.num_spatial
+        shape = tuple(int(d) for d in shape)
+        if len(shape) == nd and self.channels == 1:
+            return shape
+        if len(shape) == nd + 1 and shape[0] == self.channels:
+            return shape[1:]
+        want = f"{nd}-D images with {self.channels} channel(s): shape {'(C, ' if self.channels > 1 else '('}" \
+               f"{', '.join('zyx'[3 - nd:])})"
+        raise CctError(f"a volume of shape {list(shape)} does not fit the net, which takes {want}")
+
+    def make_plan(self, spatial: Sequence[int]) -> InferencePlan:
+        """The plan for a volume of ``spatial`` shape: the ``patch`` given, fitted, or the planner's choice."""
+        geom = self.geom
+        step = geom.stride if self.method == "strided" else (1,) * geom.num_spatial
+        probe = Tiling(tuple(spatial), geom.field_of_view, geom.field_of_view, (1,) * geom.num_spatial, step,
+                       self.mode, self.padding)
+        unit = (1,) * geom.num_spatial if self.method == "strided" else geom.stride
+        limit = tuple(-(-o // u) for o, u in zip(probe.output, unit))
+        if self.patch is not None:
+            return plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget)
+        return choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf)
+
+    def prepare(self, spatial: Sequence[int]) -> Tiling:
+        """Plan (:meth:`make_plan`), build the patch runner and the tiling for a volume of ``spatial`` shape."""
+        spatial = tuple(spatial)
+        if self._prepared_for != spatial:
+            self.plan = self.make_plan(spatial)
+            log.debug("%s", self.plan.describe())
+            self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob)
+            self._prepared_for = spatial
+        r = self.runner
+        return Tiling(spatial, self.geom.field_of_view, r.patch_shape, r.out_shape, r.out_step, self.mode,
+                      self.padding)
+
+    # -- running ---------------------------------------------------------------------------
+    def __call__(self, volume) -> np.ndarray:
+        """Dense output ``(C_out, *out)`` of an in-memory volume (numpy array)."""
+        volume = np.asarray(volume)
+        spatial = self.volume_layout(volume.shape)
+        vol = volume.reshape((self.channels,) + spatial)
+        tiling = self.prepare(spatial)
+        out = np.empty((self.runner.channels,) + tiling.output, dtype=self.net.dtype)
+        for tile in tiling:
+            self._run_tile(tiling, tile, lambda box: vol[(slice(None),) + tuple(box)], out=out)
+        return out
+
+    def _run_tile(self, tiling: Tiling, tile: Tile, read: Callable, out: np.ndarray | None = None) -> np.ndarray:
+        patch = tiling.read_patch(tile, read, self.channels, dtype=self.net.dtype)
+        result = self.runner.run(patch)
+        inside = (slice(None),) + tuple(slice(0, n) for n in tile.size)
+        if out is not None:
+            place = (slice(None),) + tuple(slice(s, s + n) for s, n in zip(tile.start, tile.size))
+            out[place] = result[inside]
+        return result[inside]
+
+    def signature(self, input_spec: str, shape: Sequence[int], extra: str = "") -> str:
+        """What identifies a job for resuming: input, net weights, plan, mode and padding."""
+        h = hashlib.sha256()
+        for blobs in self.net.params.values():
+            for b in blobs:
+                h.update(np.ascontiguousarray(b.data).tobytes())
+        h.update(str(self.net.param).encode())
+        r = self.runner
+        return json.dumps({"input": input_spec, "shape": list(shape), "patch": list(r.patch_shape),
+                           "mpf": list(r.mpf), "method": self.method, "mode": self.mode, "padding": self.padding,
+                           "blob": r.blob, "net": h.hexdigest(), "extra": extra}, sort_keys=True)
+
+    def run_files(self, input_spec: str, output_spec: str, resume: bool = True, progress: bool = True,
+                  on_tile: Callable[[Tile], None] | None = None) -> dict:
+        """Stream ``input_spec`` (``vol.h5[:ds]``, ``.npy``, ``.tif``) through the net into ``output_spec``
+        (``out.h5[:ds]`` or ``.npy``), tile by tile. ``on_tile(tile)`` is called after each tile is written.
+        Returns a summary (tiles, resumed tiles, voxels, seconds, voxels/s, method)."""
+        with InputVolume(input_spec) as src:
+            spatial = self.volume_layout(src.shape)
+            tiling = self.prepare(spatial)
+            r = self.runner
+            out_shape = (r.channels,) + tiling.output
+            sig = self.signature(input_spec, src.shape)
+            sink = OutputVolume(output_spec, out_shape, (r.channels,) + r.out_shape, len(tiling), sig, resume)
+            try:
+                if sink.resumed:
+                    log.info("resuming %s: %d of %d tiles already written", sink.partial, sink.resumed, len(tiling))
+
+                has_channels = len(src.shape) == len(spatial) + 1
+
+                def read(box):
+                    data = src.read(((slice(None),) if has_channels else ()) + tuple(box))
+                    return data if has_channels else data[None]
+
+                total = int(np.prod(tiling.output))
+                done_vox = sum(int(np.prod(t.size)) for t in tiling if sink.done[t.index])
+                t0, vox = time.perf_counter(), 0
+                with Progress(total, desc="infer", unit="vox", enabled=progress, initial=done_vox,
+                              unit_scale=True) as bar:
+                    for tile in tiling:
+                        if sink.done[tile.index]:
+                            continue
+                        sink.write(tile.index, tile.start, self._run_tile(tiling, tile, read))
+                        n = int(np.prod(tile.size))
+                        vox += n
+                        bar.update(n)
+                        elapsed = time.perf_counter() - t0
+                        rate = vox / elapsed if elapsed > 0 else 0.0
+                        left = total - done_vox - vox
+                        log.info("tile %d/%d: %.0f voxels/s, ETA %.0f s", tile.index + 1, len(tiling), rate,
+                                 left / rate if rate else 0.0)
+                        if on_tile is not None:
+                            on_tile(tile)
+                seconds = time.perf_counter() - t0
+                summary = {"tiles": len(tiling), "resumed_tiles": sink.resumed, "voxels": vox, "seconds": seconds,
+                           "voxels_per_second": vox / seconds if seconds > 0 else 0.0, "method": self.method,
+                           "mpf": [bool(m) for m in r.mpf], "patch": list(r.patch_shape), "mode": self.mode,
+                           "padding": self.padding, "output_shape": list(out_shape)}
+                sink.set_attrs({"cct_infer_method": self.method, "cct_infer_mpf": json.dumps(summary["mpf"]),
+                                "cct_infer_mode": self.mode, "cct_infer_padding": self.padding,
+                                "cct_infer_patch": json.dumps(summary["patch"])})
+                sink.finish()
+            finally:
+                sink.close()
+        return summary

@@ -1,0 +1,272 @@
+"""Choosing the input patch and max-pooling fragments under the memory budget (ZNNi, section VI-A).
+
+For every choice of MPF or plain pooling per pooling layer and every patch size (the grid of output
+voxels per fragment, the same on every axis, capped by the volume), the planner walks the net without
+allocating anything: each blob's shape (batch = fragments so far), each convolution's fastest lowering by
+cct's optimizer and cost model (:func:`cct.lowering.optimizer.predictions` of the forward pass, chunk-aware,
+priced at the batch the fragments create), its predicted seconds and workspace. It keeps the candidate with the most
+predicted output voxels per second whose predicted peak memory fits the budget.
+
+Predicted peak bytes = every blob's data and diff (as :class:`cct.Blob` allocates them; in-place layers
+share one blob), the per-axis stride-1 pooling buffers of each MPF layer, the buffers each convolution keeps between
+calls plus the largest transient workspace (:func:`conv_memory`), the index array MAX pooling keeps, the
+input patch and the output tile. Predicted time = the convolutions' forward passes times the number of
+shifted runs (plain pooling layers need one run per offset), plus one streaming pass over each blob.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import CctError, MemoryBudgetError
+from ..lowering import direct_layout as dl
+from ..lowering.calibrate import load_machine
+from ..lowering.cost_model import Machine, workspace_bytes
+from ..lowering.geometry import ConvGeometry
+from ..lowering.optimizer import predictions
+from ..lowering.partition import memory_budget
+from ..membudget import human
+from ..proto import caffe_pb2
+from .geometry import NetGeometry
+
+
+@dataclass
+class LayerPlan:
+    """One convolution of a candidate: input shape, batch, chosen strategy, seconds and workspace."""
+
+    name: str
+    shape: tuple[int, ...]
+    strategy: str
+    seconds: float
+    workspace: int
+
+
+@dataclass
+class InferencePlan:
+    """A patch shape and MPF choice with its predictions (what :func:`choose_plan` returns)."""
+
+    grid: tuple[int, ...]
+    mpf: tuple[bool, ...]
+    method: str
+    patch: tuple[int, ...]
+    tile: tuple[int, ...]
+    runs: int
+    fragments: int
+    seconds: float
+    peak_bytes: int
+    budget: int | None
+    layers: list[LayerPlan] = field(default_factory=list)
+    chosen_by: str = "planner"
+
+    @property
+    def voxels_per_second(self) -> float:
+        """Predicted output voxels per second."""
+        vox = 1
+        for t in self.tile:
+            vox *= t
+        return vox / self.seconds if self.seconds > 0 else float("inf")
+
+    def describe(self) -> str:
+        """The printed plan: patch, fragments, per-layer strategy, predicted voxels/s and peak bytes."""
+        flags = ",".join("MPF" if m else "pool" for m in self.mpf) or "-"
+        lines = [f"dense inference plan ({self.chosen_by}): method {self.method}, input patch "
+                 f"{'x'.join(map(str, self.patch))} -> output tile {'x'.join(map(str, self.tile))}, pooling layers "
+                 f"[{flags}], {self.fragments} fragments per run, {self.runs} run(s) per patch",
+                 f"  predicted {self.voxels_per_second:,.0f} output voxels/s, peak {human(self.peak_bytes)} "
+                 f"(budget {human(self.budget) if self.budget else 'none'})"]
+        for lp in self.layers:
+            lines.append(f"  {lp.name}: input {list(lp.shape)}, {lp.strategy}, {lp.seconds * 1e3:.2f} ms, "
+                         f"workspace {human(lp.workspace)}")
+        return "\n".join(lines)
+
+
+def conv_memory(name: str, cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, int]:
+    """``(kept, transient)`` bytes of a convolution's forward pass by strategy ``name``: the direct kernels
+    keep their padded input (and, for a layout that drops positions, output) buffer between calls, one
+    per layer; the other strategies' workspace (:func:`cct.lowering.cost_model.workspace_bytes`) is
+    counted as kept for FFT (its transforms are cached) and as transient for the lowered GEMMs."""
+    if name == "direct":
+        lay = dl.plan_layout(cg, 64 // itemsize)
+        if lay is not None and dl.phase_geometry(cg) is None:
+            out = batch * cg.channels_out * cg.out_size / lay.efficiency if lay.efficiency < 1 else 0
+            return int(itemsize * (batch * cg.channels_in * lay.x_cs + out + _prod(cg.weight_shape))), 0
+    ws = workspace_bytes(name, cg, batch, itemsize)
+    return (ws, 0) if name.startswith("fft") else (0, ws)
+
+
+def _prod(v: Sequence[int]) -> int:
+    out = 1
+    for x in v:
+        out *= int(x)
+    return out
+
+
+def blob_depths(net, geom: NetGeometry) -> dict[str, int]:
+    """Number of spatial ops (convolutions and poolings) on the path to each blob of the chain."""
+    spatial = {op.layer: k for k, op in enumerate(geom.ops)}
+    depth = {geom.input_blob: 0}
+    for i, (bnames, tnames) in enumerate(zip(net.bottom_names, net.top_names)):
+        if not bnames:
+            continue
+        d = max(depth.get(b, 0) for b in bnames)
+        if i in spatial:
+            d = spatial[i] + 1
+        for t in tnames:
+            depth[t] = d
+    return depth
+
+
+def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], method: str = "mpf",
+            machine: Machine | None = None, budget: int | None = None, itemsize: int | None = None,
+            cache: dict | None = None) -> InferencePlan:
+    """The predictions of one candidate (see the module docstring); ``cache`` keeps the convolution prices
+    between candidates of one planning."""
+    machine = machine if machine is not None else load_machine(measure_if_missing=False)
+    cache = {} if cache is None else cache
+    cap = memory_budget(budget)
+    itemsize = itemsize or net.dtype.itemsize
+    mpf = tuple(mpf) if method == "mpf" else (False,) * len(geom.pools)
+    run_shape = geom.input_size(tuple(grid), mpf)
+    sizes = [run_shape] + geom.layer_sizes(run_shape, mpf)
+    batches, b, pool_i = [1], 1, 0
+    for op in geom.ops:
+        if op.kind == "pool":
+            if mpf[pool_i]:
+                b *= _prod(op.size)
+            pool_i += 1
+        batches.append(b)
+    runs = 1
+    for op, m in zip(geom.pools, mpf):
+        if not m:
+            runs *= _prod(op.size)
+    if method == "strided":
+        runs = 1
+        tile = tuple(grid)
+        patch = run_shape
+    else:
+        tile = tuple(g * s for g, s in zip(grid, geom.stride))
+        patch = tuple(t + f - 1 for t, f in zip(tile, geom.field_of_view))
+    depth = blob_depths(net, geom)
+    blob_bytes = 0
+    for name, blob in net.blobs.items():
+        d = depth.get(name, 0)
+        c = blob.shape[1] if blob.num_axes > 1 else 1
+        blob_bytes += 2 * batches[d] * c * _prod(sizes[d]) * itemsize
+    layers, seconds, work, kept = [], 0.0, 0, 0
+    pool_i = 0
+    for k, op in enumerate(geom.ops):
+        lp = net.param.layer[op.layer]
+        bottom = net.bottom_vecs[op.layer][0]
+        shape = (batches[k], bottom.shape[1]) + tuple(sizes[k])
+        if op.kind == "pool":
+            is_max = lp.pooling_param.pool == caffe_pb2.PoolingParameter.MAX
+            if mpf[pool_i]:  # the per-axis stride-1 pooled buffers
+                cur = list(shape)
+                for a, p in enumerate(op.size):
+                    cur[2 + a] -= p - 1
+                    kept += _prod(cur) * itemsize
+            elif is_max:  # the net's own MAX pooling keeps an int32 index per maximum, compares via a mask
+                count = batches[k + 1] * shape[1] * _prod(sizes[k + 1])
+                kept += 4 * count
+                work = max(work, count)
+            pool_i += 1
+            continue
+        cg = ConvGeometry.from_param(lp.convolution_param, shape)
+        key = (cg, shape[0])
+        if key not in cache:  # the optimizer's chunk-aware forward prices, as a TEST net's layer plans
+            preds = predictions(cg, shape[0], machine, "fwd", None, cap)
+            cache[key] = min(preds.items(), key=lambda kv: (kv[1], kv[0]))
+        name, t = cache[key]
+        kept_ws, transient = conv_memory(name, cg, shape[0], itemsize)
+        layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient))
+        seconds += t
+        kept += kept_ws
+        work = max(work, transient)
+    seconds += machine.streaming_seconds(blob_bytes / 2) if hasattr(machine, "streaming_seconds") else 0.0
+    seconds *= runs
+    c_in = net.blobs[geom.input_blob].shape[1]
+    c_out = net.blobs[geom.output_blob].shape[1]
+    io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
+    peak = blob_bytes + kept + work + io_bytes
+    return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers)
+
+
+def mpf_choices(npool: int, method: str) -> list[tuple[bool, ...]]:
+    """The MPF/plain combinations the planner tries for ``method``: fragments on the last ``k`` pooling
+    layers, ``k = npool .. 0``. Fragmenting an early layer multiplies the batch of every later layer, so
+    under a tight budget the late layers are the ones worth fragmenting; an early MPF layer after a plain
+    one never saves memory over the reverse order of the same count and costs more runs' worth of
+    re-reading, so those orders are not priced (it keeps planning to a few hundred layer plans)."""
+    if method != "mpf":
+        return [(False,) * npool]
+    return [(False,) * (npool - k) + (True,) * k for k in range(npool, -1, -1)]
+
+
+def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int], method: str = "mpf",
+                machine: Machine | None = None, max_grid: int = 64,
+                mpf: Sequence[bool] | None = None) -> InferencePlan:
+    """The candidate with the most predicted output voxels/s whose predicted peak fits ``budget``.
+
+    ``limit``: the largest useful grid per axis (the volume's output over the stride); ``mpf``: fix the
+    MPF choice instead of trying every combination. Raises
+    :class:`MemoryBudgetError` when even the smallest patch does not fit.
+    """
+    machine = machine if machine is not None else load_machine(measure_if_missing=False)
+    best: InferencePlan | None = None
+    smallest: InferencePlan | None = None
+    cache: dict = {}
+    choices = [tuple(mpf)] if mpf is not None and method == "mpf" else mpf_choices(len(geom.pools), method)
+    grids = sorted({g for g in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if g <= max_grid})
+    for flags in choices:
+        top = 0.0
+        for g in grids:
+            grid = tuple(min(g, max(1, lim)) for lim in limit)
+            cand = predict(net, geom, grid, flags, method, machine, budget, cache=cache)
+            if smallest is None or cand.peak_bytes < smallest.peak_bytes:
+                smallest = cand
+            if budget is not None and cand.peak_bytes > budget:
+                break  # larger grids only need more
+            if best is None or cand.voxels_per_second > best.voxels_per_second * (1 + 1e-9):
+                best = cand
+            if all(g >= lim for lim in limit) or cand.voxels_per_second < 0.7 * top:
+                break  # the whole volume in one patch, or past this choice's best size
+            top = max(top, cand.voxels_per_second)
+    if best is None:
+        raise MemoryBudgetError(f"even the smallest patch {list(smallest.patch) if smallest else '?'} needs "
+                                f"{human(smallest.peak_bytes) if smallest else '?'}, more than the memory budget "
+                                f"of {human(budget or 0)} (CCT_MEMORY_BUDGET / Config.memory_budget)")
+    return best
+
+
+def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence[int], method: str = "mpf",
+                   mpf: Sequence[bool] | None = None, budget: int | None = None,
+                   machine: Machine | None = None) -> InferencePlan:
+    """The plan for a user's ``--patch``: the largest valid patch within it on each axis (MPF on every
+    pooling layer unless ``mpf`` says otherwise)."""
+    if len(patch) != geom.num_spatial:
+        raise CctError(f"--patch has {len(patch)} axes; the net has {geom.num_spatial} spatial axes")
+    flags = tuple(mpf) if mpf is not None else (True,) * len(geom.pools)
+    if method != "mpf":
+        flags = (False,) * len(geom.pools)
+
+    def patch_of(grid: tuple[int, ...]) -> tuple[int, ...]:
+        if method == "strided":
+            return geom.input_size(grid, flags)
+        return tuple(g * s + f - 1 for g, s, f in zip(grid, geom.stride, geom.field_of_view))
+
+    smallest = patch_of((1,) * geom.num_spatial)
+    if any(p < s for p, s in zip(patch, smallest)):
+        raise CctError(f"--patch {list(patch)} is smaller than the smallest patch {list(smallest)} of this net")
+    grid = []
+    for a in range(geom.num_spatial):
+        g = 1
+        while g < max(1, limit[a]):
+            trial = [1] * geom.num_spatial
+            trial[a] = g + 1
+            if patch_of(tuple(trial))[a] > patch[a]:
+                break
+            g += 1
+        grid.append(g)
+    plan = predict(net, geom, tuple(grid), flags, method, machine, budget)
+    plan.chosen_by = "--patch"
+    return plan
