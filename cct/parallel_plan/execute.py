@@ -4,7 +4,9 @@ The executed family: every layer below the fully-connected tail split by sample 
 parallelism), the tail's InnerProduct layers (with the element-wise layers between them) all split
 ``n=a, c=N/a`` (:func:`~.owt.enable_owt` with ``a`` sample groups; ``a = N`` is data parallelism,
 ``a = 1`` OWT), the layers above the tail (the loss) by sample. ``auto`` prices every member of the
-family with the cost model and runs the cheapest, logging it next to DeePa's unrestricted optimum; a
+family with the cost model, logs the cheapest next to DeePa's unrestricted optimum, then measures every
+member on the ranks (:mod:`.measured`) and runs data parallelism unless another member is measured
+faster by a margin (so ``auto`` is never meaningfully slower than data parallelism); a
 plan file outside the family is refused, naming the first layer that cannot be executed yet.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .compute import ScaledCompute, compute_cache, reference_rates
 from .costs import PricedGraph, price
 from .graph import graph_from_net
 from .links import cluster_of_ranks, measure_links
+from .measured import measured_choice
 from .owt import enable_owt, tail_layers
 from .planfile import read_plan
 from .plans import Plan, optimal
@@ -76,13 +79,22 @@ def setup_parallel(solver, parallel: str) -> None:
     if comm.is_root:
         groups = _choose(solver, plan, tail, cluster)
     groups = comm.bcast_obj(groups)
+    if plan is None:  # auto: the model's pick is checked against the measured candidates
+        candidates = divisors(n)
+        names = {a: "data" if a == n else "owt" if a == 1 else f"tail n={a}" for a in candidates}
+        groups = measured_choice(solver, candidates, names, _rank_batch(net))
     if groups != n:
         enable_owt(solver, groups)
 
 
+def _rank_batch(net) -> int:
+    """Each rank's samples (the batch at the fully-connected tail's input)."""
+    return int(net.blobs[net.bottom_names[tail_layers(net)[0]][0]].shape[0])
+
+
 def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> int:
     net, n = solver.net, cluster.workers
-    batch = int(net.blobs[net.bottom_names[tail_layers(net)[0]][0]].shape[0])  # each rank's samples
+    batch = _rank_batch(net)
     graph = graph_from_net(net, n * batch)
     with blas.blas_threads(1):  # each rank's share of this machine's cores
         rates = reference_rates(net, graph, batch, compute_cache())
@@ -99,7 +111,7 @@ def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> int:
     shown = dict(estimates)
     shown["DeePa"] = priced.estimate(best.assignment(priced))
     log.info("Per-layer parallelism on %s: %s (predicted by the cost model)", cluster.describe(),
-             "the plan file's" if plan is not None else "the cheapest executable plan")
+             "the plan file's" if plan is not None else "the model's cheapest executable plan")
     for line in plan_table(estimates[chosen.strategy]):
         log.info("%s", line)
     for line in comparison(shown):

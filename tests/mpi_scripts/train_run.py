@@ -29,7 +29,7 @@ a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fai
 a.add_argument("--devices", default=None, help="split each rank's batch over these devices (cct.set_devices)")
 a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (the root rank writes it)")
 a.add_argument("--test_batch", type=int, default=None, help="TEST-phase data layers read this batch (default BATCH)")
-a.add_argument("--parallel", default="data", help="data, owt, or owtN: the tail split n=N (cct.parallel_plan.owt)")
+a.add_argument("--parallel", default="data", help="data, owt, owtN (the tail split n=N, cct.parallel_plan.owt) or auto")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -79,6 +79,11 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.owt import enable_owt
 
             owt = enable_owt(solver, int(args.parallel[3:] or 1))
+        elif args.parallel == "auto":
+            from cct.parallel_plan.execute import setup_parallel
+
+            setup_parallel(solver, "auto")
+            owt = solver.net.executor  # None when data parallelism was kept
         solver.solve(args.resume)
         if owt is not None:
             owt.gather_owned(solver.history)
