@@ -29,7 +29,8 @@ a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fai
 a.add_argument("--devices", default=None, help="split each rank's batch over these devices (cct.set_devices)")
 a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (the root rank writes it)")
 a.add_argument("--test_batch", type=int, default=None, help="TEST-phase data layers read this batch (default BATCH)")
-a.add_argument("--parallel", default="data", help="data, owt, owtN (the tail split n=N, cct.parallel_plan.owt) or auto")
+a.add_argument("--parallel", default="data",
+               help="data, owt, owtN (the tail split n=N), auto, or conv:L1,L2 (conv layers by output channel)")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -79,6 +80,10 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.owt import enable_owt
 
             owt = enable_owt(solver, int(args.parallel[3:] or 1))
+        elif args.parallel.startswith("conv:"):
+            from cct.parallel_plan.convsplit import enable_conv_split
+
+            owt = enable_conv_split(solver, args.parallel[5:].split(","))
         elif args.parallel == "auto":
             from cct.parallel_plan.execute import setup_parallel
 

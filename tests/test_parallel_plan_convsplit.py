@@ -1,0 +1,63 @@
+"""Convolution layers split by output channel on MPI ranks (cct.parallel_plan.convsplit): each rank owns a
+slice of the filters, the next layer all-gathers the channels; every run equals one process at the
+global batch (real Caffe's batch-4 run for 2 ranks at batch 2)."""
+import json
+
+import numpy as np
+import pytest
+import test_distributed_train as dp
+from mpirun import needs_mpi, run_mpi, script
+
+import cct
+from cct.parallel_plan.convsplit import ConvChannelSplitExecutor
+from cct.parallel_plan.split import PlanError
+
+case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
+pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+
+
+def _train(case, ranks, batch, iters, out, *extra):
+    args = ["python", script("train_run.py"), str(case), str(batch), str(iters), str(case / out), *extra]
+    return run_mpi(ranks, args, timeout=180)
+
+
+@needs_mpi()
+def test_conv1_and_conv2_split_by_channel_equal_caffe_and_one_process(case):
+    """LeNet's conv1 (20 filters) and conv2 (50) by output channel: 2 ranks at batch 2 end with real Caffe's
+    batch-4 weights and losses after 10 SGD iterations (momentum, weight decay, step lr; the slices and
+    their momentum gathered for the file); 3 ranks at batch 2 (uneven slices 7/7/6 and 17/17/16, padded
+    exchanges) end with one process's at batch 6."""
+    p = _train(case, 2, 2, 10, "two.caffemodel", "--init", "init.caffemodel", "--parallel", "conv:conv1,conv2")
+    assert "conv1 (10 of 20 filters per rank), conv2 (25 of 50 filters per rank)" in p.stderr
+    dp._compare(case / "two.caffemodel", case / "final.caffemodel", 1e-5)
+    got = json.loads((case / "two.caffemodel.json").read_text())
+    want = json.loads((case / "losses.json").read_text())["losses"]
+    assert np.allclose(got["losses"], want, rtol=1e-5)
+    # only the unsplit layers' gradients are all-reduced: ip1 (800 x 500 + 500), ip2 (500 x 10 + 10)
+    assert got["stats"]["bytes"] == 4 * (800 * 500 + 500 + 500 * 10 + 10)
+    # floats a rank receives per pass: conv1's input (2 x 784) and its other half of channels (2 x 10 x 576);
+    # conv2's input (2 x 20 x 144) and channels (2 x 25 x 64); backward: conv1 its channel gradients only
+    # (no input gradient into the data), conv2 channels and its input gradient summed (2 x 20 x 144)
+    forward = 2 * 784 + 2 * 10 * 576 + 2 * 20 * 144 + 2 * 25 * 64
+    backward = 2 * 10 * 576 + 2 * 25 * 64 + 2 * 20 * 144
+    assert got["owt_bytes"] == 4 * (10 * (forward + backward) + forward)  # and the displayed last loss
+    dp._train(case, 0, 6, 4, case / "one.caffemodel", "--init", "init.caffemodel")
+    _train(case, 3, 2, 4, "three.caffemodel", "--init", "init.caffemodel", "--parallel", "conv:conv1,conv2")
+    dp._compare(case / "three.caffemodel", case / "one.caffemodel", 1e-5)
+
+
+class _OneRank:
+    size, rank = 2, 0
+
+
+def test_layers_that_cannot_be_split_are_refused_by_name(case, monkeypatch):
+    monkeypatch.chdir(case)  # the HDF5 list names data.h5 relative to the case
+    net = cct.Net("net.prototxt", "TRAIN")
+    with pytest.raises(PlanError, match="layer 'ip1' is a InnerProduct, not a Convolution"):
+        ConvChannelSplitExecutor(net, _OneRank(), ["ip1"])
+    with pytest.raises(PlanError, match="no layer 'conv9'"):
+        ConvChannelSplitExecutor(net, _OneRank(), ["conv9"])
+    few = _OneRank()
+    few.size = 64
+    with pytest.raises(PlanError, match="layer 'conv1' has 20 filters, fewer than the 64 ranks"):
+        ConvChannelSplitExecutor(net, few, ["conv1"])
