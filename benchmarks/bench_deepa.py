@@ -191,8 +191,9 @@ def measure(args) -> dict:
         if p["mode"] == "auto" and base is not None:
             ratio = p["measured_step_s"] / base["measured_step_s"]
             auto_vs_data[f"{p['model']}-{p['ranks']}"] = {"ran": p["ran"], "ratio": ratio}
+            same = " (the same plan as data: run-to-run spread)" if p["ran"] == "data" else ""
             print(f"auto on {p['model']} x {p['ranks']} ranks ran {p['ran']}: {ratio:.3f}x data parallelism's step "
-                  f"({'within' if ratio <= 1.05 else 'OVER'} 1.05x)")
+                  f"({'within' if ratio <= 1.05 else 'OVER'} 1.05x){same}")
     return {"points": points, "spearman": corr, "auto_vs_data": auto_vs_data}
 
 

@@ -27,9 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..blob import Blob
-from ..layers.base import Layer, create_layer
-from ..proto import caffe_pb2
-from .owt import ChannelSlice, exchange, gather_rows
+from ..layers.base import Layer
+from .owt import ChannelSlice, attach, exchange, gather_rows, sliced_layer, splittable
 from .split import PlanError, part_bounds
 
 log = logging.getLogger("cct")
@@ -68,18 +67,10 @@ class ConvChannelSplitExecutor:
             raise PlanError(f"channel split: layer '{name}' has {c_out} filters, fewer than the {self.size} ranks")
         bounds = part_bounds(c_out, self.size)
         mine = int(bounds[self.rank, 1] - bounds[self.rank, 0])
-        part_param = caffe_pb2.LayerParameter()
-        part_param.CopyFrom(layer.param)
-        part_param.convolution_param.num_output = mine
-        cp = part_param.convolution_param
-        for filler in (cp.weight_filler, cp.bias_filler):
-            filler.Clear()  # constant 0: the copy takes its weights from the layer (draws no random numbers)
-        part = create_layer(part_param)
         x = net.blobs[bottoms[0]]
         inp = Blob((x.shape[0] * self.size,) + tuple(x.shape[1:]), net.dtype, name=f"{name}_csplit_in")
         out = Blob((1,), net.dtype, name=f"{name}_csplit_out")
-        part.setup([inp], [out])
-        part.param_propagate_down = list(layer.param_propagate_down)
+        part = sliced_layer(layer, "convolution_param", mine, inp, out)
         return ChannelSlice(i, layer, part, bounds, inp, out, self.rank)
 
     def owned_param_ids(self) -> list[int]:
@@ -147,17 +138,8 @@ class ConvChannelSplitExecutor:
 def enable_conv_split(solver, layer_names: Sequence[str]) -> ConvChannelSplitExecutor:
     """Split the Convolution layers ``layer_names`` of ``solver``'s train net by output channel over its
     data-parallel ranks (see module docstring)."""
-    par = solver.parallel
-    if par is None:
-        raise PlanError("a channel split needs a distributed solver (built under mpiexec with more than one rank)")
-    if par.shares is not None:
-        raise PlanError("channel split: unequal batch shares are not supported")
-    if solver.net.executor is not None:
-        raise PlanError("channel split: the train net already has an executor (OWT or --devices); not combined yet")
-    ex = ConvChannelSplitExecutor(solver.net, par.comm, layer_names)
-    solver.net.executor = ex
-    par.keep_local(ex.owned_param_ids())
-    par.share_slices.append(lambda: ex.gather_owned(solver.history))
+    par = splittable(solver, "channel split")
+    ex = attach(solver, ConvChannelSplitExecutor(solver.net, par.comm, layer_names))
     if par.is_root:
         log.info("Channel split on %d MPI ranks: %s by output channel, every other layer by sample", par.size,
                  ", ".join(f"{solver.net.layer_names[i]} ({sp.hi - sp.lo} of {sp.layer.blobs[0].shape[0]} filters "

@@ -132,18 +132,10 @@ class ChannelSplitExecutor:
                                     f"ranks")
                 bounds = part_bounds(c_out, self.size)
                 mine = int(bounds[self.rank, 1] - bounds[self.rank, 0])
-                part_param = caffe_pb2.LayerParameter()
-                part_param.CopyFrom(layer.param)
-                part_param.inner_product_param.num_output = mine
-                ipp = part_param.inner_product_param
-                for filler in (ipp.weight_filler, ipp.bias_filler):
-                    filler.Clear()  # constant 0: the copy takes its weights from the layer (draws no random numbers)
-                part = create_layer(part_param)
                 k = int(layer.blobs[0].shape[1])
                 inp = Blob((total, k), net.dtype, name=f"{layer.name}_owt_in")
                 out = Blob((total, mine), net.dtype, name=f"{layer.name}_owt_out")
-                part.setup([inp], [out])
-                part.param_propagate_down = list(layer.param_propagate_down)
+                part = sliced_layer(layer, "inner_product_param", mine, inp, out)
                 self.fcs[i] = ChannelSlice(i, layer, part, bounds, inp, out, self.rank)
                 cur = out
             else:
@@ -289,6 +281,21 @@ class ChannelSplitExecutor:
         self.gather_bytes += gather_rows(self.comm, self.net, self.fcs, history)
 
 
+def sliced_layer(layer: Layer, field: str, outputs: int, inp: Blob, out: Blob) -> Layer:
+    """A copy of ``layer`` with ``outputs`` outputs (``field``'s ``num_output``), set up on ``inp`` -> ``out``;
+    its fillers cleared (it takes its weights from the layer's slice and draws no random numbers)."""
+    param = caffe_pb2.LayerParameter()
+    param.CopyFrom(layer.param)
+    sub = getattr(param, field)
+    sub.num_output = outputs
+    for filler in (sub.weight_filler, sub.bias_filler):
+        filler.Clear()
+    part = create_layer(param)
+    part.setup([inp], [out])
+    part.param_propagate_down = list(layer.param_propagate_down)
+    return part
+
+
 def exchange(comm, blocks: list[np.ndarray], widest: int, how: str) -> tuple[np.ndarray, int]:
     """``blocks[q]`` (each ``(rows, <= widest, ...)``) padded to ``widest`` along axis 1 and exchanged over
     ``comm``: ``allgather`` (``blocks`` is one block: every rank's comes back), ``alltoall`` (block q goes to
@@ -330,22 +337,37 @@ def gather_rows(comm, net, splits: dict[int, ChannelSlice], history: Sequence[np
     return received
 
 
+def splittable(solver, what: str):
+    """``solver``'s data parallelism if a split executor may be attached to its train net, else a
+    :class:`PlanError` starting with ``what``."""
+    par = solver.parallel
+    if par is None:
+        raise PlanError(f"{what} needs a distributed solver (built under mpiexec with more than one rank)")
+    if par.shares is not None:
+        raise PlanError(f"{what}: unequal batch shares are not supported")
+    if solver.net.executor is not None:
+        raise PlanError(f"{what}: the train net already has an executor (OWT, a channel split or --devices); "
+                        "not combined yet")
+    return par
+
+
+def attach(solver, ex):
+    """Make ``ex`` (a split executor) run ``solver``'s train net: its slices' gradients left out of the
+    all-reduce, its slices gathered before every snapshot and test. Returns ``ex``."""
+    par = solver.parallel
+    solver.net.executor = ex
+    par.keep_local(ex.owned_param_ids())
+    par.share_slices.append(lambda: ex.gather_owned(solver.history))
+    return ex
+
+
 def enable_owt(solver, sample_groups: int = 1) -> ChannelSplitExecutor:
     """Run ``solver``'s train net under OWT on its data-parallel ranks (see module docstring). With
     ``sample_groups = a > 1`` the tail's configuration is ``n=a, c=N/a``: the ranks form a groups of N/a
     consecutive ranks, each group splits the channels of its own samples, and the a ranks holding the
     same slice all-reduce its gradient."""
-    par = solver.parallel
-    if par is None:
-        raise PlanError("OWT needs a distributed solver (built under mpiexec with more than one rank)")
-    if par.shares is not None:
-        raise PlanError("OWT: unequal batch shares are not supported")
-    if solver.net.executor is not None:
-        raise PlanError("OWT: the train net already has an executor (--devices); not combined yet")
-    ex = ChannelSplitExecutor(solver.net, par.comm, sample_groups)
-    solver.net.executor = ex
-    par.keep_local(ex.owned_param_ids())
-    par.share_slices.append(lambda: ex.gather_owned(solver.history))
+    par = splittable(solver, "OWT")
+    ex = attach(solver, ChannelSplitExecutor(solver.net, par.comm, sample_groups))
     if par.is_root:
         names = ", ".join(f"{solver.net.layer_names[i]} ({fc.hi - fc.lo} of {fc.layer.blobs[0].shape[0]} outputs "
                           f"per rank)" for i, fc in ex.fcs.items())
