@@ -2,6 +2,7 @@
 slice of the filters, the next layer all-gathers the channels; every run equals one process at the
 global batch (real Caffe's batch-4 run for 2 ranks at batch 2)."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -26,7 +27,8 @@ def test_conv1_and_conv2_split_by_channel_equal_caffe_and_one_process(case):
     """LeNet's conv1 (20 filters) and conv2 (50) by output channel: 2 ranks at batch 2 end with real Caffe's
     batch-4 weights and losses after 10 SGD iterations (momentum, weight decay, step lr; the slices and
     their momentum gathered for the file); 3 ranks at batch 2 (uneven slices 7/7/6 and 17/17/16, padded
-    exchanges) end with one process's at batch 6."""
+    exchanges) end with one process's at batch 6 and log its test outputs (the slices gathered before each
+    test)."""
     p = _train(case, 2, 2, 10, "two.caffemodel", "--init", "init.caffemodel", "--parallel", "conv:conv1,conv2")
     assert "conv1 (10 of 20 filters per rank), conv2 (25 of 50 filters per rank)" in p.stderr
     dp._compare(case / "two.caffemodel", case / "final.caffemodel", 1e-5)
@@ -41,9 +43,16 @@ def test_conv1_and_conv2_split_by_channel_equal_caffe_and_one_process(case):
     forward = 2 * 784 + 2 * 10 * 576 + 2 * 20 * 144 + 2 * 25 * 64
     backward = 2 * 10 * 576 + 2 * 25 * 64 + 2 * 20 * 144
     assert got["owt_bytes"] == 4 * (10 * (forward + backward) + forward)  # and the displayed last loss
-    dp._train(case, 0, 6, 4, case / "one.caffemodel", "--init", "init.caffemodel")
-    _train(case, 3, 2, 4, "three.caffemodel", "--init", "init.caffemodel", "--parallel", "conv:conv1,conv2")
+    # with a TEST net (test_iter 2 every 2 iterations): rank 0 tests the whole net, the slices gathered first
+    (case / "solver.prototxt").write_text((case / "solver.prototxt").read_text() + "test_iter: 2\ntest_interval: 2\n")
+    one = dp._train(case, 0, 6, 4, case / "one.caffemodel", "--init", "init.caffemodel", "--test_batch", "4")
+    three = _train(case, 3, 2, 4, "three.caffemodel", "--init", "init.caffemodel", "--parallel", "conv:conv1,conv2",
+                   "--test_batch", "4")
     dp._compare(case / "three.caffemodel", case / "one.caffemodel", 1e-5)
+    outputs = re.compile(r"Test net output #\d+: (\w+) = ([-\d.e]+)")
+    got, want = outputs.findall(three.stderr), outputs.findall(one.stderr)
+    assert len(got) == 6 and [n for n, _ in got] == [n for n, _ in want]
+    assert np.allclose([float(v) for _, v in got], [float(v) for _, v in want], rtol=1e-5, atol=1e-6)
 
 
 class _OneRank:
