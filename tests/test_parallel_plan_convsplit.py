@@ -11,7 +11,10 @@ from mpirun import needs_mpi, run_mpi, script
 
 import cct
 from cct.parallel_plan.convsplit import ConvChannelSplitExecutor
-from cct.parallel_plan.split import PlanError
+from cct.parallel_plan.costs import price
+from cct.parallel_plan.execute import channel_split_convs, sample_groups_of, tail_plan
+from cct.parallel_plan.graph import graph_from_net
+from cct.parallel_plan.split import PlanError, Split
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
@@ -26,9 +29,9 @@ def _train(case, ranks, batch, iters, out, *extra):
 def test_conv1_and_conv2_split_by_channel_equal_caffe_and_one_process(case):
     """LeNet's conv1 (20 filters) and conv2 (50) by output channel: 2 ranks at batch 2 end with real Caffe's
     batch-4 weights and losses after 10 SGD iterations (momentum, weight decay, step lr; the slices and
-    their momentum gathered for the file); 3 ranks at batch 2 (uneven slices 7/7/6 and 17/17/16, padded
-    exchanges) end with one process's at batch 6 and log its test outputs (the slices gathered before each
-    test)."""
+    their momentum gathered for the file); 3 ranks at batch 2 (uneven slices 6/7/7 and 16/17/17, padded
+    exchanges; the split given as a plan file) end with one process's at batch 6 and log its test outputs
+    (the slices gathered before each test)."""
     p = _train(case, 2, 2, 10, "two.caffemodel", "--init", "init.caffemodel", "--parallel", "conv:conv1,conv2")
     assert "conv1 (10 of 20 filters per rank), conv2 (25 of 50 filters per rank)" in p.stderr
     dp._compare(case / "two.caffemodel", case / "final.caffemodel", 1e-5)
@@ -46,8 +49,12 @@ def test_conv1_and_conv2_split_by_channel_equal_caffe_and_one_process(case):
     # with a TEST net (test_iter 2 every 2 iterations): rank 0 tests the whole net, the slices gathered first
     (case / "solver.prototxt").write_text((case / "solver.prototxt").read_text() + "test_iter: 2\ntest_interval: 2\n")
     one = dp._train(case, 0, 6, 4, case / "one.caffemodel", "--init", "init.caffemodel", "--test_batch", "4")
-    three = _train(case, 3, 2, 4, "three.caffemodel", "--init", "init.caffemodel", "--parallel", "conv:conv1,conv2",
-                   "--test_batch", "4")
+    (case / "convs.plan").write_text("workers: 3\n" + "".join(
+        f"{name}: {'n=1 h=1 w=1 c=3' if name.startswith('conv') else 'n=3 h=1 w=1 c=1'}\n"
+        for name in ("mnist", "conv1", "pool1", "conv2", "pool2", "ip1", "ip2", "loss")))
+    three = _train(case, 3, 2, 4, "three.caffemodel", "--init", "init.caffemodel", "--parallel",
+                   str(case / "convs.plan"), "--test_batch", "4")  # the same split from a plan file
+    assert "conv1 (6 of 20 filters per rank), conv2 (16 of 50 filters per rank)" in three.stderr
     dp._compare(case / "three.caffemodel", case / "one.caffemodel", 1e-5)
     outputs = re.compile(r"Test net output #\d+: (\w+) = ([-\d.e]+)")
     got, want = outputs.findall(three.stderr), outputs.findall(one.stderr)
@@ -70,3 +77,24 @@ def test_layers_that_cannot_be_split_are_refused_by_name(case, monkeypatch):
     few.size = 64
     with pytest.raises(PlanError, match="layer 'conv1' has 20 filters, fewer than the 64 ranks"):
         ConvChannelSplitExecutor(net, few, ["conv1"])
+
+
+def test_plan_files_with_channel_split_convolutions_are_in_the_executed_family(case, monkeypatch):
+    monkeypatch.chdir(case)
+    net = cct.Net("net.prototxt", "TRAIN")
+    priced = price(graph_from_net(net, 8), 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
+        "seconds": lambda self, g, i, s: np.zeros(len(s))})())
+    tail = {"ip1", "ip2"}
+    plan = tail_plan(priced, tail, 2)
+    plan.splits["conv2"] = Split(c=2)
+    assert sample_groups_of(plan, priced, tail) == 2 and channel_split_convs(plan, priced) == ["conv2"]
+    plan.splits["conv1"] = Split(c=2)
+    assert channel_split_convs(plan, priced) == ["conv1", "conv2"]
+    both = tail_plan(priced, tail, 1)  # OWT's tail and a conv split: not executed together yet
+    both.splits["conv2"] = Split(c=2)
+    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*convolutions split c=2 with the tail n=2"):
+        sample_groups_of(both, priced, tail)
+    pool = tail_plan(priced, tail, 2)
+    pool.splits["pool1"] = Split(c=2)  # only convolutions take a channel split
+    with pytest.raises(PlanError, match=r"layer 'pool1' n=1 h=1 w=1 c=2: cct train executes"):
+        sample_groups_of(pool, priced, tail)

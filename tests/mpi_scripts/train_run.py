@@ -30,7 +30,7 @@ a.add_argument("--devices", default=None, help="split each rank's batch over the
 a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (the root rank writes it)")
 a.add_argument("--test_batch", type=int, default=None, help="TEST-phase data layers read this batch (default BATCH)")
 a.add_argument("--parallel", default="data",
-               help="data, owt, owtN (the tail split n=N), auto, or conv:L1,L2 (conv layers by output channel)")
+               help="data, owt, owtN (the tail split n=N), conv:L1,L2 (conv layers by output channel), auto, FILE")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -84,10 +84,10 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.convsplit import enable_conv_split
 
             owt = enable_conv_split(solver, args.parallel[5:].split(","))
-        elif args.parallel == "auto":
+        elif args.parallel != "data":  # auto or a plan file
             from cct.parallel_plan.execute import setup_parallel
 
-            setup_parallel(solver, "auto")
+            setup_parallel(solver, args.parallel)
             owt = solver.net.executor  # None when data parallelism was kept
         solver.solve(args.resume)
         if owt is not None:
