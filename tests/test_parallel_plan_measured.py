@@ -1,6 +1,6 @@
 """``--parallel auto``'s measured pick (cct.parallel_plan.measured): the rule on given timings, and on
-2 MPI ranks the measurement leaves no trace (the run still equals real Caffe's batch-4 run) and is
-cached for the next run."""
+2 MPI ranks the measurement leaves no trace (the run still equals real Caffe's batch-4 run), is
+cached for the next run, and is skipped (data parallelism) when each rank splits its batch over devices."""
 import json
 
 import numpy as np
@@ -54,3 +54,8 @@ def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_p
     p = run_mpi(2, args, timeout=180, env=env)
     again = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
     assert "cached" in again and again.rsplit("running ", 1)[1] == line.rsplit("running ", 1)[1]
+    # each rank splitting its batch over two devices: no split candidate can run with that executor yet
+    args[4], args[5] = "10", str(case / "devices.caffemodel")
+    p = run_mpi(2, args + ["--devices", "cpu:0:threads=1,cpu:1:threads=1"], timeout=180, env=env)
+    assert "--parallel auto: the train net has its own executor (--devices); data parallelism" in p.stderr
+    dp._compare(case / "devices.caffemodel", case / "final.caffemodel", 1e-4)

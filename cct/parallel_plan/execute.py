@@ -93,6 +93,10 @@ def setup_parallel(solver, parallel: str) -> None:
     if comm.is_root:
         chosen = _choose(solver, plan, tail, cluster)
     groups, convs = comm.bcast_obj(chosen)
+    if plan is None and net.executor is not None:  # --devices: the tail splits cannot run with it yet
+        if comm.is_root:
+            log.info("--parallel auto: the train net has its own executor (--devices); data parallelism")
+        return
     if plan is None:  # auto: the model's pick is checked against the measured candidates
         candidates = divisors(n)
         names = {a: "data" if a == n else "owt" if a == 1 else f"tail n={a}" for a in candidates}

@@ -24,6 +24,7 @@ from ..distributed.parallel import data_layers
 from ..io.prototxt import to_text
 from ..lowering import tune
 from .owt import ChannelSplitExecutor
+from .split import PlanError
 
 log = logging.getLogger("cct")
 
@@ -97,6 +98,8 @@ def measure_candidates(solver, groups: Sequence[int], passes: int = PASSES,
     parallelism), measured collectively on the ranks of ``solver`` (every rank calls it with the same
     ``groups``). The solver's net and data parallelism are left as they were."""
     net, par = solver.net, solver.parallel
+    if net.executor is not None:
+        raise PlanError("measuring the split candidates needs a train net without an executor (--devices)")
     saved = _SavedState(net)
     out: dict[int, float] = {}
     try:

@@ -88,7 +88,8 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.execute import setup_parallel
 
             setup_parallel(solver, args.parallel)
-            owt = solver.net.executor  # None when data parallelism was kept
+            split = solver.net.executor  # a split executor, else data parallelism was kept
+            owt = split if hasattr(split, "gather_owned") else None
         solver.solve(args.resume)
         if owt is not None:
             owt.gather_owned(solver.history)
