@@ -2,7 +2,8 @@
 time of data parallelism, OWT and the DeePa choice for CaffeNet, VGG-16 and Inception-v3 at W = 2, 4, 16
 (the paper's Figure 8 table), the search time, and the slow-network check on CaffeNet.
 
-``python benchmarks/bench_deepa.py [--batch 512] [--speed 20] [--quick] [--measure]``
+``python benchmarks/bench_deepa.py [--batch 512] [--speed 20] [--quick] [--measure] [--measure_modes data,owt,auto]
+[--measure_only] [--out NAME]``
 
 ``--measure`` also trains on this machine's MPI ranks (``mpiexec``): LeNet and CaffeNet (DummyData,
 per-rank batch 64 and 4) on 2 and 4 ranks under data parallelism and OWT (the executed plans), the
@@ -10,6 +11,8 @@ median seconds per iteration of 3 timed runs (the slowest rank's) and the bytes 
 per step (an all-reduce counted as a ring moves it, 2 (N-1)/N of its payload), side by side with the
 cost model's prediction for the same ranks (links measured by the ping-pong, layer times measured with
 one thread, N ranks sharing this machine's cores), and the rank correlation of predicted and measured.
+``--measure_modes data,auto`` measures ``--parallel auto`` (what it ran after measuring the candidates
+on the ranks) beside data parallelism: its step time over data parallelism's (the 1.05x check).
 
 THIS IS A MODEL, NOT A MEASUREMENT OF A CLUSTER. Each layer's forward + backward is measured once on
 this machine (``--reference_batch`` samples, cached per machine); a worker of the described cluster
@@ -88,6 +91,7 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
     import numpy as np
 
     from cct.distributed import abort_on_error
+    from cct.parallel_plan.execute import setup_parallel
     from cct.parallel_plan.links import measure_links
     from cct.parallel_plan.owt import enable_owt
     from cct.proto import caffe_pb2
@@ -100,7 +104,13 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
     comm, n = solver.comm, solver.comm.size
     with abort_on_error(comm):
         links = measure_links(comm)
-        ex = enable_owt(solver) if mode == "owt" else None
+        t = time.perf_counter()
+        if mode == "auto":
+            setup_parallel(solver, "auto")  # the model's pick checked by measuring the candidates on the ranks
+            ex = solver.net.executor
+        else:
+            ex = enable_owt(solver) if mode == "owt" else None
+        setup_s = time.perf_counter() - t
         solver.step(2)
         runs = []
         for _ in range(3):
@@ -113,8 +123,10 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
         owt = (ex.bytes_moved / done) if ex is not None else 0.0
         per_rank = comm.allgather_obj(ring + owt)
     if comm.is_root:
-        Path(out).write_text(json.dumps({"step_s": float(np.median(runs)), "runs": runs,
-                                         "bytes_per_step": float(sum(per_rank)), "links": links}))
+        ran = "data" if ex is None else "owt" if ex.sample_groups == 1 else f"tail n={ex.sample_groups}"
+        Path(out).write_text(json.dumps({"step_s": float(np.median(runs)), "runs": runs, "ran": ran,
+                                         "setup_s": setup_s, "bytes_per_step": float(sum(per_rank)),
+                                         "links": links}))
 
 
 def predicted(model: str, ranks: int, batch: int, links: dict) -> dict:
@@ -144,7 +156,9 @@ def measure(args) -> dict:
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory() as tmp:
         for model, ranks, batch, iters in MEASURED:
-            for mode in ("data", "owt"):
+            if model not in args.measure_models.split(","):
+                continue
+            for mode in args.measure_modes.split(","):
                 out = Path(tmp) / f"{model}-{ranks}-{mode}.json"
                 p = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, __file__, "--rank_run",
                                     f"{model},{batch},{mode},{iters},{out}"], env=env, capture_output=True, text=True)
@@ -153,18 +167,34 @@ def measure(args) -> dict:
                     print(f"# {model} {ranks} ranks {mode}: not run ({why[-1].strip() if why else p.returncode})")
                     continue
                 got = json.loads(out.read_text())
-                pred = predicted(model, ranks, batch, got["links"])[mode]
+                pred = predicted(model, ranks, batch, got["links"]).get(got["ran"])  # auto: what it ran
                 points.append({"model": model, "ranks": ranks, "batch_per_rank": batch, "mode": mode,
+                               "ran": got["ran"], "setup_s": got["setup_s"],
                                "measured_step_s": got["step_s"], "measured_runs": got["runs"],
-                               "measured_bytes": got["bytes_per_step"], "predicted_step_s": pred["seconds"],
-                               "predicted_bytes": pred["total_bytes"], "links": got["links"]})
-                print(f"{model:<9s} {ranks:>2d} ranks {mode:<5s} measured {got['step_s'] * 1e3:9.1f} ms "
-                      f"{got['bytes_per_step'] / 2**20:8.2f} MiB | predicted {pred['seconds'] * 1e3:9.1f} ms "
-                      f"{pred['total_bytes'] / 2**20:8.2f} MiB", flush=True)
-    rho = spearmanr([p["predicted_step_s"] for p in points], [p["measured_step_s"] for p in points])
-    corr = float(rho.statistic if hasattr(rho, "statistic") else rho[0])
-    print(f"rank correlation of predicted and measured step time over {len(points)} points: {corr:.3f}")
-    return {"points": points, "spearman": corr}
+                               "measured_bytes": got["bytes_per_step"],
+                               "predicted_step_s": pred["seconds"] if pred else None,
+                               "predicted_bytes": pred["total_bytes"] if pred else None, "links": got["links"]})
+                shown = f"{pred['seconds'] * 1e3:9.1f} ms {pred['total_bytes'] / 2**20:8.2f} MiB" if pred else "-"
+                print(f"{model:<9s} {ranks:>2d} ranks {mode:<5s} ran {got['ran']:<9s} measured "
+                      f"{got['step_s'] * 1e3:9.1f} ms {got['bytes_per_step'] / 2**20:8.2f} MiB | predicted {shown}",
+                      flush=True)
+    ranked = [p for p in points if p["mode"] != "auto" and p["predicted_step_s"] is not None]
+    corr = None
+    if len(ranked) >= 3:
+        rho = spearmanr([p["predicted_step_s"] for p in ranked], [p["measured_step_s"] for p in ranked])
+        corr = float(rho.statistic if hasattr(rho, "statistic") else rho[0])
+        print(f"rank correlation of predicted and measured step time over {len(ranked)} points: {corr:.3f}")
+    auto_vs_data = {}
+    for p in points:
+        base = next((q for q in points if q["mode"] == "data" and (q["model"], q["ranks"]) == (p["model"], p["ranks"])),
+                    None)
+        if p["mode"] == "auto" and base is not None:
+            ratio = p["measured_step_s"] / base["measured_step_s"]
+            auto_vs_data[f"{p['model']}-{p['ranks']}"] = {"ran": p["ran"], "ratio": ratio}
+            same = " (the same plan as data: run-to-run spread)" if p["ran"] == "data" else ""
+            print(f"auto on {p['model']} x {p['ranks']} ranks ran {p['ran']}: {ratio:.3f}x data parallelism's step "
+                  f"({'within' if ratio <= 1.05 else 'OVER'} 1.05x){same}")
+    return {"points": points, "spearman": corr, "auto_vs_data": auto_vs_data}
 
 
 def main() -> int:
@@ -183,6 +213,10 @@ def main() -> int:
     ap.add_argument("--search_runs", type=int, default=3, help="timed searches per point (median reported)")
     ap.add_argument("--quick", action="store_true", help="CaffeNet only, W = 2, 16")
     ap.add_argument("--measure", action="store_true", help="also train on MPI ranks of this machine (see above)")
+    ap.add_argument("--measure_modes", default="data,owt", help="--measure under these (data, owt, auto)")
+    ap.add_argument("--measure_models", default="lenet,caffenet", help="--measure these nets")
+    ap.add_argument("--measure_only", action="store_true", help="--measure without the cost-model table")
+    ap.add_argument("--out", default=None, help="result file name under results/ (default bench_deepa.json)")
     ap.add_argument("--keep-env", action="store_true")
     args = ap.parse_args()
     removed = reexec_clean(keep_env=args.keep_env)
@@ -195,7 +229,7 @@ def main() -> int:
     print("# MODEL: layer times measured on this machine, scaled to workers --speed times as fast; links as given")
     cache = compute_cache()
     rows, checks = [], {}
-    for name in models:
+    for name in [] if args.measure_only else models:
         path, ref_batch = MODELS[name]
         net, _ = planning_net(str(path))
         t = time.perf_counter()
@@ -249,10 +283,10 @@ def main() -> int:
               f"{c['auto_bytes_mib']:.1f} MiB/step: {c['ratio']:.1f}x fewer bytes "
               f"({'meets' if c['ratio'] >= 5 else 'MISSES'} the 5x check); step {c['data_step_ms']:.1f} -> "
               f"{c['auto_step_ms']:.1f} ms")
-    measured = measure(args) if args.measure else None
-    out = write_json("bench_deepa_quick" if args.quick else "bench_deepa",
-                     {"environment": env, "args": vars(args), "model": "cost model (see docstring)",
-                      "rows": rows, "checks": checks, "measured": measured})
+    measured = measure(args) if args.measure or args.measure_only else None
+    name = (args.out or ("bench_deepa_quick.json" if args.quick else "bench_deepa.json")).removesuffix(".json")
+    out = write_json(name, {"environment": env, "args": vars(args), "model": "cost model (see docstring)",
+                            "rows": rows, "checks": checks, "measured": measured})
     print(f"# wrote {out}")
     return 0
 

@@ -15,6 +15,7 @@ from mpirun import ROOT, mpiexec, needs_mpi, run_mpi, script
 
 from cct.io.caffemodel import read_weights
 from cct.io.prototxt import read_net_prototxt, to_text
+from cct.net import Net
 from cct.paths import shared_path
 
 CASE = shared_path("reference", "solver_sgd_lenet")
@@ -97,6 +98,31 @@ def test_three_ranks_with_iter_size_equal_one_process_at_the_combined_batch(case
     a = json.loads((case / "three.caffemodel.json").read_text())["losses"]
     b = json.loads((case / "one.caffemodel.json").read_text())["losses"]
     assert np.allclose(a, b, rtol=1e-5)
+
+
+_TEST_OUTPUT = re.compile(r"Test net output #\d+: (\w+) = ([-\d.e]+)")
+
+
+def test_test_outputs_are_the_mean_over_test_iter_batches_as_in_one_process(case, monkeypatch):
+    """test_iter: 3 (test batch 4, the prototxt's, on the root as in Caffe's multi-GPU): rank 0 of a
+    2-rank run logs at iterations 0, 2 and 4 what one process at the global batch logs, and the last
+    values are the mean over the last three test batches under the final weights (computed directly here)."""
+    (case / "solver.prototxt").write_text((case / "solver.prototxt").read_text() + "test_iter: 3\ntest_interval: 2\n")
+    two = _train(case, 2, 2, 4, case / "two.caffemodel", "--init", "init.caffemodel", "--test_batch", "4")
+    one = _train(case, 0, 4, 4, case / "one.caffemodel", "--init", "init.caffemodel", "--test_batch", "4")
+    got, want = _TEST_OUTPUT.findall(two.stderr), _TEST_OUTPUT.findall(one.stderr)
+    assert len(got) == 6 and [n for n, _ in got] == [n for n, _ in want] == ["accuracy", "loss"] * 3
+    assert np.allclose([float(v) for _, v in got], [float(v) for _, v in want], rtol=1e-5, atol=1e-6)
+    monkeypatch.chdir(case)  # the HDF5 list names data.h5 relative to the case
+    net = Net("net.prototxt", "TEST", weights="two.caffemodel")
+    batches = []
+    for _ in range(9):  # the test net reads on: the tests at iterations 0 and 2 took the first 6 batches
+        net.forward()
+        batches.append([float(net.blobs[b].data.ravel()[0]) for b in ("accuracy", "loss")])
+    batches = batches[6:]
+    mean = np.mean(np.array(batches, np.float64), axis=0)
+    assert np.allclose([float(v) for _, v in got[-2:]], mean, rtol=1e-5)
+    assert not np.allclose(batches[0][1], mean[1], rtol=1e-3)  # a single batch's loss is not the mean
 
 
 def _cli_case(case, batch, name):

@@ -114,13 +114,14 @@ def test_a_caffenet_like_net_with_groups_and_lrn_under_owt_equals_one_process(ca
 
 
 def test_cct_train_parallel_auto_and_omnivore_refused(case):
-    """--parallel auto measures the links and the layers, runs the cost model's cheapest executable plan
-    (here OWT, whose runs equal Caffe's above) and logs it beside DeePa's unrestricted optimum; Omnivore's
+    """--parallel auto measures the links and the layers, logs the cost model's cheapest executable plan
+    beside DeePa's unrestricted optimum, then runs the measured pick (test_parallel_plan_measured.py); Omnivore's
     --groups is refused with any per-layer plan. (Plan files: the family check below; the same setup.)"""
     p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--weights", "init.caffemodel",
                     "--parallel", "auto", "--iterations", "2", "--noprogress"], cwd=str(case), timeout=180)
     assert "Per-layer parallelism on 1 machine(s) x 2 worker(s)" in p.stderr
     assert "DeePa's unrestricted optimum" in p.stderr and "update ms" in p.stderr
+    assert "--parallel auto: measured step ms" in p.stderr
     p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", "owt", "--groups",
                     "2"], cwd=str(case), timeout=60, check=False)
     assert p.returncode == 1 and "cannot be combined with Omnivore's --groups" in p.stderr

@@ -3,9 +3,13 @@
 The executed family: every layer below the fully-connected tail split by sample over all N ranks (data
 parallelism), the tail's InnerProduct layers (with the element-wise layers between them) all split
 ``n=a, c=N/a`` (:func:`~.owt.enable_owt` with ``a`` sample groups; ``a = N`` is data parallelism,
-``a = 1`` OWT), the layers above the tail (the loss) by sample. ``auto`` prices every member of the
-family with the cost model and runs the cheapest, logging it next to DeePa's unrestricted optimum; a
-plan file outside the family is refused, naming the first layer that cannot be executed yet.
+``a = 1`` OWT), the layers above the tail (the loss) by sample; or, with the tail by sample, some
+convolutions split ``c=N`` by output channel (:mod:`.convsplit`; plan files only). ``auto`` prices
+every member of the family (not the convolution splits yet) with the cost model, logs the cheapest
+next to DeePa's unrestricted optimum, then measures every member on the ranks (:mod:`.measured`) and
+runs data parallelism unless another member is measured faster by a margin (so ``auto`` is never
+meaningfully slower than data parallelism); a plan file outside the family is refused, naming the
+first layer that cannot be executed yet.
 """
 from __future__ import annotations
 
@@ -14,9 +18,11 @@ import logging
 from .. import blas
 from .cluster import Cluster
 from .compute import ScaledCompute, compute_cache, reference_rates
+from .convsplit import enable_conv_split
 from .costs import PricedGraph, price
 from .graph import graph_from_net
 from .links import cluster_of_ranks, measure_links
+from .measured import measured_choice
 from .owt import enable_owt, tail_layers
 from .planfile import read_plan
 from .plans import Plan, optimal
@@ -34,23 +40,34 @@ def tail_plan(priced: PricedGraph, tail: set[str], groups: int) -> Plan:
     return Plan(n, splits, "data" if groups == n else "owt" if groups == 1 else f"tail n={groups}")
 
 
+def channel_split_convs(plan: Plan, priced: PricedGraph) -> list[str]:
+    """The convolution nodes ``plan`` splits by output channel over all workers (``c=N``), in net order."""
+    n = priced.workers
+    return [node.name for node in priced.graph.nodes
+            if node.kind == "conv" and plan.splits.get(node.name) == Split(c=n)]
+
+
 def sample_groups_of(plan: Plan, priced: PricedGraph, tail: set[str]) -> int:
-    """The tail's sample groups of ``plan`` if it is in the executed family; else a :class:`PlanError`."""
+    """The tail's sample groups of ``plan`` if it is in the executed family; else a :class:`PlanError`.
+    The family: every layer ``n=N`` except the tail's ``n=a c=N/a`` (one for all its layers), or,
+    with the tail by sample, convolutions ``c=N`` (:mod:`.convsplit`)."""
     plan.assignment(priced)  # every node configured, each configuration possible
     n = priced.workers
     groups = {plan.splits[name].n for name in tail}
+    convs = set(channel_split_convs(plan, priced))
     for node in priced.graph.nodes:
         s = plan.splits[node.name]
         if node.name in tail:
-            ok = s.h == s.w == 1 and s.workers == n and len(groups) == 1
+            ok = s.h == s.w == 1 and s.workers == n and len(groups) == 1 and (not convs or s == Split(n=n))
         else:
-            ok = s == Split(n=n)
+            ok = s == Split(n=n) or node.name in convs
         if not ok:
             line = plan.lines.get(node.name)
             where = f"{plan.source}: line {line}: " if plan.source and line else ""
             raise PlanError(f"{where}layer '{node.name}' {s}: cct train executes plans whose layers are split n={n} "
                             f"except the fully-connected tail ({', '.join(sorted(tail))}), which takes one n=a c={n}/a "
-                            f"for all its layers; 'cct plan --parallel FILE' prices any plan")
+                            f"for all its layers, or convolutions split c={n} with the tail n={n} (not both yet); "
+                            f"'cct plan --parallel FILE' prices any plan")
     return groups.pop()
 
 
@@ -72,26 +89,47 @@ def setup_parallel(solver, parallel: str) -> None:
     tail = {net.layer_names[i] for i in tail_layers(net) if net.layers[i].type == "InnerProduct"}
     plan = None if parallel == "auto" else read_plan(parallel)
     cluster = cluster_of_ranks(comm, measure_links(comm))
-    groups = None
+    chosen = None
     if comm.is_root:
-        groups = _choose(solver, plan, tail, cluster)
-    groups = comm.bcast_obj(groups)
-    if groups != n:
+        chosen = _choose(solver, plan, tail, cluster)
+    groups, convs = comm.bcast_obj(chosen)
+    if plan is None and net.executor is not None:  # --devices: the tail splits cannot run with it yet
+        if comm.is_root:
+            log.info("--parallel auto: the train net has its own executor (--devices); data parallelism")
+        return
+    if plan is None:  # auto: the model's pick is checked against the measured candidates
+        candidates = divisors(n)
+        names = {a: "data" if a == n else "owt" if a == 1 else f"tail n={a}" for a in candidates}
+        groups = measured_choice(solver, candidates, names, _rank_batch(net))
+    if convs:
+        enable_conv_split(solver, convs)
+    elif groups != n:
         enable_owt(solver, groups)
 
 
-def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> int:
+def _rank_batch(net) -> int:
+    """Each rank's samples (the batch at the fully-connected tail's input)."""
+    return int(net.blobs[net.bottom_names[tail_layers(net)[0]][0]].shape[0])
+
+
+def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> tuple[int, list[str]]:
+    """(the tail's sample groups, the convolutions split by channel) of the plan file, or of the model's
+    cheapest family member (``plan`` None); logs the estimates."""
     net, n = solver.net, cluster.workers
-    batch = int(net.blobs[net.bottom_names[tail_layers(net)[0]][0]].shape[0])  # each rank's samples
+    batch = _rank_batch(net)
     graph = graph_from_net(net, n * batch)
     with blas.blas_threads(1):  # each rank's share of this machine's cores
         rates = reference_rates(net, graph, batch, compute_cache())
     priced = price(graph, n, cluster.inv_bandwidth(), ScaledCompute(rates, cluster.speed))
     family = {a: tail_plan(priced, tail, a) for a in divisors(n)}
     estimates = {p.strategy: priced.estimate(p.assignment(priced)) for p in family.values()}
+    convs: list[str] = []
     if plan is not None:
         groups = sample_groups_of(plan, priced, tail)
-        chosen = family[groups]
+        convs = channel_split_convs(plan, priced)
+        chosen = plan if convs else family[groups]
+        if convs:
+            estimates[plan.strategy] = priced.estimate(plan.assignment(priced))
     else:
         chosen = min(family.values(), key=lambda p: estimates[p.strategy].seconds)
         groups = chosen.splits[next(iter(tail))].n
@@ -99,11 +137,11 @@ def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> int:
     shown = dict(estimates)
     shown["DeePa"] = priced.estimate(best.assignment(priced))
     log.info("Per-layer parallelism on %s: %s (predicted by the cost model)", cluster.describe(),
-             "the plan file's" if plan is not None else "the cheapest executable plan")
+             "the plan file's" if plan is not None else "the model's cheapest executable plan")
     for line in plan_table(estimates[chosen.strategy]):
         log.info("%s", line)
     for line in comparison(shown):
         log.info("%s", line)
     log.info("DeePa's unrestricted optimum (%d nodes left after elimination) is priced, not executed: it splits %s",
              residual, ", ".join(f"{k} {v}" for k, v in best.splits.items() if v != Split(n=n)) or "nothing else")
-    return groups
+    return groups, convs

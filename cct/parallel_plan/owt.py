@@ -41,7 +41,10 @@ log = logging.getLogger("cct")
 
 
 @dataclass
-class _FC:
+class ChannelSlice:
+    """One layer split by output channel: the net's layer (full weights), this rank's resized copy, every
+    rank's ``[lo, hi)`` of the channels, and the copy's input and output blobs."""
+
     index: int              # layer index in the net
     layer: Layer            # the net's layer (holds the full weights)
     part: Layer             # a copy resized to this rank's slice
@@ -114,7 +117,7 @@ class ChannelSplitExecutor:
         self.batch = int(bottom.shape[0])
         total = self.batch * self.size
         self.in_features = int(np.prod(bottom.shape[1:]))
-        self.fcs: dict[int, _FC] = {}
+        self.fcs: dict[int, ChannelSlice] = {}
         self.slices: dict[int, Blob] = {}  # element-wise layer index -> the slice blob it runs on
         cur: Blob | None = None
         for i in self.chain:
@@ -129,19 +132,11 @@ class ChannelSplitExecutor:
                                     f"ranks")
                 bounds = part_bounds(c_out, self.size)
                 mine = int(bounds[self.rank, 1] - bounds[self.rank, 0])
-                part_param = caffe_pb2.LayerParameter()
-                part_param.CopyFrom(layer.param)
-                part_param.inner_product_param.num_output = mine
-                ipp = part_param.inner_product_param
-                for filler in (ipp.weight_filler, ipp.bias_filler):
-                    filler.Clear()  # constant 0: the copy takes its weights from the layer (draws no random numbers)
-                part = create_layer(part_param)
                 k = int(layer.blobs[0].shape[1])
                 inp = Blob((total, k), net.dtype, name=f"{layer.name}_owt_in")
                 out = Blob((total, mine), net.dtype, name=f"{layer.name}_owt_out")
-                part.setup([inp], [out])
-                part.param_propagate_down = list(layer.param_propagate_down)
-                self.fcs[i] = _FC(i, layer, part, bounds, inp, out, self.rank)
+                part = sliced_layer(layer, "inner_product_param", mine, inp, out)
+                self.fcs[i] = ChannelSlice(i, layer, part, bounds, inp, out, self.rank)
                 cur = out
             else:
                 if net.top_names[i][0] != net.bottom_names[i][0]:
@@ -186,28 +181,12 @@ class ChannelSplitExecutor:
 
     # -- the tail ------------------------------------------------------------------------------------
     def _exchange(self, blocks: list[np.ndarray], widest: int, how: str) -> np.ndarray:
-        """``blocks[q]`` (each ``(rows, <= widest)``) padded to ``widest`` columns and exchanged: ``allgather``
-        (``blocks`` is one block: every rank's comes back), ``alltoall`` (block q goes to rank q) or
-        ``reduce_scatter`` (block q summed over ranks lands on rank q). Returns the padded result."""
-        rows = blocks[0].shape[0]
-        send = np.zeros((len(blocks), rows, widest), blocks[0].dtype)
-        for q, blk in enumerate(blocks):
-            send[q, :, :blk.shape[1]] = blk
-        if how == "allgather":
-            got = np.empty((self.size, rows, widest), send.dtype)
-            self.comm.allgather(send[0], got)
-            self.bytes_moved += got.nbytes - send.nbytes
-        elif how == "alltoall":
-            got = np.empty_like(send)
-            self.comm.alltoall(send, got)
-            self.bytes_moved += got.nbytes - got[self.rank].nbytes
-        else:
-            got = np.empty((rows, widest), send.dtype)
-            self.comm.reduce_scatter(send, got)
-            self.bytes_moved += send.nbytes - send[self.rank].nbytes
+        """:func:`exchange` within this executor's sample group, counting the bytes received."""
+        got, received = exchange(self.comm, blocks, widest, how)
+        self.bytes_moved += received
         return got
 
-    def _gather_channels(self, part: np.ndarray, fc: _FC, out: np.ndarray) -> None:
+    def _gather_channels(self, part: np.ndarray, fc: ChannelSlice, out: np.ndarray) -> None:
         """``out (B, C)`` = every rank's channel slice ``part (B, hi - lo)`` of ``fc``'s output side by side."""
         got = self._exchange([part], fc.widest, "allgather")
         for r, (lo, hi) in enumerate(fc.bounds):
@@ -218,7 +197,7 @@ class ChannelSplitExecutor:
         first = self.chain[0]
         x = net.blobs[net.bottom_names[first][0]].data.reshape(b, self.in_features)
         cur: Blob | None = None
-        prev: _FC | None = None
+        prev: ChannelSlice | None = None
         for i in self.chain:
             if i in self.fcs:
                 fc = self.fcs[i]
@@ -286,7 +265,7 @@ class ChannelSplitExecutor:
                 blocks = [fc.inp.diff[:, lo:hi] for lo, hi in below.bounds]  # rank q's channels, summed
                 grad = self._exchange(blocks, below.widest, "reduce_scatter")[:, :below.hi - below.lo]
 
-    def _fc_below(self, pos: int) -> _FC:
+    def _fc_below(self, pos: int) -> ChannelSlice:
         """The InnerProduct layer nearest below tail position ``pos``."""
         return next(self.fcs[i] for i in reversed(self.chain[:pos]) if i in self.fcs)
 
@@ -299,20 +278,87 @@ class ChannelSplitExecutor:
     def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
         """All-gather the owned rows of the tail's weights (and of the solver ``history`` arrays of the
         same parameters) so that every rank holds the single-process values (a collective)."""
-        net = self.net
-        per = len(net.learnable_params)
-        step_bytes = self.bytes_moved
-        for nid, (lid, _pid) in enumerate(net.param_layer_indices):
-            if lid not in self.fcs:
-                continue
-            fc, k = self.fcs[lid], net.learnable_param_ids[nid]
-            for a in [net.learnable_params[k].data] + [h for j, h in enumerate(history) if j % per == k]:
-                flat = a.reshape(a.shape[0], -1)  # rows: output channels (uneven slices padded as columns)
-                got = self._exchange([flat[fc.lo:fc.hi].T], fc.widest, "allgather")
-                for r, (lo, hi) in enumerate(fc.bounds):
-                    flat[lo:hi] = got[r, :, :hi - lo].T
-        self.gather_bytes += self.bytes_moved - step_bytes
-        self.bytes_moved = step_bytes
+        self.gather_bytes += gather_rows(self.comm, self.net, self.fcs, history)
+
+
+def sliced_layer(layer: Layer, field: str, outputs: int, inp: Blob, out: Blob) -> Layer:
+    """A copy of ``layer`` with ``outputs`` outputs (``field``'s ``num_output``), set up on ``inp`` -> ``out``;
+    its fillers cleared (it takes its weights from the layer's slice and draws no random numbers)."""
+    param = caffe_pb2.LayerParameter()
+    param.CopyFrom(layer.param)
+    sub = getattr(param, field)
+    sub.num_output = outputs
+    for filler in (sub.weight_filler, sub.bias_filler):
+        filler.Clear()
+    part = create_layer(param)
+    part.setup([inp], [out])
+    part.param_propagate_down = list(layer.param_propagate_down)
+    return part
+
+
+def exchange(comm, blocks: list[np.ndarray], widest: int, how: str) -> tuple[np.ndarray, int]:
+    """``blocks[q]`` (each ``(rows, <= widest, ...)``) padded to ``widest`` along axis 1 and exchanged over
+    ``comm``: ``allgather`` (``blocks`` is one block: every rank's comes back), ``alltoall`` (block q goes to
+    rank q) or ``reduce_scatter`` (block q summed over ranks lands on rank q). Returns the padded result
+    and the bytes this rank received."""
+    rows, rest = blocks[0].shape[0], blocks[0].shape[2:]
+    send = np.zeros((len(blocks), rows, widest) + rest, blocks[0].dtype)
+    for q, blk in enumerate(blocks):
+        send[q, :, :blk.shape[1]] = blk
+    if how == "allgather":
+        got = np.empty((comm.size, rows, widest) + rest, send.dtype)
+        comm.allgather(send[0], got)
+        return got, got.nbytes - send.nbytes
+    if how == "alltoall":
+        got = np.empty_like(send)
+        comm.alltoall(send, got)
+        return got, got.nbytes - got[comm.rank].nbytes
+    got = np.empty((rows, widest) + rest, send.dtype)
+    comm.reduce_scatter(send, got)
+    return got, send.nbytes - send[comm.rank].nbytes
+
+
+def gather_rows(comm, net, splits: dict[int, ChannelSlice], history: Sequence[np.ndarray] = ()) -> int:
+    """All-gather over ``comm`` the owned output-channel rows of the weights of the split layers
+    ``splits`` (layer index -> its split) and of the solver ``history`` arrays of the same parameters;
+    returns the bytes this rank received (a collective)."""
+    per = len(net.learnable_params)
+    received = 0
+    for nid, (lid, _pid) in enumerate(net.param_layer_indices):
+        if lid not in splits:
+            continue
+        fc, k = splits[lid], net.learnable_param_ids[nid]
+        for a in [net.learnable_params[k].data] + [h for j, h in enumerate(history) if j % per == k]:
+            flat = a.reshape(a.shape[0], -1)  # rows: output channels (uneven slices padded as columns)
+            got, n = exchange(comm, [flat[fc.lo:fc.hi].T], fc.widest, "allgather")
+            received += n
+            for r, (lo, hi) in enumerate(fc.bounds):
+                flat[lo:hi] = got[r, :, :hi - lo].T
+    return received
+
+
+def splittable(solver, what: str):
+    """``solver``'s data parallelism if a split executor may be attached to its train net, else a
+    :class:`PlanError` starting with ``what``."""
+    par = solver.parallel
+    if par is None:
+        raise PlanError(f"{what} needs a distributed solver (built under mpiexec with more than one rank)")
+    if par.shares is not None:
+        raise PlanError(f"{what}: unequal batch shares are not supported")
+    if solver.net.executor is not None:
+        raise PlanError(f"{what}: the train net already has an executor (OWT, a channel split or --devices); "
+                        "not combined yet")
+    return par
+
+
+def attach(solver, ex):
+    """Make ``ex`` (a split executor) run ``solver``'s train net: its slices' gradients left out of the
+    all-reduce, its slices gathered before every snapshot and test. Returns ``ex``."""
+    par = solver.parallel
+    solver.net.executor = ex
+    par.keep_local(ex.owned_param_ids())
+    par.share_slices.append(lambda: ex.gather_owned(solver.history))
+    return ex
 
 
 def enable_owt(solver, sample_groups: int = 1) -> ChannelSplitExecutor:
@@ -320,17 +366,8 @@ def enable_owt(solver, sample_groups: int = 1) -> ChannelSplitExecutor:
     ``sample_groups = a > 1`` the tail's configuration is ``n=a, c=N/a``: the ranks form a groups of N/a
     consecutive ranks, each group splits the channels of its own samples, and the a ranks holding the
     same slice all-reduce its gradient."""
-    par = solver.parallel
-    if par is None:
-        raise PlanError("OWT needs a distributed solver (built under mpiexec with more than one rank)")
-    if par.shares is not None:
-        raise PlanError("OWT: unequal batch shares are not supported")
-    if solver.net.executor is not None:
-        raise PlanError("OWT: the train net already has an executor (--devices); not combined yet")
-    ex = ChannelSplitExecutor(solver.net, par.comm, sample_groups)
-    solver.net.executor = ex
-    par.keep_local(ex.owned_param_ids())
-    par.share_slices.append(lambda: ex.gather_owned(solver.history))
+    par = splittable(solver, "OWT")
+    ex = attach(solver, ChannelSplitExecutor(solver.net, par.comm, sample_groups))
     if par.is_root:
         names = ", ".join(f"{solver.net.layer_names[i]} ({fc.hi - fc.lo} of {fc.layer.blobs[0].shape[0]} outputs "
                           f"per rank)" for i, fc in ex.fcs.items())

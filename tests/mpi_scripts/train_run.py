@@ -2,7 +2,7 @@
 data layer's batch_size set to BATCH (per rank), and write the final weights (root) to OUT.
 
 python train_run.py WORKDIR BATCH ITERS OUT [--init W] [--snapshot K] [--resume STATE] [--iter_size S]
-                   [--tensorboard DIR] [--parallel owt]
+                   [--tensorboard DIR] [--parallel owt] [--test_batch T]
 """
 import argparse
 import json
@@ -12,6 +12,7 @@ import os
 from cct.distributed import launcher_rank_size
 from cct.io.prototxt import read_net_prototxt
 from cct.log import init_log
+from cct.proto import caffe_pb2
 from cct.solver import get_solver, read_solver_param
 
 a = argparse.ArgumentParser()
@@ -27,7 +28,9 @@ a.add_argument("--shares", default=None, help="auto or b0,b1,... (unequal per-ra
 a.add_argument("--die", default=None, help="RANK:ITER:kill|raise - that rank fails at that iteration")
 a.add_argument("--devices", default=None, help="split each rank's batch over these devices (cct.set_devices)")
 a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (the root rank writes it)")
-a.add_argument("--parallel", default="data", help="data, owt, or owtN: the tail split n=N (cct.parallel_plan.owt)")
+a.add_argument("--test_batch", type=int, default=None, help="TEST-phase data layers read this batch (default BATCH)")
+a.add_argument("--parallel", default="data",
+               help="data, owt, owtN (the tail split n=N), conv:L1,L2 (conv layers by output channel), auto, FILE")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -40,7 +43,8 @@ net = read_net_prototxt(param.net)
 for layer in net.layer:
     for f in ("hdf5_data_param", "data_param", "image_data_param"):
         if layer.HasField(f):
-            getattr(layer, f).batch_size = args.batch
+            test_only = any(rule.phase == caffe_pb2.TEST for rule in layer.include)
+            getattr(layer, f).batch_size = args.test_batch if test_only and args.test_batch else args.batch
 param.ClearField("net")
 param.net_param.CopyFrom(net)
 param.max_iter = args.iters
@@ -76,6 +80,16 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.owt import enable_owt
 
             owt = enable_owt(solver, int(args.parallel[3:] or 1))
+        elif args.parallel.startswith("conv:"):
+            from cct.parallel_plan.convsplit import enable_conv_split
+
+            owt = enable_conv_split(solver, args.parallel[5:].split(","))
+        elif args.parallel != "data":  # auto or a plan file
+            from cct.parallel_plan.execute import setup_parallel
+
+            setup_parallel(solver, args.parallel)
+            split = solver.net.executor  # a split executor, else data parallelism was kept
+            owt = split if hasattr(split, "gather_owned") else None
         solver.solve(args.resume)
         if owt is not None:
             owt.gather_owned(solver.history)

@@ -1,0 +1,61 @@
+"""``--parallel auto``'s measured pick (cct.parallel_plan.measured): the rule on given timings, and on
+2 MPI ranks the measurement leaves no trace (the run still equals real Caffe's batch-4 run), is
+cached for the next run, and is skipped (data parallelism) when each rank splits its batch over devices."""
+import json
+
+import numpy as np
+import pytest
+import test_distributed_train as dp
+from mpirun import needs_mpi, run_mpi, script
+
+from cct.parallel_plan.measured import MARGIN, pick_measured
+
+case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
+
+
+@pytest.mark.parametrize("seconds, ranks, want", [
+    ({2: 1.0, 1: 1.2}, 2, 2),            # OWT slower: data parallelism
+    ({2: 1.0, 1: 0.95}, 2, 2),           # faster, but within the margin: data parallelism
+    ({2: 1.0, 1: 0.85}, 2, 1),           # faster by more than the margin: OWT
+    ({2: 1.0, 1: 1.0}, 2, 2),            # a tie: data parallelism
+    ({4: 1.0, 2: 0.8, 1: 0.7}, 4, 1),    # the fastest of several
+    ({4: 1.0, 2: 0.85, 1: 0.95}, 4, 2),  # the tail n=2 c=2
+    ({4: 1.0, 2: 0.91, 1: 0.92}, 4, 4),  # none beats the margin
+])
+def test_the_pick_keeps_data_parallelism_unless_another_is_faster_by_the_margin(seconds, ranks, want):
+    assert MARGIN == 0.10
+    assert pick_measured(seconds, ranks) == want
+
+
+def test_the_pick_needs_data_parallelism_measured():
+    with pytest.raises(ValueError, match="data parallelism"):
+        pick_measured({1: 0.5}, 2)
+
+
+@needs_mpi()
+@pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_path):
+    env = {"CCT_CACHE_DIR": str(tmp_path / "cache")}
+    args = ["python", script("train_run.py"), str(case), "2", "10", str(case / "auto.caffemodel"), "--init",
+            "init.caffemodel", "--parallel", "auto"]
+    p = run_mpi(2, args, timeout=180, env=env)
+    line = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
+    assert "cached" not in line and "data " in line and "owt " in line
+    ran = line.rsplit("running ", 1)[1].split(" (")[0]
+    assert ran in ("data", "owt")
+    # the candidates' passes changed nothing: still Caffe's batch-4 weights and losses
+    dp._compare(case / "auto.caffemodel", case / "final.caffemodel", 1e-4)
+    got = json.loads((case / "auto.caffemodel.json").read_text())["losses"]
+    want = json.loads((case / "losses.json").read_text())["losses"]
+    assert np.allclose(got, want, rtol=1e-5)
+    assert list((tmp_path / "cache").glob("deepa-pick-*.json"))
+    # the next run (another iteration count: the same net and ranks) takes the cached times
+    args[4], args[5] = "1", str(case / "again.caffemodel")
+    p = run_mpi(2, args, timeout=180, env=env)
+    again = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
+    assert "cached" in again and again.rsplit("running ", 1)[1] == line.rsplit("running ", 1)[1]
+    # each rank splitting its batch over two devices: no split candidate can run with that executor yet
+    args[4], args[5] = "10", str(case / "devices.caffemodel")
+    p = run_mpi(2, args + ["--devices", "cpu:0:threads=1,cpu:1:threads=1"], timeout=180, env=env)
+    assert "--parallel auto: the train net has its own executor (--devices); data parallelism" in p.stderr
+    dp._compare(case / "devices.caffemodel", case / "final.caffemodel", 1e-4)
