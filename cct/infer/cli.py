@@ -63,6 +63,9 @@ def build_parser() -> FlagParser:
                                                "(e.g. 0,1,1; default: the planner's choice)")
     p.add_argument("--memory_budget", default=None, help="peak memory of the whole run, e.g. 4G (default "
                                                          "CCT_MEMORY_BUDGET, else the physical memory)")
+    p.add_argument("--pipeline", default="off",
+                   help="two-stage CPU pipeline (ZNNi VII): off, auto (the planner picks the split with the patch, "
+                        "by predicted throughput) or THETA, the convolution/pooling layers of the first stage")
     p.add_bool("plan_only", "print the plan and exit")
     p.add_bool("restart", "ignore a partial output of an interrupted run and start over")
     return p
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             raise CctError(f"--mpf {args.mpf!r}: expected 0/1 per pooling layer, e.g. 1,1,0")
         mpf = tuple(f == "1" for f in flags)
     di = DenseInference(net, patch=patch, mode=args.mode, padding=args.padding, method=args.method, mpf=mpf,
-                        blob=args.blob, budget=budget)
+                        blob=args.blob, budget=budget, pipeline=args.pipeline)
     if mpf is not None and len(mpf) != len(di.geom.pools):
         raise CctError(f"--mpf has {len(mpf)} entries; the net has {len(di.geom.pools)} pooling layers "
                        f"({', '.join(op.name for op in di.geom.pools) or 'none'})")

@@ -12,7 +12,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -20,7 +20,8 @@ from ..errors import CctError
 from ..progress import Progress
 from .dense import METHODS, PatchRunner
 from .geometry import NetGeometry, analyze, check_chain
-from .plan import InferencePlan, choose_plan, plan_for_patch
+from .plan import InferencePlan, choose_plan, parse_pipeline, plan_for_patch
+from .stages import TwoStagePipeline
 from .tiling import Tile, Tiling
 from .volume_io import InputVolume, OutputVolume
 
@@ -35,12 +36,14 @@ class DenseInference:
     ``"mirror"`` (``same`` mode); ``method``: ``"mpf"`` (max-pooling fragments), ``"shift"`` (dense output
     by shifted runs of the plain net, no MPF) or ``"strided"`` (the net's own strided output); ``mpf``:
     per pooling layer, with ``method="mpf"`` (default: the planner's choice, or all with ``patch``);
-    ``blob``: the output blob (default the net's last output).
+    ``blob``: the output blob (default the net's last output); ``pipeline``: ``"off"``, ``"auto"`` (the
+    planner picks theta with the patch, by predicted throughput) or theta, the number of convolution/pooling
+    layers of the first stage of the two-stage CPU pipeline (:mod:`cct.infer.stages`; same output).
     """
 
     def __init__(self, net, patch: Sequence[int] | None = None, mode: str = "valid", padding: str = "zero",
                  method: str = "mpf", mpf: Sequence[bool] | None = None, blob: str | None = None,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, pipeline: str | int = "off") -> None:
         if method not in METHODS:
             raise CctError(f"unknown method '{method}' (use {', '.join(METHODS)})")
         self.net = net
@@ -52,6 +55,8 @@ class DenseInference:
         self.patch = tuple(int(p) for p in patch) if patch is not None else None
         self.mode, self.padding, self.method = mode, padding, method
         self.mpf = tuple(mpf) if mpf is not None else None
+        self.pipeline = parse_pipeline(pipeline)
+        self.stages: TwoStagePipeline | None = None
         self.budget = budget if budget is not None else net.config.memory_budget
         self.channels = int(net.blobs[self.geom.input_blob].shape[1])
         self.plan: InferencePlan | None = None
@@ -81,8 +86,9 @@ class DenseInference:
         unit = (1,) * geom.num_spatial if self.method == "strided" else geom.stride
         limit = tuple(-(-o // u) for o, u in zip(probe.output, unit))
         if self.patch is not None:
-            return plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget)
-        return choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf)
+            return plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget,
+                                  pipeline=self.pipeline)
+        return choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf, pipeline=self.pipeline)
 
     def prepare(self, spatial: Sequence[int]) -> Tiling:
         """Plan (:meth:`make_plan`), build the patch runner and the tiling for a volume of ``spatial`` shape."""
@@ -91,6 +97,7 @@ class DenseInference:
             self.plan = self.make_plan(spatial)
             log.debug("%s", self.plan.describe())
             self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob)
+            self.stages = TwoStagePipeline(self.runner, self.plan.theta) if self.plan.theta else None
             self._prepared_for = spatial
         r = self.runner
         return Tiling(spatial, self.geom.field_of_view, r.patch_shape, r.out_shape, r.out_step, self.mode,
@@ -104,18 +111,24 @@ class DenseInference:
         vol = volume.reshape((self.channels,) + spatial)
         tiling = self.prepare(spatial)
         out = np.empty((self.runner.channels,) + tiling.output, dtype=self.net.dtype)
-        for tile in tiling:
-            self._run_tile(tiling, tile, lambda box: vol[(slice(None),) + tuple(box)], out=out)
+        for tile, result in self._results(tiling, list(tiling), lambda box: vol[(slice(None),) + tuple(box)]):
+            out[(slice(None),) + tuple(slice(s, s + n) for s, n in zip(tile.start, tile.size))] = result
         return out
 
-    def _run_tile(self, tiling: Tiling, tile: Tile, read: Callable, out: np.ndarray | None = None) -> np.ndarray:
-        patch = tiling.read_patch(tile, read, self.channels, dtype=self.net.dtype)
-        result = self.runner.run(patch)
-        inside = (slice(None),) + tuple(slice(0, n) for n in tile.size)
-        if out is not None:
-            place = (slice(None),) + tuple(slice(s, s + n) for s, n in zip(tile.start, tile.size))
-            out[place] = result[inside]
-        return result[inside]
+    def _results(self, tiling: Tiling, tiles: list[Tile], read: Callable) -> Iterator[tuple[Tile, np.ndarray]]:
+        """Each tile with its output (the part inside the volume), in one stage or the two-stage pipeline."""
+        def patch_of(tile: Tile) -> np.ndarray:
+            return tiling.read_patch(tile, read, self.channels, dtype=self.net.dtype)
+
+        def inside(tile: Tile, result: np.ndarray) -> np.ndarray:
+            return result[(slice(None),) + tuple(slice(0, n) for n in tile.size)]
+
+        if self.stages is not None:
+            for tile, result in self.stages.results(tiles, patch_of):
+                yield tile, inside(tile, result)
+            return
+        for tile in tiles:
+            yield tile, inside(tile, self.runner.run(patch_of(tile)))
 
     def signature(self, input_spec: str, shape: Sequence[int], extra: str = "") -> str:
         """What identifies a job for resuming: input, net weights, plan, mode and padding."""
@@ -156,10 +169,9 @@ class DenseInference:
                 t0, vox = time.perf_counter(), 0
                 with Progress(total, desc="infer", unit="vox", enabled=progress, initial=done_vox,
                               unit_scale=True) as bar:
-                    for tile in tiling:
-                        if sink.done[tile.index]:
-                            continue
-                        sink.write(tile.index, tile.start, self._run_tile(tiling, tile, read))
+                    todo = [t for t in tiling if not sink.done[t.index]]
+                    for tile, result in self._results(tiling, todo, read):
+                        sink.write(tile.index, tile.start, result)
                         n = int(np.prod(tile.size))
                         vox += n
                         bar.update(n)
@@ -174,7 +186,8 @@ class DenseInference:
                 summary = {"tiles": len(tiling), "resumed_tiles": sink.resumed, "voxels": vox, "seconds": seconds,
                            "voxels_per_second": vox / seconds if seconds > 0 else 0.0, "method": self.method,
                            "mpf": [bool(m) for m in r.mpf], "patch": list(r.patch_shape), "mode": self.mode,
-                           "padding": self.padding, "output_shape": list(out_shape)}
+                           "padding": self.padding, "output_shape": list(out_shape),
+                           "pipeline": self.plan.theta}
                 sink.set_attrs({"cct_infer_method": self.method, "cct_infer_mpf": json.dumps(summary["mpf"]),
                                 "cct_infer_mode": self.mode, "cct_infer_padding": self.padding,
                                 "cct_infer_patch": json.dumps(summary["patch"])})
