@@ -17,6 +17,7 @@ import numpy as np
 
 import cct
 
+from ..distributed import world
 from ..errors import CctError
 from ..flags import FlagParser
 from ..membudget import parse_size
@@ -47,7 +48,7 @@ def build_parser() -> FlagParser:
     p.add_argument("--weights", default=None, help="the trained weights (.caffemodel or .h5)")
     p.add_argument("--input", required=True, help="the input volume: vol.h5[:dataset], vol.npy or stack.tif")
     p.add_argument("--output", required=True, help="the output volume: out.h5[:dataset] (default dataset "
-                                                   "'main') or out.npy")
+                                                   "'main'), out.npy or out.tif")
     p.add_argument("--blob", default=None, help="the output blob (default: the net's last output)")
     p.add_argument("--patch", default=None, help="input patch shape, e.g. 64,64,64 (default: the planner's "
                                                  "choice under the memory budget); the largest valid patch "
@@ -92,10 +93,14 @@ def run(args: argparse.Namespace) -> int:
     with InputVolume(args.input) as src:
         spatial = di.volume_layout(src.shape)
     di.prepare(spatial)
-    print(di.plan.describe(), flush=True)
+    if world().rank == 0:
+        print(di.plan.describe() + (f"\n  {di.stages.describe()}" if di.stages else ""), flush=True)
     if args.plan_only:
         return 0
-    s = di.run_files(args.input, args.output, resume=not args.restart, progress=args.progress)
+    comm = world()  # under mpiexec -n N: the tiles are divided among the ranks
+    s = di.run_files(args.input, args.output, resume=not args.restart, progress=args.progress, comm=comm)
+    if comm.rank != 0:
+        return 0
     how = {"mpf": "max-pooling fragments", "shift": "shifted runs of the plain net (no MPF)",
            "strided": "the net's own strided output"}[s["method"]]
     print(f"wrote {args.output}: shape {s['output_shape']}, {how}, mode {s['mode']}"

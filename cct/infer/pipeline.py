@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..distributed.comm import Comm, LocalComm
 from ..errors import CctError
 from ..progress import Progress
 from .dense import METHODS, PatchRunner
@@ -143,55 +144,95 @@ class DenseInference:
                            "blob": r.blob, "net": h.hexdigest(), "extra": extra}, sort_keys=True)
 
     def run_files(self, input_spec: str, output_spec: str, resume: bool = True, progress: bool = True,
-                  on_tile: Callable[[Tile], None] | None = None) -> dict:
+                  on_tile: Callable[[Tile], None] | None = None, comm: Comm | None = None) -> dict:
         """Stream ``input_spec`` (``vol.h5[:ds]``, ``.npy``, ``.tif``) through the net into ``output_spec``
-        (``out.h5[:ds]`` or ``.npy``), tile by tile. ``on_tile(tile)`` is called after each tile is written.
-        Returns a summary (tiles, resumed tiles, voxels, seconds, voxels/s, method)."""
+        (``out.h5[:ds]``, ``.npy`` or ``.tif``), tile by tile. ``on_tile(tile)`` is called after each tile is
+        written. Returns a summary (tiles, resumed tiles, voxels, seconds, voxels/s, method).
+
+        ``comm`` (:func:`cct.distributed.world` under ``mpiexec -n N``): the tiles still to do are dealt out
+        round-robin among the ranks, which compute in parallel and write their tiles into the one output
+        file in rank order (rank 0 creates it; each rank opens it for its turn), so the result, its done
+        record and resuming are those of a one-process run (resumable with any number of ranks)."""
+        comm = comm if comm is not None else LocalComm()
         with InputVolume(input_spec) as src:
             spatial = self.volume_layout(src.shape)
             tiling = self.prepare(spatial)
             r = self.runner
             out_shape = (r.channels,) + tiling.output
+            chunks = (r.channels,) + r.out_shape
             sig = self.signature(input_spec, src.shape)
-            sink = OutputVolume(output_spec, out_shape, (r.channels,) + r.out_shape, len(tiling), sig, resume)
+            comm.agree(sig, "the inference jobs (input, net, plan)")
+            done = resumed = sink = None
+            if comm.rank == 0:
+                sink = OutputVolume(output_spec, out_shape, chunks, len(tiling), sig, resume)
+                done, resumed = sink.done.copy(), sink.resumed
+                if resumed:
+                    log.info("resuming %s: %d of %d tiles already written", sink.partial, resumed, len(tiling))
+                if comm.size > 1:
+                    sink.close()
+            done, resumed = comm.bcast_obj((done, resumed))
+            has_channels = len(src.shape) == len(spatial) + 1
+
+            def read(box):
+                data = src.read(((slice(None),) if has_channels else ()) + tuple(box))
+                return data if has_channels else data[None]
+
+            def turn(tile: Tile | None, result: np.ndarray | None) -> None:
+                """Every rank's write of one round, in rank order (the only open of the file at a time)."""
+                for k in range(comm.size):
+                    if k == comm.rank and tile is not None:
+                        if comm.size == 1:
+                            sink.write(tile.index, tile.start, result)
+                        else:
+                            out = OutputVolume(output_spec, out_shape, chunks, len(tiling), sig, create=False)
+                            try:
+                                out.write(tile.index, tile.start, result)
+                            finally:
+                                out.close()
+                    if comm.size > 1:
+                        comm.barrier()
+
+            todo = [t for t in tiling if not done[t.index]]
+            mine = todo[comm.rank::comm.size]
+            rounds = -(-len(todo) // comm.size)
+            total = sum(int(np.prod(t.size)) for t in mine)
+            t0, vox = time.perf_counter(), 0
             try:
-                if sink.resumed:
-                    log.info("resuming %s: %d of %d tiles already written", sink.partial, sink.resumed, len(tiling))
-
-                has_channels = len(src.shape) == len(spatial) + 1
-
-                def read(box):
-                    data = src.read(((slice(None),) if has_channels else ()) + tuple(box))
-                    return data if has_channels else data[None]
-
-                total = int(np.prod(tiling.output))
-                done_vox = sum(int(np.prod(t.size)) for t in tiling if sink.done[t.index])
-                t0, vox = time.perf_counter(), 0
-                with Progress(total, desc="infer", unit="vox", enabled=progress, initial=done_vox,
+                with Progress(total, desc="infer", unit="vox", enabled=progress and comm.rank == 0,
                               unit_scale=True) as bar:
-                    todo = [t for t in tiling if not sink.done[t.index]]
-                    for tile, result in self._results(tiling, todo, read):
-                        sink.write(tile.index, tile.start, result)
+                    for tile, result in self._results(tiling, mine, read):
+                        turn(tile, result)
                         n = int(np.prod(tile.size))
                         vox += n
                         bar.update(n)
                         elapsed = time.perf_counter() - t0
                         rate = vox / elapsed if elapsed > 0 else 0.0
-                        left = total - done_vox - vox
                         log.info("tile %d/%d: %.0f voxels/s, ETA %.0f s", tile.index + 1, len(tiling), rate,
-                                 left / rate if rate else 0.0)
+                                 (total - vox) / rate if rate else 0.0)
                         if on_tile is not None:
                             on_tile(tile)
-                seconds = time.perf_counter() - t0
-                summary = {"tiles": len(tiling), "resumed_tiles": sink.resumed, "voxels": vox, "seconds": seconds,
+                    for _ in range(rounds - len(mine)):  # this rank has fewer tiles: keep the turns in step
+                        turn(None, None)
+                seconds = comm.allreduce_scalar(time.perf_counter() - t0, "max")
+                vox = int(comm.allreduce_scalar(vox))
+                summary = {"tiles": len(tiling), "resumed_tiles": resumed, "voxels": vox, "seconds": seconds,
                            "voxels_per_second": vox / seconds if seconds > 0 else 0.0, "method": self.method,
                            "mpf": [bool(m) for m in r.mpf], "patch": list(r.patch_shape), "mode": self.mode,
                            "padding": self.padding, "output_shape": list(out_shape),
-                           "pipeline": self.plan.theta}
-                sink.set_attrs({"cct_infer_method": self.method, "cct_infer_mpf": json.dumps(summary["mpf"]),
-                                "cct_infer_mode": self.mode, "cct_infer_padding": self.padding,
-                                "cct_infer_patch": json.dumps(summary["patch"])})
-                sink.finish()
+                           "pipeline": self.plan.theta, "ranks": comm.size}
+                if comm.rank == 0:
+                    if comm.size > 1:
+                        sink = OutputVolume(output_spec, out_shape, chunks, len(tiling), sig, resume=True,
+                                            create=False)
+                    if not sink.done.all():
+                        raise CctError(f"{output_spec}: {int((~sink.done).sum())} tiles were not written")
+                    sink.set_attrs({"cct_infer_method": self.method, "cct_infer_mpf": json.dumps(summary["mpf"]),
+                                    "cct_infer_mode": self.mode, "cct_infer_padding": self.padding,
+                                    "cct_infer_patch": json.dumps(summary["patch"])})
+                    sink.finish()
             finally:
-                sink.close()
+                if sink is not None:
+                    sink.close()
+        if comm.size > 1:
+            comm.barrier()
         return summary
