@@ -23,6 +23,7 @@ from .dense import METHODS, PatchRunner
 from .geometry import NetGeometry, analyze, check_chain
 from .plan import InferencePlan, choose_plan, parse_pipeline, plan_for_patch
 from .stages import TwoStagePipeline
+from .surgery import convert_inner_products
 from .tiling import Tile, Tiling
 from .volume_io import InputVolume, OutputVolume
 
@@ -47,6 +48,7 @@ class DenseInference:
                  budget: int | None = None, pipeline: str | int = "off") -> None:
         if method not in METHODS:
             raise CctError(f"unknown method '{method}' (use {', '.join(METHODS)})")
+        net, self.notes = convert_inner_products(net)
         self.net = net
         self.geom: NetGeometry = analyze(net)
         check_chain(net, self.geom)
@@ -96,6 +98,7 @@ class DenseInference:
         spatial = tuple(spatial)
         if self._prepared_for != spatial:
             self.plan = self.make_plan(spatial)
+            self.plan.notes = list(self.notes)
             log.debug("%s", self.plan.describe())
             self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob)
             self.stages = TwoStagePipeline(self.runner, self.plan.theta) if self.plan.theta else None

@@ -60,6 +60,7 @@ class InferencePlan:
     theta: int = 0  # two-stage pipeline: spatial ops in the first stage (0: one stage)
     one_stage_seconds: float = 0.0  # the one-stage prediction when ``theta`` is set
     stage_seconds: tuple[float, float] = (0.0, 0.0)  # per run, each stage on half the BLAS threads
+    notes: list[str] = field(default_factory=list)  # e.g. InnerProduct layers run as convolutions
 
     @property
     def voxels_per_second(self) -> float:
@@ -77,6 +78,7 @@ class InferencePlan:
                  f"[{flags}], {self.fragments} fragments per run, {self.runs} run(s) per patch",
                  f"  predicted {self.voxels_per_second:,.0f} output voxels/s, peak {human(self.peak_bytes)} "
                  f"(budget {human(self.budget) if self.budget else 'none'})"]
+        lines.extend(f"  {note}" for note in self.notes)
         if self.theta:
             lines.append(f"  two-stage pipeline: first {self.theta} convolution/pooling layers on one worker, the rest "
                          f"on another (queue of one); predicted {self.stage_seconds[0] * 1e3:.2f} + "
