@@ -217,11 +217,12 @@ def parse_pipeline(text: str | int | None) -> str | int:
 
 
 def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | int,
-                  half: InferencePlan) -> InferencePlan:
+                  half: InferencePlan, scale: float = 1.0) -> InferencePlan:
     """``plan`` as a two-stage pipeline (ZNNi VII): ``half`` is the same candidate priced on half the BLAS
-    threads; ``pipeline`` is ``"auto"`` (the best theta, kept only when predicted faster than one stage) or a
-    theta. A run then takes the slower stage's time; the peak adds the hand-off buffer and the second
-    stage's copy of the boundary blob. ``"off"`` returns ``plan`` unchanged."""
+    threads (its seconds times ``scale``, see :func:`half_machine`); ``pipeline`` is ``"auto"`` (the best
+    theta, kept only when predicted faster than one stage) or a theta. A run then takes the slower stage's
+    time; the peak adds the hand-off buffer and the second stage's copy of the boundary blob. ``"off"``
+    returns ``plan`` unchanged."""
     nops = len(geom.ops)
     if pipeline == "off" or plan.method == "strided" and pipeline == "auto":
         return plan
@@ -233,7 +234,7 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
     conv = iter(lp.seconds for lp in half.layers)
     op_secs = [next(conv) if op.kind == "conv" else 0.0 for op in geom.ops]
     rest = max(0.0, half.seconds / max(half.runs, 1) - sum(op_secs))
-    op_secs = [t + rest / nops for t in op_secs]
+    op_secs = [(t + rest / nops) * scale for t in op_secs]
     thetas = [pipeline] if isinstance(pipeline, int) else range(1, nops)
     best = min(thetas, key=lambda th: (max(sum(op_secs[:th]), sum(op_secs[th:])), th))
     stages = (sum(op_secs[:best]), sum(op_secs[best:]))
@@ -254,12 +255,17 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
     return plan
 
 
-def half_machine(machine: Machine) -> Machine:
-    """The machine model of one pipeline stage: half the BLAS threads (at least one)."""
+def half_machine(machine: Machine) -> tuple[Machine, float]:
+    """The machine model of one pipeline stage (half the BLAS threads, at least one) and the factor its
+    predictions still need: 1 where a model for that thread count is calibrated; otherwise the full
+    machine's model and the thread ratio (its work spread evenly over the threads)."""
     threads = max(1, machine.threads // 2)
-    if threads == machine.threads or getattr(machine, "nominal", False):
-        return machine
-    return machine_for_threads(threads)
+    if threads == machine.threads:
+        return machine, 1.0
+    half = machine_for_threads(threads)
+    if half.threads == threads and not getattr(half, "nominal", False):
+        return half, 1.0
+    return machine, machine.threads / threads
 
 
 def mpf_choices(npool: int, method: str) -> list[tuple[bool, ...]]:
@@ -288,7 +294,7 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
     smallest: InferencePlan | None = None
     cache: dict = {}
     half_cache: dict = {}
-    half = half_machine(machine) if pipeline != "off" else machine
+    half, scale = half_machine(machine) if pipeline != "off" else (machine, 1.0)
     choices = [tuple(mpf)] if mpf is not None and method == "mpf" else mpf_choices(len(geom.pools), method)
     grids = sorted({g for g in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if g <= max_grid})
     for flags in choices:
@@ -298,7 +304,7 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
             cand = predict(net, geom, grid, flags, method, machine, budget, cache=cache)
             if pipeline != "off":
                 cand = with_pipeline(net, geom, cand, pipeline,
-                                     predict(net, geom, grid, flags, method, half, budget, cache=half_cache))
+                                     predict(net, geom, grid, flags, method, half, budget, cache=half_cache), scale)
             if smallest is None or cand.peak_bytes < smallest.peak_bytes:
                 smallest = cand
             if budget is not None and cand.peak_bytes > budget:
@@ -347,7 +353,8 @@ def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence
     plan = predict(net, geom, tuple(grid), flags, method, machine, budget)
     if pipeline != "off":
         machine = machine if machine is not None else load_machine(measure_if_missing=False)
+        half, scale = half_machine(machine)
         plan = with_pipeline(net, geom, plan, pipeline,
-                             predict(net, geom, tuple(grid), flags, method, half_machine(machine), budget))
+                             predict(net, geom, tuple(grid), flags, method, half, budget), scale)
     plan.chosen_by = "--patch"
     return plan
