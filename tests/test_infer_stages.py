@@ -1,6 +1,8 @@
 """Dense inference, part 3: the two-stage CPU pipeline (ZNNi VII) gives the one-stage output; the planner's theta."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -32,8 +34,18 @@ def test_3d_pipeline_and_files(tmp_path):
     want = DenseInference(net, patch=(13, 14, 12))(vol).copy()
     np.save(tmp_path / "v.npy", vol)
     di = DenseInference(net, patch=(13, 14, 12), pipeline=2)
+    seen = []
+
+    def interrupt(tile):
+        seen.append(tile.index)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # the producer thread stops with the consumer
+        di.run_files(f"{tmp_path}/v.npy", f"{tmp_path}/o.npy", progress=False, on_tile=interrupt)
+    assert not any(t.name == "cct-infer-stage1" for t in threading.enumerate())
     s = di.run_files(f"{tmp_path}/v.npy", f"{tmp_path}/o.npy", progress=False)
-    assert s["pipeline"] == 2 and s["tiles"] > 4
+    assert s["pipeline"] == 2 and s["tiles"] > 4 and s["resumed_tiles"] == 3
     np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), want)
 
 
