@@ -95,26 +95,30 @@ class TwoStagePipeline:
 
         def produce() -> None:
             try:
-                for item in items:
-                    patch = read(item)
-                    runner.check_patch(patch)
-                    for k, shift in enumerate(runner.shifts):
-                        runner.load(patch, shift)
-                        runner.forward(self.first)
-                        while not stop.is_set():
-                            try:
-                                free.get(timeout=0.1)
-                                break
-                            except queue.Empty:
-                                continue
-                        if stop.is_set():
-                            return
-                        for h, b in zip(self.handoff, self.boundary):
-                            np.copyto(h, b.data)
-                        full.put((item, k))
+                with blas_threads(self.threads_per_stage):  # MKL's limit is per thread: set it here too
+                    produce_all()
             except BaseException as e:  # handed to the consumer, which re-raises it
                 failure.append(e)
             full.put(done)
+
+        def produce_all() -> None:
+            for item in items:
+                patch = read(item)
+                runner.check_patch(patch)
+                for k, shift in enumerate(runner.shifts):
+                    runner.load(patch, shift)
+                    runner.forward(self.first)
+                    while not stop.is_set():
+                        try:
+                            free.get(timeout=0.1)
+                            break
+                        except queue.Empty:
+                            continue
+                    if stop.is_set():
+                        return
+                    for h, b in zip(self.handoff, self.boundary):
+                        np.copyto(h, b.data)
+                    full.put((item, k))
 
         out = runner.new_output()
         with blas_threads(self.threads_per_stage):
