@@ -7,6 +7,8 @@ row runs in its own process (so its peak resident memory is its own) and times, 
 * ``cct-shift``: cct patch inference without MPF (the plain strided net run at every offset),
 * ``cct-mpf``: cct with max-pooling fragments on every pooling layer, at the given patch,
 * ``cct-plan``: cct with the planner's choice of patch and MPF under the memory budget,
+* ``cct-pipe``: cct-mpf as the two-stage CPU pipeline (ZNNi VII; ``--theta`` convolution/pooling layers in
+  the first stage, default ``auto``: the planner's; the plan line says which theta ran),
 * ``monai``: the same net and weights in PyTorch in its dense form (pooling with stride 1, later layers
   dilated: filter rarefaction) run by MONAI's ``sliding_window_inference`` with ``roi_size`` = the patch,
   ``overlap`` = (field of view - 1) / patch so the valid outputs tile, the ROI weight map 1 on the valid
@@ -131,6 +133,9 @@ def worker(spec: dict) -> dict:
     else:
         if method == "cct-plan":
             di = DenseInference(net, budget=spec.get("budget"))
+        elif method == "cct-pipe":
+            theta = spec.get("theta") or "auto"
+            di = DenseInference(net, patch=patch, pipeline=int(theta) if theta != "auto" else theta)
         else:
             di = DenseInference(net, patch=patch, method="shift" if method == "cct-shift" else "mpf")
         di.prepare(vol.shape)
@@ -139,7 +144,7 @@ def worker(spec: dict) -> dict:
         voxels = int(np.prod(out.shape[1:]))
         extra = {"plan": di.plan.describe().splitlines()[0], "predicted_peak_bytes": di.plan.peak_bytes,
                  "predicted_voxels_per_s": di.plan.voxels_per_second, "patch": list(di.plan.patch),
-                 "mpf": list(di.plan.mpf)}
+                 "mpf": list(di.plan.mpf), "theta": di.plan.theta}
     np.save(spec["out"], out)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"timing": timing, "voxels": voxels, "voxels_per_s": voxels / timing["median"], "peak_rss": rss,
@@ -155,6 +160,7 @@ def main() -> None:
     ap.add_argument("--shift_grids", default="max",
                     help="grids cct-shift runs at: 'max' (the largest), 'none' or a list such as 1,2 "
                          "(it runs prod(stride) plain nets per patch)")
+    ap.add_argument("--theta", default="auto", help="cct-pipe's first-stage layers (auto: the planner's)")
     ap.add_argument("--budget", default=None, help="memory budget of cct-plan (default CCT_MEMORY_BUDGET)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--keep-env", action="store_true")
@@ -194,15 +200,16 @@ def main() -> None:
             vpath = os.path.join(tmp, f"{name}_vol.npy")
             np.save(vpath, vol)
             ref = None
-            order = [m for m in ("cct-mpf", "naive", "cct-shift", "cct-plan", "monai") if m in methods]
+            order = [m for m in ("cct-mpf", "naive", "cct-shift", "cct-plan", "cct-pipe", "monai") if m in methods]
             for method in order:
-                for g in (grids if method in ("cct-mpf", "cct-shift", "monai") else [max(grids)]):
+                for g in (grids if method in ("cct-mpf", "cct-shift", "cct-pipe", "monai") else [max(grids)]):
                     if method == "cct-shift" and not _shift_wanted(args.shift_grids, g, grids):
                         continue
                     patch = (g * stride + fov - 1,) * 3
                     out = os.path.join(tmp, f"{name}_{method}_{g}.npy")
                     job = {"model": model, "weights": weights, "volume": vpath, "method": method, "patch": patch,
-                           "runs": args.runs, "out": out, "windows": args.windows, "budget": budget}
+                           "runs": args.runs, "out": out, "windows": args.windows, "budget": budget,
+                           "theta": args.theta}
                     t0 = time.perf_counter()
                     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
                                           capture_output=True, text=True, env=os.environ.copy())
@@ -222,7 +229,8 @@ def main() -> None:
                                 "patch": res.get("patch", list(patch)), "volume": list(vol.shape),
                                 "max_abs_diff_vs_cct_mpf": diff, "wall_s": time.perf_counter() - t0})
                     results.append(res)
-                    rows.append([name, int(fmaps), method, "x".join(map(str, res["patch"])) if method != "naive"
+                    label = f"{method} (theta {res.get('theta')})" if method == "cct-pipe" else method
+                    rows.append([name, int(fmaps), label, "x".join(map(str, res["patch"])) if method != "naive"
                                  else f"{fov}^3 windows", round(res["voxels_per_s"], 1), res["timing"]["median"],
                                  round(res["peak_rss"] / 2**20), f"{diff:.1e}", res.get("sw_batch_size", "")])
                     print_table(["net", "fmaps", "method", "patch", "voxels/s", "median s", "peak RSS MiB",

@@ -511,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd not in COMMANDS:
         sys.stderr.write(f"cct: unknown command '{cmd}'\n\n{usage()}")
         return 1
-    comm = _mpi_world() if cmd in ("train", "device_query") else None
+    comm = _mpi_world() if cmd in ("train", "device_query", "infer") else None
     try:
         return run(cmd, rest)
     except CctError as e:

@@ -61,7 +61,8 @@ def test_bad_uses_give_one_line_errors(example, tmp_path, capsys):
     dense_fc = tmp_path / "fc.prototxt"
     dense_fc.write_text(znni_prototxt("n726", fmaps=2, nd=3, kernels=[2, 2, 1, 1, 2, 1]).replace(
         'layer { name: "prob" type: "Sigmoid" bottom: "conv6" top: "prob" }',
-        'layer { name: "fc" type: "InnerProduct" bottom: "conv6" top: "fc" inner_product_param { num_output: 2 } }'))
+        'layer { name: "fc" type: "InnerProduct" bottom: "conv6" top: "fc" '
+        'inner_product_param { num_output: 2 axis: 2 } }'))  # over space only: not a convolution
     cases = [
         (["--model", str(two_d), "--input", example["volume"] + ":raw"], "does not fit the net"),
         (["--model", str(dense_fc), "--input", example["volume"] + ":raw"], "layer 'fc' (type InnerProduct)"),

@@ -6,28 +6,15 @@ import os
 import h5py
 import numpy as np
 import pytest
-from google.protobuf import text_format
 
-import cct
 from cct.errors import CctError, MemoryBudgetError
 from cct.infer.geometry import analyze
 from cct.infer.naive import naive_dense
 from cct.infer.pipeline import DenseInference
 from cct.infer.tiling import Tiling
-from cct.infer.znni_nets import znni_prototxt
-from cct.proto import caffe_pb2
+from tests.infer_nets import TXT2, TXT3, random_net
 
-TXT2 = znni_prototxt("n726", fmaps=3, nd=2, kernels=[2, 2, 1, 1, 2, 1])  # field of view 11, stride 4
-TXT3 = znni_prototxt("n726", fmaps=2, nd=3, kernels=[2, 1, 1, 1, 2, 1])  # field of view 9, stride 4
-
-
-def _net(txt: str, dtype=np.float64, seed: int = 0) -> cct.Net:
-    net = cct.Net(text_format.Parse(txt, caffe_pb2.NetParameter()), cct.TEST, dtype=dtype)
-    rng = np.random.default_rng(seed)
-    for blobs in net.params.values():
-        for b in blobs:
-            b.data[...] = rng.standard_normal(b.shape) * 0.5
-    return net
+_net = random_net
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import numpy as np
 
 import cct
 
+from ..distributed import world
 from ..errors import CctError
 from ..flags import FlagParser
 from ..membudget import parse_size
@@ -47,7 +48,7 @@ def build_parser() -> FlagParser:
     p.add_argument("--weights", default=None, help="the trained weights (.caffemodel or .h5)")
     p.add_argument("--input", required=True, help="the input volume: vol.h5[:dataset], vol.npy or stack.tif")
     p.add_argument("--output", required=True, help="the output volume: out.h5[:dataset] (default dataset "
-                                                   "'main') or out.npy")
+                                                   "'main'), out.npy or out.tif")
     p.add_argument("--blob", default=None, help="the output blob (default: the net's last output)")
     p.add_argument("--patch", default=None, help="input patch shape, e.g. 64,64,64 (default: the planner's "
                                                  "choice under the memory budget); the largest valid patch "
@@ -63,6 +64,9 @@ def build_parser() -> FlagParser:
                                                "(e.g. 0,1,1; default: the planner's choice)")
     p.add_argument("--memory_budget", default=None, help="peak memory of the whole run, e.g. 4G (default "
                                                          "CCT_MEMORY_BUDGET, else the physical memory)")
+    p.add_argument("--pipeline", default="off",
+                   help="two-stage CPU pipeline (ZNNi VII): off, auto (the planner picks the split with the patch, "
+                        "by predicted throughput) or THETA, the convolution/pooling layers of the first stage")
     p.add_bool("plan_only", "print the plan and exit")
     p.add_bool("restart", "ignore a partial output of an interrupted run and start over")
     return p
@@ -82,17 +86,21 @@ def run(args: argparse.Namespace) -> int:
             raise CctError(f"--mpf {args.mpf!r}: expected 0/1 per pooling layer, e.g. 1,1,0")
         mpf = tuple(f == "1" for f in flags)
     di = DenseInference(net, patch=patch, mode=args.mode, padding=args.padding, method=args.method, mpf=mpf,
-                        blob=args.blob, budget=budget)
+                        blob=args.blob, budget=budget, pipeline=args.pipeline)
     if mpf is not None and len(mpf) != len(di.geom.pools):
         raise CctError(f"--mpf has {len(mpf)} entries; the net has {len(di.geom.pools)} pooling layers "
                        f"({', '.join(op.name for op in di.geom.pools) or 'none'})")
     with InputVolume(args.input) as src:
         spatial = di.volume_layout(src.shape)
     di.prepare(spatial)
-    print(di.plan.describe(), flush=True)
+    if world().rank == 0:
+        print(di.plan.describe() + (f"\n  {di.stages.describe()}" if di.stages else ""), flush=True)
     if args.plan_only:
         return 0
-    s = di.run_files(args.input, args.output, resume=not args.restart, progress=args.progress)
+    comm = world()  # under mpiexec -n N: the tiles are divided among the ranks
+    s = di.run_files(args.input, args.output, resume=not args.restart, progress=args.progress, comm=comm)
+    if comm.rank != 0:
+        return 0
     how = {"mpf": "max-pooling fragments", "shift": "shifted runs of the plain net (no MPF)",
            "strided": "the net's own strided output"}[s["method"]]
     print(f"wrote {args.output}: shape {s['output_shape']}, {how}, mode {s['mode']}"

@@ -103,7 +103,7 @@ class PatchRunner:
         shape = tuple(inp.shape)
         inp.reshape((1, shape[1]) + self.run_shape)
         pools = {op.layer: (op, i) for i, op in enumerate(geom.pools)}
-        self.steps: list[tuple[int, object]] = []
+        self.steps: list[tuple[int, object, list, list]] = []
         for i, layer in enumerate(net.layers):
             lp = net.param.layer[i]
             if lp.type == "Input":
@@ -121,7 +121,7 @@ class PatchRunner:
                 raise
             except (CctError, ValueError) as e:
                 raise LayerError(lp.name, lp.type, f"patch {list(self.run_shape)}: {e}") from e
-            self.steps.append((i, runner))
+            self.steps.append((i, runner, bottom, top))
         out = net.blobs[self.blob]
         nfrag = len(self.frag_starts)
         if out.shape[0] != nfrag or tuple(out.shape[2:]) != self.grid:
@@ -130,29 +130,48 @@ class PatchRunner:
         self.channels = int(out.shape[1])
 
     # -- running ------------------------------------------------------------------------
-    def run(self, patch: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Dense output ``(C_out, *out_shape)`` of one input patch ``(C_in, *patch_shape)``."""
-        net = self.net
-        inp = net.blobs[self.geom.input_blob]
+    def check_patch(self, patch: np.ndarray) -> None:
+        """Refuse a patch whose shape is not ``(C_in, *patch_shape)``."""
+        inp = self.net.blobs[self.geom.input_blob]
         if tuple(patch.shape[1:]) != self.patch_shape or patch.shape[0] != inp.shape[1]:
             raise CctError(f"patch of shape {list(patch.shape)}; expected {[inp.shape[1], *self.patch_shape]}")
+
+    def new_output(self) -> np.ndarray:
+        """An (uninitialised) dense output array of one patch."""
+        return np.empty((self.channels,) + self.out_shape, dtype=self.net.dtype)
+
+    def load(self, patch: np.ndarray, shift: Sequence[int]) -> None:
+        """Copy the window of ``patch`` at ``shift`` (one run's input) into the net's input blob."""
+        window = tuple(slice(s, s + n) for s, n in zip(shift, self.run_shape))
+        self.net.blobs[self.geom.input_blob].data[0] = patch[(slice(None),) + window]
+
+    @staticmethod
+    def forward(steps: Sequence[tuple[int, object, list, list]]) -> None:
+        """Run ``steps`` (layer index, layer or fragment pooling, bottoms, tops) in order."""
+        for _i, runner, bottom, top in steps:
+            if isinstance(runner, FragmentPooling):
+                runner.forward(bottom[0], top[0])
+            else:
+                runner.forward(bottom, top)
+
+    def place(self, result: np.ndarray, shift: Sequence[int], out: np.ndarray) -> None:
+        """Write one run's output ``result`` (fragments in the batch) to its strided places in ``out``."""
+        if self.method == "strided":
+            out[...] = result[0]
+            return
+        for b, start in enumerate(self.frag_starts):
+            place = tuple(slice(s + st, s + st + g * p, p)
+                          for s, st, g, p in zip(shift, start, self.grid, self.stride))
+            out[(slice(None),) + place] = result[b]
+
+    def run(self, patch: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Dense output ``(C_out, *out_shape)`` of one input patch ``(C_in, *patch_shape)``."""
+        self.check_patch(patch)
         if out is None:
-            out = np.empty((self.channels,) + self.out_shape, dtype=net.dtype)
-        top = net.blobs[self.blob]
+            out = self.new_output()
+        top = self.net.blobs[self.blob]
         for shift in self.shifts:
-            window = tuple(slice(s, s + n) for s, n in zip(shift, self.run_shape))
-            inp.data[0] = patch[(slice(None),) + window]
-            for i, runner in self.steps:
-                if isinstance(runner, FragmentPooling):
-                    runner.forward(net.bottom_vecs[i][0], net.top_vecs[i][0])
-                else:
-                    runner.forward(net.bottom_vecs[i], net.top_vecs[i])
-            result = top.data
-            if self.method == "strided":
-                out[...] = result[0]
-                continue
-            for b, start in enumerate(self.frag_starts):
-                place = tuple(slice(s + st, s + st + g * p, p)
-                              for s, st, g, p in zip(shift, start, self.grid, self.stride))
-                out[(slice(None),) + place] = result[b]
+            self.load(patch, shift)
+            self.forward(self.steps)
+            self.place(top.data, shift, out)
         return out

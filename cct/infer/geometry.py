@@ -10,9 +10,10 @@ input and the output is one of:
 * a layer that works on each voxel alone (ReLU, Sigmoid, BatchNorm, Scale, Softmax over channels,
   LRN across channels, Eltwise, Concat over channels, Split, Dropout, ...).
 
-Anything else (InnerProduct after a spatial blob, Crop, Deconvolution, padded or strided convolutions,
-LRN within a channel, global pooling...) would make an output voxel depend on where the window sits,
-so the net cannot be made dense: :func:`analyze` raises :class:`NotDensifiableError` naming the layer.
+Anything else (an InnerProduct not converted by :mod:`cct.infer.surgery`, Crop, Deconvolution, padded
+or strided convolutions, LRN within a channel, global pooling...) would make an output voxel depend on
+where the window sits, so the net cannot be made dense: :func:`analyze` raises :class:`NotDensifiableError`
+naming the layer.
 
 The field of view ``F`` (per axis) is the input a single output voxel sees; walking the layers from
 the output back, a convolution adds ``extent - 1`` and a pooling window multiplies by ``p``

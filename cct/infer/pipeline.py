@@ -12,15 +12,18 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..distributed.comm import Comm, LocalComm
 from ..errors import CctError
 from ..progress import Progress
 from .dense import METHODS, PatchRunner
 from .geometry import NetGeometry, analyze, check_chain
-from .plan import InferencePlan, choose_plan, plan_for_patch
+from .plan import InferencePlan, choose_plan, parse_pipeline, plan_for_patch
+from .stages import TwoStagePipeline
+from .surgery import convert_inner_products
 from .tiling import Tile, Tiling
 from .volume_io import InputVolume, OutputVolume
 
@@ -35,14 +38,17 @@ class DenseInference:
     ``"mirror"`` (``same`` mode); ``method``: ``"mpf"`` (max-pooling fragments), ``"shift"`` (dense output
     by shifted runs of the plain net, no MPF) or ``"strided"`` (the net's own strided output); ``mpf``:
     per pooling layer, with ``method="mpf"`` (default: the planner's choice, or all with ``patch``);
-    ``blob``: the output blob (default the net's last output).
+    ``blob``: the output blob (default the net's last output); ``pipeline``: ``"off"``, ``"auto"`` (the
+    planner picks theta with the patch, by predicted throughput) or theta, the number of convolution/pooling
+    layers of the first stage of the two-stage CPU pipeline (:mod:`cct.infer.stages`; same output).
     """
 
     def __init__(self, net, patch: Sequence[int] | None = None, mode: str = "valid", padding: str = "zero",
                  method: str = "mpf", mpf: Sequence[bool] | None = None, blob: str | None = None,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, pipeline: str | int = "off") -> None:
         if method not in METHODS:
             raise CctError(f"unknown method '{method}' (use {', '.join(METHODS)})")
+        net, self.notes = convert_inner_products(net)
         self.net = net
         self.geom: NetGeometry = analyze(net)
         check_chain(net, self.geom)
@@ -52,6 +58,8 @@ class DenseInference:
         self.patch = tuple(int(p) for p in patch) if patch is not None else None
         self.mode, self.padding, self.method = mode, padding, method
         self.mpf = tuple(mpf) if mpf is not None else None
+        self.pipeline = parse_pipeline(pipeline)
+        self.stages: TwoStagePipeline | None = None
         self.budget = budget if budget is not None else net.config.memory_budget
         self.channels = int(net.blobs[self.geom.input_blob].shape[1])
         self.plan: InferencePlan | None = None
@@ -81,16 +89,19 @@ class DenseInference:
         unit = (1,) * geom.num_spatial if self.method == "strided" else geom.stride
         limit = tuple(-(-o // u) for o, u in zip(probe.output, unit))
         if self.patch is not None:
-            return plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget)
-        return choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf)
+            return plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget,
+                                  pipeline=self.pipeline)
+        return choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf, pipeline=self.pipeline)
 
     def prepare(self, spatial: Sequence[int]) -> Tiling:
         """Plan (:meth:`make_plan`), build the patch runner and the tiling for a volume of ``spatial`` shape."""
         spatial = tuple(spatial)
         if self._prepared_for != spatial:
             self.plan = self.make_plan(spatial)
+            self.plan.notes = list(self.notes)
             log.debug("%s", self.plan.describe())
             self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob)
+            self.stages = TwoStagePipeline(self.runner, self.plan.theta) if self.plan.theta else None
             self._prepared_for = spatial
         r = self.runner
         return Tiling(spatial, self.geom.field_of_view, r.patch_shape, r.out_shape, r.out_step, self.mode,
@@ -104,18 +115,24 @@ class DenseInference:
         vol = volume.reshape((self.channels,) + spatial)
         tiling = self.prepare(spatial)
         out = np.empty((self.runner.channels,) + tiling.output, dtype=self.net.dtype)
-        for tile in tiling:
-            self._run_tile(tiling, tile, lambda box: vol[(slice(None),) + tuple(box)], out=out)
+        for tile, result in self._results(tiling, list(tiling), lambda box: vol[(slice(None),) + tuple(box)]):
+            out[(slice(None),) + tuple(slice(s, s + n) for s, n in zip(tile.start, tile.size))] = result
         return out
 
-    def _run_tile(self, tiling: Tiling, tile: Tile, read: Callable, out: np.ndarray | None = None) -> np.ndarray:
-        patch = tiling.read_patch(tile, read, self.channels, dtype=self.net.dtype)
-        result = self.runner.run(patch)
-        inside = (slice(None),) + tuple(slice(0, n) for n in tile.size)
-        if out is not None:
-            place = (slice(None),) + tuple(slice(s, s + n) for s, n in zip(tile.start, tile.size))
-            out[place] = result[inside]
-        return result[inside]
+    def _results(self, tiling: Tiling, tiles: list[Tile], read: Callable) -> Iterator[tuple[Tile, np.ndarray]]:
+        """Each tile with its output (the part inside the volume), in one stage or the two-stage pipeline."""
+        def patch_of(tile: Tile) -> np.ndarray:
+            return tiling.read_patch(tile, read, self.channels, dtype=self.net.dtype)
+
+        def inside(tile: Tile, result: np.ndarray) -> np.ndarray:
+            return result[(slice(None),) + tuple(slice(0, n) for n in tile.size)]
+
+        if self.stages is not None:
+            for tile, result in self.stages.results(tiles, patch_of):
+                yield tile, inside(tile, result)
+            return
+        for tile in tiles:
+            yield tile, inside(tile, self.runner.run(patch_of(tile)))
 
     def signature(self, input_spec: str, shape: Sequence[int], extra: str = "") -> str:
         """What identifies a job for resuming: input, net weights, plan, mode and padding."""
@@ -130,55 +147,95 @@ class DenseInference:
                            "blob": r.blob, "net": h.hexdigest(), "extra": extra}, sort_keys=True)
 
     def run_files(self, input_spec: str, output_spec: str, resume: bool = True, progress: bool = True,
-                  on_tile: Callable[[Tile], None] | None = None) -> dict:
+                  on_tile: Callable[[Tile], None] | None = None, comm: Comm | None = None) -> dict:
         """Stream ``input_spec`` (``vol.h5[:ds]``, ``.npy``, ``.tif``) through the net into ``output_spec``
-        (``out.h5[:ds]`` or ``.npy``), tile by tile. ``on_tile(tile)`` is called after each tile is written.
-        Returns a summary (tiles, resumed tiles, voxels, seconds, voxels/s, method)."""
+        (``out.h5[:ds]``, ``.npy`` or ``.tif``), tile by tile. ``on_tile(tile)`` is called after each tile is
+        written. Returns a summary (tiles, resumed tiles, voxels, seconds, voxels/s, method).
+
+        ``comm`` (:func:`cct.distributed.world` under ``mpiexec -n N``): the tiles still to do are dealt out
+        round-robin among the ranks, which compute in parallel and write their tiles into the one output
+        file in rank order (rank 0 creates it; each rank opens it for its turn), so the result, its done
+        record and resuming are those of a one-process run (resumable with any number of ranks)."""
+        comm = comm if comm is not None else LocalComm()
         with InputVolume(input_spec) as src:
             spatial = self.volume_layout(src.shape)
             tiling = self.prepare(spatial)
             r = self.runner
             out_shape = (r.channels,) + tiling.output
+            chunks = (r.channels,) + r.out_shape
             sig = self.signature(input_spec, src.shape)
-            sink = OutputVolume(output_spec, out_shape, (r.channels,) + r.out_shape, len(tiling), sig, resume)
+            comm.agree(sig, "the inference jobs (input, net, plan)")
+            done = resumed = sink = None
+            if comm.rank == 0:
+                sink = OutputVolume(output_spec, out_shape, chunks, len(tiling), sig, resume)
+                done, resumed = sink.done.copy(), sink.resumed
+                if resumed:
+                    log.info("resuming %s: %d of %d tiles already written", sink.partial, resumed, len(tiling))
+                if comm.size > 1:
+                    sink.close()
+            done, resumed = comm.bcast_obj((done, resumed))
+            has_channels = len(src.shape) == len(spatial) + 1
+
+            def read(box):
+                data = src.read(((slice(None),) if has_channels else ()) + tuple(box))
+                return data if has_channels else data[None]
+
+            def turn(tile: Tile | None, result: np.ndarray | None) -> None:
+                """Every rank's write of one round, in rank order (the only open of the file at a time)."""
+                for k in range(comm.size):
+                    if k == comm.rank and tile is not None:
+                        if comm.size == 1:
+                            sink.write(tile.index, tile.start, result)
+                        else:
+                            out = OutputVolume(output_spec, out_shape, chunks, len(tiling), sig, create=False)
+                            try:
+                                out.write(tile.index, tile.start, result)
+                            finally:
+                                out.close()
+                    if comm.size > 1:
+                        comm.barrier()
+
+            todo = [t for t in tiling if not done[t.index]]
+            mine = todo[comm.rank::comm.size]
+            rounds = -(-len(todo) // comm.size)
+            total = sum(int(np.prod(t.size)) for t in mine)
+            t0, vox = time.perf_counter(), 0
             try:
-                if sink.resumed:
-                    log.info("resuming %s: %d of %d tiles already written", sink.partial, sink.resumed, len(tiling))
-
-                has_channels = len(src.shape) == len(spatial) + 1
-
-                def read(box):
-                    data = src.read(((slice(None),) if has_channels else ()) + tuple(box))
-                    return data if has_channels else data[None]
-
-                total = int(np.prod(tiling.output))
-                done_vox = sum(int(np.prod(t.size)) for t in tiling if sink.done[t.index])
-                t0, vox = time.perf_counter(), 0
-                with Progress(total, desc="infer", unit="vox", enabled=progress, initial=done_vox,
+                with Progress(total, desc="infer", unit="vox", enabled=progress and comm.rank == 0,
                               unit_scale=True) as bar:
-                    for tile in tiling:
-                        if sink.done[tile.index]:
-                            continue
-                        sink.write(tile.index, tile.start, self._run_tile(tiling, tile, read))
+                    for tile, result in self._results(tiling, mine, read):
+                        turn(tile, result)
                         n = int(np.prod(tile.size))
                         vox += n
                         bar.update(n)
                         elapsed = time.perf_counter() - t0
                         rate = vox / elapsed if elapsed > 0 else 0.0
-                        left = total - done_vox - vox
                         log.info("tile %d/%d: %.0f voxels/s, ETA %.0f s", tile.index + 1, len(tiling), rate,
-                                 left / rate if rate else 0.0)
+                                 (total - vox) / rate if rate else 0.0)
                         if on_tile is not None:
                             on_tile(tile)
-                seconds = time.perf_counter() - t0
-                summary = {"tiles": len(tiling), "resumed_tiles": sink.resumed, "voxels": vox, "seconds": seconds,
+                    for _ in range(rounds - len(mine)):  # this rank has fewer tiles: keep the turns in step
+                        turn(None, None)
+                seconds = comm.allreduce_scalar(time.perf_counter() - t0, "max")
+                vox = int(comm.allreduce_scalar(vox))
+                summary = {"tiles": len(tiling), "resumed_tiles": resumed, "voxels": vox, "seconds": seconds,
                            "voxels_per_second": vox / seconds if seconds > 0 else 0.0, "method": self.method,
                            "mpf": [bool(m) for m in r.mpf], "patch": list(r.patch_shape), "mode": self.mode,
-                           "padding": self.padding, "output_shape": list(out_shape)}
-                sink.set_attrs({"cct_infer_method": self.method, "cct_infer_mpf": json.dumps(summary["mpf"]),
-                                "cct_infer_mode": self.mode, "cct_infer_padding": self.padding,
-                                "cct_infer_patch": json.dumps(summary["patch"])})
-                sink.finish()
+                           "padding": self.padding, "output_shape": list(out_shape),
+                           "pipeline": self.plan.theta, "ranks": comm.size}
+                if comm.rank == 0:
+                    if comm.size > 1:
+                        sink = OutputVolume(output_spec, out_shape, chunks, len(tiling), sig, resume=True,
+                                            create=False)
+                    if not sink.done.all():
+                        raise CctError(f"{output_spec}: {int((~sink.done).sum())} tiles were not written")
+                    sink.set_attrs({"cct_infer_method": self.method, "cct_infer_mpf": json.dumps(summary["mpf"]),
+                                    "cct_infer_mode": self.mode, "cct_infer_padding": self.padding,
+                                    "cct_infer_patch": json.dumps(summary["patch"])})
+                    sink.finish()
             finally:
-                sink.close()
+                if sink is not None:
+                    sink.close()
+        if comm.size > 1:
+            comm.barrier()
         return summary

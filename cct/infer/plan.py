@@ -23,7 +23,7 @@ from ..lowering import direct_layout as dl
 from ..lowering.calibrate import load_machine
 from ..lowering.cost_model import Machine, workspace_bytes
 from ..lowering.geometry import ConvGeometry
-from ..lowering.optimizer import predictions
+from ..lowering.optimizer import machine_for_threads, predictions
 from ..lowering.partition import memory_budget
 from ..membudget import human
 from ..proto import caffe_pb2
@@ -57,6 +57,10 @@ class InferencePlan:
     budget: int | None
     layers: list[LayerPlan] = field(default_factory=list)
     chosen_by: str = "planner"
+    theta: int = 0  # two-stage pipeline: spatial ops in the first stage (0: one stage)
+    one_stage_seconds: float = 0.0  # the one-stage prediction when ``theta`` is set
+    stage_seconds: tuple[float, float] = (0.0, 0.0)  # per run, each stage on half the BLAS threads
+    notes: list[str] = field(default_factory=list)  # e.g. InnerProduct layers run as convolutions
 
     @property
     def voxels_per_second(self) -> float:
@@ -74,6 +78,12 @@ class InferencePlan:
                  f"[{flags}], {self.fragments} fragments per run, {self.runs} run(s) per patch",
                  f"  predicted {self.voxels_per_second:,.0f} output voxels/s, peak {human(self.peak_bytes)} "
                  f"(budget {human(self.budget) if self.budget else 'none'})"]
+        lines.extend(f"  {note}" for note in self.notes)
+        if self.theta:
+            lines.append(f"  two-stage pipeline: first {self.theta} convolution/pooling layers on one worker, the rest "
+                         f"on another (queue of one); predicted {self.stage_seconds[0] * 1e3:.2f} + "
+                         f"{self.stage_seconds[1] * 1e3:.2f} ms per run against {self.one_stage_seconds * 1e3:.2f} ms "
+                         f"per patch in one stage")
         for lp in self.layers:
             lines.append(f"  {lp.name}: input {list(lp.shape)}, {lp.strategy}, {lp.seconds * 1e3:.2f} ms, "
                          f"workspace {human(lp.workspace)}")
@@ -191,6 +201,73 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers)
 
 
+def parse_pipeline(text: str | int | None) -> str | int:
+    """``--pipeline``: ``"auto"``, ``"off"`` or theta (a positive int)."""
+    if text is None or text in ("off", 0, "0"):
+        return "off"
+    if text == "auto":
+        return "auto"
+    try:
+        theta = int(text)
+    except (TypeError, ValueError):
+        theta = 0
+    if theta < 1:
+        raise CctError(f"--pipeline {text!r}: expected auto, off or theta (a positive number of layers)")
+    return theta
+
+
+def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | int,
+                  half: InferencePlan, scale: float = 1.0) -> InferencePlan:
+    """``plan`` as a two-stage pipeline (ZNNi VII): ``half`` is the same candidate priced on half the BLAS
+    threads (its seconds times ``scale``, see :func:`half_machine`); ``pipeline`` is ``"auto"`` (the best
+    theta, kept only when predicted faster than one stage) or a theta. A run then takes the slower stage's
+    time; the peak adds the hand-off buffer and the second stage's copy of the boundary blob. ``"off"``
+    returns ``plan`` unchanged."""
+    nops = len(geom.ops)
+    if pipeline == "off" or plan.method == "strided" and pipeline == "auto":
+        return plan
+    if isinstance(pipeline, int) and not 1 <= pipeline < nops:
+        raise CctError(f"--pipeline {pipeline}: the net has {nops} convolution/pooling layers, so theta must be "
+                       f"1..{nops - 1}")
+    if nops < 2:
+        return plan
+    conv = iter(lp.seconds for lp in half.layers)
+    op_secs = [next(conv) if op.kind == "conv" else 0.0 for op in geom.ops]
+    rest = max(0.0, half.seconds / max(half.runs, 1) - sum(op_secs))
+    op_secs = [(t + rest / nops) * scale for t in op_secs]
+    thetas = [pipeline] if isinstance(pipeline, int) else range(1, nops)
+    best = min(thetas, key=lambda th: (max(sum(op_secs[:th]), sum(op_secs[th:])), th))
+    stages = (sum(op_secs[:best]), sum(op_secs[best:]))
+    seconds = max(stages) * plan.runs
+    if pipeline == "auto" and seconds >= plan.seconds:
+        return plan
+    run_shape = geom.input_size(plan.grid, plan.mpf)
+    size = ([run_shape] + geom.layer_sizes(run_shape, plan.mpf))[best]
+    batch, pool_i = 1, 0
+    for op in geom.ops[:best]:
+        if op.kind == "pool":
+            batch *= _prod(op.size) if plan.mpf[pool_i] else 1
+            pool_i += 1
+    channels = net.bottom_vecs[geom.ops[best].layer][0].shape[1]
+    handoff = 2 * batch * channels * _prod(size) * net.dtype.itemsize
+    plan.one_stage_seconds, plan.seconds, plan.theta, plan.stage_seconds = plan.seconds, seconds, best, stages
+    plan.peak_bytes += handoff
+    return plan
+
+
+def half_machine(machine: Machine) -> tuple[Machine, float]:
+    """The machine model of one pipeline stage (half the BLAS threads, at least one) and the factor its
+    predictions still need: 1 where a model for that thread count is calibrated; otherwise the full
+    machine's model and the thread ratio (its work spread evenly over the threads)."""
+    threads = max(1, machine.threads // 2)
+    if threads == machine.threads:
+        return machine, 1.0
+    half = machine_for_threads(threads)
+    if half.threads == threads and not getattr(half, "nominal", False):
+        return half, 1.0
+    return machine, machine.threads / threads
+
+
 def mpf_choices(npool: int, method: str) -> list[tuple[bool, ...]]:
     """The MPF/plain combinations the planner tries for ``method``: fragments on the last ``k`` pooling
     layers, ``k = npool .. 0``. Fragmenting an early layer multiplies the batch of every later layer, so
@@ -204,17 +281,20 @@ def mpf_choices(npool: int, method: str) -> list[tuple[bool, ...]]:
 
 def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int], method: str = "mpf",
                 machine: Machine | None = None, max_grid: int = 64,
-                mpf: Sequence[bool] | None = None) -> InferencePlan:
+                mpf: Sequence[bool] | None = None, pipeline: str | int = "off") -> InferencePlan:
     """The candidate with the most predicted output voxels/s whose predicted peak fits ``budget``.
 
     ``limit``: the largest useful grid per axis (the volume's output over the stride); ``mpf``: fix the
-    MPF choice instead of trying every combination. Raises
+    MPF choice instead of trying every combination; ``pipeline``: ``"off"``, ``"auto"`` or theta
+    (:func:`with_pipeline`: theta and the patch are then chosen together, by the pipelined throughput). Raises
     :class:`MemoryBudgetError` when even the smallest patch does not fit.
     """
     machine = machine if machine is not None else load_machine(measure_if_missing=False)
     best: InferencePlan | None = None
     smallest: InferencePlan | None = None
     cache: dict = {}
+    half_cache: dict = {}
+    half, scale = half_machine(machine) if pipeline != "off" else (machine, 1.0)
     choices = [tuple(mpf)] if mpf is not None and method == "mpf" else mpf_choices(len(geom.pools), method)
     grids = sorted({g for g in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if g <= max_grid})
     for flags in choices:
@@ -222,6 +302,9 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
         for g in grids:
             grid = tuple(min(g, max(1, lim)) for lim in limit)
             cand = predict(net, geom, grid, flags, method, machine, budget, cache=cache)
+            if pipeline != "off":
+                cand = with_pipeline(net, geom, cand, pipeline,
+                                     predict(net, geom, grid, flags, method, half, budget, cache=half_cache), scale)
             if smallest is None or cand.peak_bytes < smallest.peak_bytes:
                 smallest = cand
             if budget is not None and cand.peak_bytes > budget:
@@ -240,7 +323,7 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
 
 def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence[int], method: str = "mpf",
                    mpf: Sequence[bool] | None = None, budget: int | None = None,
-                   machine: Machine | None = None) -> InferencePlan:
+                   machine: Machine | None = None, pipeline: str | int = "off") -> InferencePlan:
     """The plan for a user's ``--patch``: the largest valid patch within it on each axis (MPF on every
     pooling layer unless ``mpf`` says otherwise)."""
     if len(patch) != geom.num_spatial:
@@ -268,5 +351,10 @@ def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence
             g += 1
         grid.append(g)
     plan = predict(net, geom, tuple(grid), flags, method, machine, budget)
+    if pipeline != "off":
+        machine = machine if machine is not None else load_machine(measure_if_missing=False)
+        half, scale = half_machine(machine)
+        plan = with_pipeline(net, geom, plan, pipeline,
+                             predict(net, geom, tuple(grid), flags, method, half, budget), scale)
     plan.chosen_by = "--patch"
     return plan

@@ -3,8 +3,8 @@
 A volume is named ``path`` or ``path:dataset`` (HDF5; an input file with a single dataset needs no
 name, an output dataset defaults to ``main``). Inputs are read a box at a time (h5py slicing, a
 read-only memory map of a .npy, a TIFF stack page by page through tifffile, the optional ``[tiff]``
-extra), so a volume larger than memory streams through. Outputs are HDF5 datasets or .npy files
-written a tile at a time.
+extra), so a volume larger than memory streams through. Outputs are HDF5 datasets, .npy files or
+uncompressed float32 TIFFs (memory-mapped through ``tifffile.memmap``) written a tile at a time.
 
 Every failure is a :class:`cct.errors.CctError` naming the file and dataset.
 """
@@ -133,17 +133,22 @@ class InputVolume:
 class OutputVolume:
     """An output volume ``(C, *spatial)`` of float32 being written tile by tile into ``path`` (a partial
     file that :meth:`finish` renames onto the target), with the done-tile record that makes a run resumable.
+    ``create=False``: only reopen the partial file of the same job (another MPI rank's turn to write).
     """
 
     DONE = "_cct_infer_done"
 
     def __init__(self, spec: str, shape: Sequence[int], chunks: Sequence[int], tiles: int, signature: str,
-                 resume: bool = True) -> None:
+                 resume: bool = True, create: bool = True) -> None:
         self.spec = spec
         self.target, dataset = split_spec(spec)
         self.kind = kind_of(self.target)
         if self.kind == "tiff":
-            raise CctError(f"{self.target}: output formats are .h5/.hdf5[:dataset] and .npy")
+            try:
+                import tifffile
+            except ImportError:
+                raise CctError(f"{self.target}: writing TIFF needs tifffile (pip install 'cct[tiff]')") from None
+            self._tifffile = tifffile
         self.dataset = dataset or "main"
         self.partial = self.target + ".partial"
         self.shape = tuple(int(d) for d in shape)
@@ -155,6 +160,8 @@ class OutputVolume:
         self._npy = None
         self._done_path = self.partial + ".done.npy"
         done = self._load_done(signature, tiles) if resume else None
+        if done is None and not create:
+            raise CctError(f"{self.partial}: the partial output of this job is missing or changed (another process?)")
         if done is None:
             self._create(signature, chunks, tiles)
         else:
@@ -175,7 +182,7 @@ class OutputVolume:
             self._h5.create_dataset(self.DONE, data=self.done)
             self._h5.flush()
         else:
-            self._npy = np.lib.format.open_memmap(self.partial, mode="w+", dtype=np.float32, shape=self.shape)
+            self._npy = self._memmap("w+")
             with open(self.partial + ".sig", "w") as f:
                 f.write(signature)
             np.save(self._done_path, self.done)
@@ -198,7 +205,7 @@ class OutputVolume:
             with open(self.partial + ".sig") as fh:
                 if fh.read() != signature:
                     return None
-            arr = np.lib.format.open_memmap(self.partial, mode="r+")
+            arr = self._memmap("r+")
             done = np.load(self._done_path)
             if tuple(arr.shape) != self.shape or done.shape != (tiles,):
                 return None
@@ -209,6 +216,16 @@ class OutputVolume:
                 self._h5.close()
                 self._h5 = None
             return None
+
+    def _memmap(self, mode: str) -> np.ndarray:
+        """The partial .npy or TIFF file memory-mapped: created (``w+``) or reopened (``r+``)."""
+        if self.kind == "tiff":  # an uncompressed, contiguous float32 TIFF (tifffile.memmap)
+            if mode == "w+":
+                return self._tifffile.memmap(self.partial, shape=self.shape, dtype=np.float32)
+            return self._tifffile.memmap(self.partial, mode="r+")
+        if mode == "w+":
+            return np.lib.format.open_memmap(self.partial, mode="w+", dtype=np.float32, shape=self.shape)
+        return np.lib.format.open_memmap(self.partial, mode="r+")
 
     # -- writing ------------------------------------------------------------------------
     def write(self, index: int, start: Sequence[int], data: np.ndarray) -> None:
@@ -227,7 +244,7 @@ class OutputVolume:
             os.replace(tmp, self._done_path)
 
     def set_attrs(self, attrs: dict) -> None:
-        """Attributes stored with the output (HDF5 attributes; a .npy gets a ``.json`` beside it)."""
+        """Attributes stored with the output (HDF5 attributes; a .npy or TIFF gets a ``.json`` beside it)."""
         self._attrs = dict(attrs)
 
     def finish(self) -> None:

@@ -1,0 +1,149 @@
+"""The two-stage CPU pipeline (ZNNi section VII's producer/consumer, the CPU-only stand-in for CPU-GPU).
+
+:class:`TwoStagePipeline` splits a :class:`~cct.infer.dense.PatchRunner`'s layers after the ``theta``-th
+spatial op (convolution or pooling): a producer thread runs the first stage (input window, first ``theta``
+ops and the element-wise layers after them) of every run of every patch, a consumer (the calling thread)
+runs the rest. They meet through a queue of at most one item: the producer copies the boundary blobs
+(the first stage's blobs that the second stage reads) into one hand-off buffer and waits until the
+consumer has taken the previous one, so at most one finished first stage waits while the consumer
+computes. The second stage reads private copies of the boundary blobs, so the producer may overwrite
+the net's own blobs with the next run at once. Every buffer is allocated at construction.
+
+The BLAS threads are split between the stages: :meth:`TwoStagePipeline.results` runs under
+:func:`cct.blas.threads.blas_threads` with ``threads_per_stage`` (OpenBLAS's limit is process-wide, so
+both stages use the same count: half the BLAS threads each).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+
+from ..blas.threads import blas_threads, get_num_threads
+from ..blob import Blob
+from ..errors import CctError
+from .dense import PatchRunner
+from .fragments import FragmentPooling
+
+
+class TwoStagePipeline:
+    """Runs ``runner``'s patches as two stages on two threads (see the module docstring).
+
+    ``theta``: the number of spatial ops (convolutions and poolings, in net order) in the first stage,
+    ``1 <= theta < len(geom.ops)``; ``threads_per_stage``: BLAS threads of each stage (default half
+    the current count, at least 1).
+    """
+
+    def __init__(self, runner: PatchRunner, theta: int, threads_per_stage: int | None = None) -> None:
+        ops = runner.geom.ops
+        if not 1 <= theta < len(ops):
+            raise CctError(f"pipeline theta {theta}: the net has {len(ops)} convolution/pooling layers, so theta "
+                           f"must be 1..{len(ops) - 1}")
+        self.runner, self.theta = runner, int(theta)
+        self.threads_per_stage = threads_per_stage or max(1, get_num_threads() // 2)
+        last_first = ops[theta - 1].layer
+        next_op = ops[theta].layer
+        # first stage: up to the theta-th op and the layers after it that come before the next op
+        split = next((k for k, st in enumerate(runner.steps) if st[0] >= next_op), len(runner.steps))
+        split = max(split, next(k for k, st in enumerate(runner.steps) if st[0] == last_first) + 1)
+        first, second = runner.steps[:split], runner.steps[split:]
+        produced = {id(runner.net.blobs[runner.geom.input_blob])}
+        for _i, _r, _b, top in first:
+            produced.update(id(t) for t in top)
+        boundary: dict[int, Blob] = {}
+        for _i, _r, bottom, _t in second:
+            for b in bottom:
+                if id(b) in produced and id(b) not in boundary:
+                    boundary[id(b)] = b
+        self.boundary = list(boundary.values())
+        self.private = {id(b): Blob(b.shape, dtype=b.dtype, xp=b.xp, name=b.name) for b in self.boundary}
+        self.handoff = [np.empty(b.shape, dtype=b.dtype) for b in self.boundary]
+        self.first = first
+        self.second = []
+        for i, r, bottom, top in second:
+            mb = [self.private.get(id(b), b) for b in bottom]
+            mt = [self.private.get(id(t), t) for t in top]
+            if any(x is not y for x, y in zip(mb + mt, bottom + top)):  # re-bind views (Split, Reshape) to copies
+                if isinstance(r, FragmentPooling):
+                    r.reshape(mb[0], mt[0])
+                else:
+                    r.reshape(mb, mt)
+            self.second.append((i, r, mb, mt))
+        top = runner.net.blobs[runner.blob]
+        self.top = self.private.get(id(top), top)
+
+    def describe(self) -> str:
+        """Where the stages split and how many BLAS threads each gets."""
+        ops = self.runner.geom.ops
+        return (f"two-stage pipeline: stage 1 = {', '.join(op.name for op in ops[:self.theta])}; stage 2 = "
+                f"{', '.join(op.name for op in ops[self.theta:])}; {self.threads_per_stage} BLAS thread(s) each; "
+                f"hand-off {sum(h.nbytes for h in self.handoff)} bytes")
+
+    def results(self, items: Iterable, read: Callable[[object], np.ndarray]) -> Iterator[tuple[object, np.ndarray]]:
+        """``(item, dense output)`` for each of ``items`` in order; ``read(item)`` gives its input patch
+        ``(C_in, *patch_shape)`` (called on the producer thread). The output array is reused: copy it or
+        write it out before asking for the next."""
+        runner = self.runner
+        full: queue.Queue = queue.Queue(maxsize=1)
+        free: queue.Queue = queue.Queue(maxsize=1)
+        free.put(True)
+        stop = threading.Event()
+        failure: list[BaseException] = []
+        done = object()
+
+        def produce() -> None:
+            try:
+                with blas_threads(self.threads_per_stage):  # MKL's limit is per thread: set it here too
+                    produce_all()
+            except BaseException as e:  # handed to the consumer, which re-raises it
+                failure.append(e)
+            full.put(done)
+
+        def produce_all() -> None:
+            for item in items:
+                patch = read(item)
+                runner.check_patch(patch)
+                for k, shift in enumerate(runner.shifts):
+                    runner.load(patch, shift)
+                    runner.forward(self.first)
+                    while not stop.is_set():
+                        try:
+                            free.get(timeout=0.1)
+                            break
+                        except queue.Empty:
+                            continue
+                    if stop.is_set():
+                        return
+                    for h, b in zip(self.handoff, self.boundary):
+                        np.copyto(h, b.data)
+                    full.put((item, k))
+
+        out = runner.new_output()
+        with blas_threads(self.threads_per_stage):
+            worker = threading.Thread(target=produce, name="cct-infer-stage1", daemon=True)
+            worker.start()
+            try:
+                while True:
+                    got = full.get()
+                    if got is done:
+                        break
+                    item, k = got
+                    for h, b in zip(self.handoff, self.boundary):
+                        np.copyto(self.private[id(b)].data, h)
+                    free.put(True)
+                    runner.forward(self.second)
+                    runner.place(self.top.data, runner.shifts[k], out)
+                    if k == len(runner.shifts) - 1:
+                        yield item, out
+            finally:
+                stop.set()
+                while worker.is_alive():
+                    try:
+                        full.get(timeout=0.1)
+                    except queue.Empty:
+                        pass
+                worker.join()
+        if failure:
+            raise failure[0]
