@@ -17,7 +17,7 @@ row runs in its own process (so its peak resident memory is its own) and times, 
 Every output is compared with cct-mpf's at the largest patch (max abs difference in the table).
 torch and monai come from the ``[bench-infer]`` extra: ``pip install -e '.[bench-infer]'``.
 
-    flock /tmp/cct-timing.lock python benchmarks/bench_infer.py [--nets n337:8:1,2 n537:4:1] [--runs 3]
+    python benchmarks/bench_infer.py [--nets n337:8:1,2 n537:4:1] [--runs 3]
         [--shift_grids max|none|1,2] [--out results/bench_infer_n337.json]
 
 A net spec is ``name:fmaps:grids`` (grids: output voxels per fragment and axis; the patch is
