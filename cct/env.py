@@ -78,8 +78,7 @@ def text(name: str) -> str:
 def flag(name: str) -> bool:
     """``name`` read as on/off (``1``/``true``/``yes``/``on`` is on; ``0``/``false``/``no``/``off`` or the
     default otherwise)."""
-    value = text(name).lower()
-    return value in _ON if value not in _OFF else False
+    return text(name).lower() in _ON
 
 
 def is_off(name: str) -> bool:

@@ -91,7 +91,7 @@ def set_openmp_spin_defaults(environ: MutableMapping[str, str] | None = None) ->
     """
     environ = os.environ if environ is None else environ
     done: dict[str, str] = {}
-    req = (environ.get("CCT_OMP_SPINCOUNT", "") or env.knob("CCT_OMP_SPINCOUNT").default).strip().lower()
+    req = environ.get("CCT_OMP_SPINCOUNT", "").strip().lower()
     if req in _OFF:
         return done
     if "GOMP_SPINCOUNT" not in environ and "OMP_WAIT_POLICY" not in environ:

@@ -33,7 +33,7 @@ import logging
 from typing import Any
 
 from .. import blas
-from ..config import LOWERING_MODES, EngineConfig, current, parse_overrides, update_default
+from ..config import EngineConfig, current, parse_overrides, update_default
 from .base import LoweringStrategy, check_names, get_strategy
 from .budget import memory_budget
 from .calibrate import load_machine
@@ -44,8 +44,6 @@ from .partition import BatchedLowering
 from .tune import device_cache, device_name, pick_on_device
 
 log = logging.getLogger("cct")
-
-MODES = LOWERING_MODES
 
 
 def configure(mode: str | None = None, partitions: int | str | None = None,
