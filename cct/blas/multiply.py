@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import get_array_module
+from ..device import cublas as device_blas
 from ..errors import CctError
 from .choice import get_backend
 from .product import gemm_on
@@ -37,8 +38,11 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     """``xp.matmul`` (stacked, broadcasting operands) on the selected backend.
 
     With MKL selected, numpy float operands are multiplied slice by slice through cblas_sgemm;
-    otherwise this is ``xp.matmul`` (numpy's OpenBLAS, or cuBLAS for cupy).
+    otherwise this is ``xp.matmul`` (numpy's OpenBLAS); CuPy arrays go to cuBLAS directly
+    (:mod:`cct.device.cublas`, capturable in a CUDA graph).
     """
+    if device_blas.supports(a, b):
+        return device_blas.matmul(a, b, out=out)
     if not (_cpu_float(a, b) and a.ndim >= 2 and b.ndim >= 2 and get_backend() == "mkl"):
         return get_array_module(a, b).matmul(a, b, out=out)
     if a.ndim == 2 and b.ndim == 2:

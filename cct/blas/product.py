@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..backend import get_array_module
+from ..device import cublas as device_blas
 from ..errors import CctError
 from .mkl import load_mkl
 from .openblas import load_openblas
@@ -107,8 +108,11 @@ def gemm_on(backend: str | None, a: Any, b: Any, out: Any = None, trans_a: bool 
 
     numpy float32/float64 go to the CPU backend ``backend`` (``"mkl"``; ``"openblas"`` or None: numpy's
     OpenBLAS); other dtypes and cupy arrays use ``xp.matmul``. ``out`` (if given) must have the result's
-    shape and dtype; it is returned.
+    shape and dtype; it is returned. CuPy arrays go to cuBLAS directly (:mod:`cct.device.cublas`: capturable
+    in a CUDA graph, ``beta`` inside the GEMM).
     """
+    if device_blas.supports(a, b):
+        return device_blas.gemm(a, b, out, trans_a, trans_b, alpha, beta)
     xp = get_array_module(a, b)
     opa = a.T if trans_a else a
     opb = b.T if trans_b else b

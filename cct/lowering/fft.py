@@ -322,7 +322,7 @@ class FFTConvolution(IntoLowering):
         shape = fft_shape(geom)
         xs = self._input_spectrum(x, geom)
         ys = self._buffer(("ys", geom), (g,) + half_shape(shape) + (n, mg), xs.dtype, xp)
-        xp.matmul(xs, self.kernel_transform(w, geom), out=ys.reshape(g, -1, n, mg))
+        blas.matmul(xs, self.kernel_transform(w, geom), out=ys.reshape(g, -1, n, mg))
         y = inverse_spectrum(_rows_major(ys, nd), shape, _spread_extent(geom), scratch=self._scratch, tag=("y", geom))
         y = _merge_groups(y[(slice(None),) * 3 + tuple(slice(None, None, s) for s in geom.stride)])
         if bias is None:
@@ -350,7 +350,7 @@ class FFTConvolution(IntoLowering):
         ds = self._gradient_spectrum(dy, geom)
         if dw is not None:
             ws = self._buffer(("dws", geom), (g,) + half_shape(shape) + (mg, cg), ds.dtype, xp)
-            xp.matmul(ds.swapaxes(-1, -2), self._input_spectrum(x, geom), out=ws.reshape(g, -1, mg, cg))
+            blas.matmul(ds.swapaxes(-1, -2), self._input_spectrum(x, geom), out=ws.reshape(g, -1, mg, cg))
             # inverted spatial axes first (as the weights' transform): (G, *kernel_extent, Mg, Cg)
             wd = inverse_spectrum(ws, shape, tuple(geom.kernel_extent), scratch=self._scratch, tag=("dw", geom),
                                   axes=tuple(range(1, 1 + nd)))
@@ -358,7 +358,7 @@ class FFTConvolution(IntoLowering):
             dw += taps.transpose((0, nd + 1, nd + 2) + tuple(range(1, nd + 1))).reshape(dw.shape)
         if dx is not None:
             xs = self._buffer(("dxs", geom), (g,) + half_shape(shape) + (n, cg), ds.dtype, xp)
-            xp.matmul(ds, self.kernel_transform(w, geom).swapaxes(-1, -2), out=xs.reshape(g, -1, n, cg))
+            blas.matmul(ds, self.kernel_transform(w, geom).swapaxes(-1, -2), out=xs.reshape(g, -1, n, cg))
             used = inverse_spectrum(_rows_major(xs, nd), shape, tuple(geom.used_extent), conjugate=True,
                                     scratch=self._scratch, tag=("dx", geom))
             dst, src = geom.interior()
