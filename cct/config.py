@@ -110,6 +110,19 @@ class EngineConfig:
         object.__setattr__(self, "tune_device", bool(self.tune_device))
 
 
+@dataclass(frozen=True)
+class GpuConfig:
+    """How a net resident on a GPU runs; part of a :class:`Config`.
+
+    ``graphs``: capture each training iteration as CUDA graphs and replay them (:mod:`cct.device.graph`;
+    ``--nograph`` turns it off); ``tf32``: float32 GEMMs (convolutions lowered to GEMMs, inner products) on
+    TF32 tensor cores (``--tf32``; default off: FP32, Caffe's arithmetic).
+    """
+
+    graphs: bool = True
+    tf32: bool = False
+
+
 class PlanningCaches:
     """What planning convolutions learns once and reuses, owned by a :class:`Config` (not by a module): the
     calibrated machines by cache name (``machines``), the measured-pick caches (``tunings``) and the
@@ -143,7 +156,8 @@ class Config:
     whether ``type: "Python"`` layers may be built (the switch for nets from untrusted sources: a
     Python layer imports and runs code named by the prototxt; default ``$CCT_PYTHON_LAYERS``, on);
     ``memory_budget``: bytes a blob's data and diff may take (None: no limit; default
-    ``$CCT_MEMORY_BUDGET``, else the physical memory; see :mod:`cct.membudget`).
+    ``$CCT_MEMORY_BUDGET``, else the physical memory; see :mod:`cct.membudget`); ``gpu``: CUDA graphs and
+    TF32 for nets on a GPU (:class:`GpuConfig`).
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -151,12 +165,13 @@ class Config:
     blas: BlasConfig = field(default_factory=BlasConfig)
     python_layers: bool = field(default_factory=python_layers_from_env)
     memory_budget: int | None = field(default_factory=default_budget)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     caches: PlanningCaches = field(default_factory=PlanningCaches, compare=False, repr=False)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes``; a mapping for ``engine`` or ``blas`` changes only those fields
         (``cfg.replace(engine={"mode": "caffe"})``)."""
-        for name in ("engine", "blas"):
+        for name in ("engine", "blas", "gpu"):
             value = changes.get(name)
             if isinstance(value, Mapping):
                 changes[name] = dataclasses.replace(getattr(self, name), **value)

@@ -7,7 +7,7 @@ import logging
 
 from . import env
 from .backend import cupy_available
-from .config import EngineConfig, python_layers_from_env, update_default
+from .config import EngineConfig, GpuConfig, python_layers_from_env, update_default
 from .errors import CctError
 from .flags import add_progress_flag
 from .log import init_log
@@ -28,6 +28,10 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     """The flags ``train``, ``test``, ``time`` and the tools that build nets share."""
     p.add_argument("--gpu", default=None,
                    help="GPU device id(s) ('0', '0,1' or 'all'); an error when no GPU is available")
+    p.add_argument("--nograph", action="store_true",
+                   help="on a GPU, run each training iteration eagerly instead of replaying it as CUDA graphs")
+    p.add_argument("--tf32", action="store_true",
+                   help="on a GPU, float32 convolutions and inner products on TF32 tensor cores (default: FP32)")
     p.add_argument("--level", type=int, default=0, help="net state level (NetState.level)")
     p.add_argument("--stage", default="", help="comma-separated net state stages")
     p.add_argument("--quiet", "-q", action="store_true", help="log warnings and errors only (and no progress bar)")
@@ -125,7 +129,8 @@ def run_config(args, engine, solver_param=None):
         log.info("Use CPU.")
     set_devices(cfg)
     python_layers = python_layers_from_env() and not getattr(args, "no_python_layers", False)
-    return update_default(engine=engine, python_layers=python_layers)
+    gpu = GpuConfig(graphs=not getattr(args, "nograph", False), tf32=bool(getattr(args, "tf32", False)))
+    return update_default(engine=engine, python_layers=python_layers, gpu=gpu)
 
 
 def init_logging(quiet: bool, stream=None) -> None:

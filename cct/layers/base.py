@@ -92,6 +92,11 @@ class Layer:
     equal_num_bottom_top: ClassVar[bool] = False
     # Loss layers give top[0] an implicit loss weight of 1.
     is_loss: ClassVar[bool] = False
+    # Data layers: fill their tops from the host each forward; a CUDA graph of the step starts after them.
+    feeds_from_host: ClassVar[bool] = False
+    # False for layers that cannot run inside a CUDA graph (host code between kernels); ``capture_blocker`` says why.
+    capturable: ClassVar[bool] = True
+    capture_blocker: ClassVar[str] = ""
 
     def __init__(self, param: caffe_pb2.LayerParameter):
         self.param = param

@@ -135,6 +135,7 @@ class PrefetchingDataLayer(Layer):
     """Shared machinery: prefetch thread, top copy, no backward."""
 
     exact_num_bottom = 0
+    feeds_from_host = True
 
     _prefetcher: Prefetcher | None = None
     #: wall-clock seconds spent in forward (waiting for the prefetch thread + copying), for phase timers

@@ -32,6 +32,9 @@ def _to_host(arr) -> np.ndarray:
 class HDF5OutputLayer(Layer):
     """Caffe's HDF5Output layer (bottoms: data, label; no tops)."""
 
+    capturable = False
+    capture_blocker = "writes its bottoms to an HDF5 file on the host"
+
     param_fields = ("hdf5_output_param",)
     exact_num_bottom = 2
     exact_num_top = 0

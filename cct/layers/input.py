@@ -30,6 +30,8 @@ class InputLayer(Layer):
     a no-op, as in Caffe. No backward.
     """
 
+    feeds_from_host = True
+
     param_fields = ("input_param",)
     exact_num_bottom = 0
     min_num_top = 1
@@ -60,6 +62,8 @@ class DummyDataLayer(Layer):
 
     Constant fillers fill once at setup; other fillers refill every forward pass (Caffe's refill_).
     """
+
+    feeds_from_host = True
 
     param_fields = ("dummy_data_param",)
     exact_num_bottom = 0
@@ -137,6 +141,8 @@ class MemoryDataLayer(Layer):
     Caffe reshapes them. Each forward serves the next ``batch_size`` rows and wraps around.
     ``transform_param`` is not applied to arrays (Caffe ignores it on Reset): a non-trivial one is an error.
     """
+
+    feeds_from_host = True
 
     param_fields = ("memory_data_param", "transform_param")
     exact_num_bottom = 0

@@ -218,6 +218,9 @@ class PythonLayer:
 class PythonLayerWrapper(Layer):
     """The cct layer behind ``type: "Python"``: imports the user class and forwards the contract to it."""
 
+    capturable = False
+    capture_blocker = "runs user Python code on host copies of its blobs"
+
     param_fields = ("python_param",)
 
     def __init__(self, param: caffe_pb2.LayerParameter):

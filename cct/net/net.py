@@ -101,6 +101,7 @@ class Net:
         self.xp = resident.xp if resident is not None else np
         if resident is not None:
             resident.make_current()
+            resident.set_tf32(self.config.gpu.tf32)
         self.backward_hooks: list[Callable[[int | None], None]] = []
         self._init(param)
         if weights is not None:

@@ -35,6 +35,7 @@ import numpy as np
 from .. import blas
 from ..backend import cupy_available
 from ..config import submit_in_context
+from ..device import cublas as device_blas
 from ..errors import CctError
 
 log = logging.getLogger("cct")
@@ -87,6 +88,9 @@ class Device:
     @property
     def xp(self):
         return np
+
+    def set_tf32(self, on: bool) -> None:
+        """TF32 math for float32 GEMMs: a GPU setting; CPU devices always compute in FP32."""
 
     # -- worker thread -----------------------------------------------------------------
     def _init_thread(self) -> None:
@@ -250,6 +254,13 @@ class GpuDevice(Device):
 
     def asarray(self, host: np.ndarray) -> Any:
         return self._cupy.asarray(host)
+
+    def set_tf32(self, on: bool) -> None:
+        """float32 GEMMs on this GPU in TF32 tensor-core math (on) or FP32 (off); logged when it changes."""
+        if device_blas.available() and device_blas.handle(self.index).tf32 != bool(on):
+            device_blas.set_tf32(self.index, on)
+            log.info("GPU %d: float32 GEMMs (convolutions, inner products) use %s", self.index,
+                     "TF32 tensor cores (--tf32)" if on else "FP32")
 
     def upload(self, dst: Any, host: np.ndarray) -> None:
         dst.set(np.require(host, requirements="C"))  # keeps a 0-d array 0-d
