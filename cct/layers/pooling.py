@@ -148,7 +148,10 @@ class PoolingLayer(Layer):
         # Padded working extent: every window fits, and the input sits at offset pad.
         self.ext = tuple(max(i + p, (o - 1) * s + k)
                          for i, k, p, s, o in zip(spatial, self.kernel, self.pad, self.stride, out))
-        if self.method == _PP.AVE:
+        key = (spatial, tuple(self.kernel), tuple(self.pad), tuple(self.stride), bottom[0].dtype, bottom[0].xp)
+        if self.method == _PP.AVE and getattr(self, "_pool_size_key", None) != key:
+            # once per geometry: an unchanged reshape (every forward) must not upload (CUDA graph capture)
+            self._pool_size_key = key
             xp = bottom[0].xp
             size = np.ones((), dtype=np.int64)
             for i, k, p, s, o in zip(spatial, self.kernel, self.pad, self.stride, out):
