@@ -1,15 +1,22 @@
-"""Training step on one GPU: cct (net resident on the GPU, CuPy + cuBLAS) vs PyTorch CUDA, same run.
+"""Training step on one GPU: cct (eager and CUDA graphs, FP32 and TF32) vs PyTorch (FP32, its TF32 defaults,
+and its step captured as a CUDA graph), side by side in one run.
 
-    python benchmarks/bench_gpu.py                                  # lenet, cifar10_quick, caffenet
-    python benchmarks/bench_gpu.py --models caffenet --batch 128 --iters 10
+    python benchmarks/bench_gpu.py                                  # lenet b64, cifar10_quick b100, caffenet b64
+    python benchmarks/bench_gpu.py --models caffenet --batch 256 --rounds 3 --iters 10
 
-Each model's TRAIN net with an Input layer of random images (as bench_e2e.py); one step = forward,
-backward and the SGD update (momentum 0.9, weight decay 5e-4); the GPU is synchronized around each
-timed step; the median of ``--iters`` steps after two warm-up steps. cct runs twice: every conv layer
-on type 1 (the default), and with each layer's strategy measured on the GPU at setup
-(``EngineConfig(tune_device=True)``, ``CCT_TUNE_DEVICE=1``; the setup time includes measuring). The
-SGEMM rate of the GPU is measured in the same run (CuPy float32 matmul, 8192^3). Writes
-``results/bench_gpu.json``.
+Each model's TRAIN net with an Input layer of random images (as bench_e2e.py); one step = forward, backward and
+the SGD update (momentum 0.9, weight decay 5e-4, fixed rate). Every implementation is set up once per model; then
+``--rounds`` rounds each time ``--iters`` steps of every implementation in turn (the GPU synchronized around each
+step) and keep the median; the table shows the median over rounds. Rows:
+
+* ``cct eager``: each layer's kernels issued from Python (``--nograph``), FP32;
+* ``cct graphs``: the iteration replayed as CUDA graphs (cct's default on a GPU), FP32, and with ``--tf32``;
+* ``pytorch FP32``: eager, cuDNN with TF32 off for convolutions and matmuls;
+* ``pytorch default``: eager, PyTorch's defaults (TF32 convolutions, FP32 matmuls);
+* ``pytorch graph``: the FP32 step captured whole with ``torch.cuda.graph`` -- the launch-free ceiling.
+
+Also: the GPU's SGEMM rate (CuPy float32 matmul, 8192^3) measured in the same run and each cct row's GEMM
+FLOPS as a fraction of it, and the kernel nodes in cct's graphs per step. Writes ``results/bench_gpu.json``.
 Needs CuPy and a GPU (``pip install cct[gpu]``); PyTorch is optional.
 """
 from __future__ import annotations
@@ -19,11 +26,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_e2e import DEFAULT_BATCH, MODELS, gemm_flops, synthetic_net_param, torch_model  # noqa: E402
 from common import print_table, write_json  # noqa: E402
+
+Stepper = tuple[str, Callable[[], None], dict]
 
 
 def gpu_sgemm_gflops(n: int = 8192, repeats: int = 5) -> float:
@@ -42,7 +52,7 @@ def gpu_sgemm_gflops(n: int = 8192, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / min(ts) / 1e9
 
 
-def run_cct(model: str, batch: int, iters: int, tune: bool = False) -> dict:
+def cct_stepper(model: str, batch: int, graphs: bool, tf32: bool) -> Stepper:
     import cupy
     import numpy as np
 
@@ -57,99 +67,137 @@ def run_cct(model: str, batch: int, iters: int, tune: bool = False) -> dict:
     sp.snapshot_after_train = False
     sp.solver_mode = caffe_pb2.SolverParameter.GPU  # device_id 0: the net lives on the GPU
     t0 = time.perf_counter()
-    with using_config(engine={"tune_device": tune}):
+    with using_config(gpu={"graphs": graphs, "tf32": tf32}):
         solver = get_solver(sp)
-    setup_s = time.perf_counter() - t0
     net = solver.net
     data, label = net.input_blob_names[:2]
     rng = np.random.default_rng(0)
     net.blobs[data].data[...] = cupy.asarray(rng.standard_normal(net.blobs[data].shape, dtype=np.float32))
     net.blobs[label].data[...] = cupy.asarray(rng.integers(0, MODELS[model][2], size=net.blobs[label].shape))
-    resident = isinstance(net.blobs[data].data, cupy.ndarray)
-    sync = cupy.cuda.Device().synchronize
-    solver.step(2)
-    ts = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        solver.step(1)
-        sync()
-        ts.append(time.perf_counter() - t0)
-    t = statistics.median(ts)
-    flops = sum(gemm_flops(net).values())
-    plans = {layer.name: layer.lowering.name for layer in net.layers if layer.type == "Convolution"}
-    net.close()
-    impl = ("cct (resident" if resident else "cct (NOT resident") + (", measured picks)" if tune else ", type 1)")
-    return {"model": model, "batch": batch, "impl": impl, "tune": tune, "setup_s": setup_s,
-            "iter_s": t, "img_s": batch / t, "gflops": flops / t / 1e9, "plans": plans}
+    solver.step(3)  # warm-up, capture
+    cupy.cuda.Device().synchronize()
+    info = {"setup_s": time.perf_counter() - t0, "flops": sum(gemm_flops(net).values()),
+            "graph_nodes": solver.graph_nodes() if hasattr(solver, "graph_nodes") else None}
+    name = f"cct {'graphs' if graphs else 'eager'} {'TF32' if tf32 else 'FP32'}"
+    return name, lambda: solver.step(1), info
 
 
-def run_torch(model: str, batch: int, iters: int) -> dict | None:
+def torch_steppers(model: str, batch: int) -> list[Stepper]:
     try:
         import torch
     except ImportError:
-        return None
+        return []
     if not torch.cuda.is_available():
-        return None
+        return []
     dev = torch.device("cuda:0")
     torch.backends.cudnn.benchmark = True
-    net = torch_model(model).to(dev)
-    opt = torch.optim.SGD(net.parameters(), lr=0.001, momentum=0.9, weight_decay=5e-4)
     x = torch.randn((batch,) + MODELS[model][1], device=dev)
     y = torch.randint(0, MODELS[model][2], (batch,), device=dev)
     loss_fn = torch.nn.CrossEntropyLoss()
+    fp32 = {"conv": False, "matmul": False}
+    default = {"conv": True, "matmul": False}
 
-    def step():
-        opt.zero_grad()
+    def make(precision: dict):
+        net = torch_model(model).to(dev)
+        opt = torch.optim.SGD(net.parameters(), lr=0.001, momentum=0.9, weight_decay=5e-4)
+
+        def step():
+            torch.backends.cudnn.allow_tf32 = precision["conv"]
+            torch.backends.cuda.matmul.allow_tf32 = precision["matmul"]
+            opt.zero_grad(set_to_none=False)
+            loss_fn(net(x), y).backward()
+            opt.step()
+
+        for _ in range(3):
+            step()
+        return net, opt, step
+
+    out: list[Stepper] = []
+    version = torch.__version__
+    _, _, step_fp32 = make(fp32)
+    out.append((f"pytorch {version} FP32", step_fp32, {}))
+    _, _, step_default = make(default)
+    out.append((f"pytorch {version} default (TF32 conv)", step_default, {}))
+    # the whole FP32 step captured once and replayed (torch.cuda.graphs' recipe: warm up on a side stream)
+    net, opt, step = make(fp32)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
         loss_fn(net(x), y).backward()
         opt.step()
+    out.append((f"pytorch {version} graph FP32", graph.replay, {}))
+    return out
 
-    for _ in range(3):
-        step()
+
+def time_steps(step: Callable[[], None], sync: Callable[[], None], iters: int) -> float:
     ts = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         ts.append(time.perf_counter() - t0)
-    t = statistics.median(ts)
-    return {"model": model, "batch": batch, "impl": f"pytorch {torch.__version__} (cuDNN)", "iter_s": t,
-            "img_s": batch / t}
+    return statistics.median(ts)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="lenet,cifar10_quick,caffenet")
     ap.add_argument("--batch", type=int, default=None, help="default: each model's own (64, 100, 64)")
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=20, help="steps per round (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all implementations (median of medians)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import cupy
 
     import cct
+    from cct.blas import cpu_model
 
     cct.init_log(level=40)
     from cct.lowering.tune import device_name
 
     name = device_name(cupy)  # device 0, the one the resident nets use
     peak = gpu_sgemm_gflops()
-    print(f"# GPU: {name}; CuPy {cupy.__version__}; measured SGEMM {peak:.0f} GFLOPS")
+    host = cpu_model()
+    print(f"# GPU: {name}; CuPy {cupy.__version__}; measured SGEMM {peak:.0f} GFLOPS; host CPU: {host}")
+    sync = cupy.cuda.Device().synchronize
     rows, results = [], []
     for model in args.models.split(","):
         batch = args.batch or DEFAULT_BATCH[model]
-        for r in (run_cct(model, batch, args.iters), run_cct(model, batch, args.iters, tune=True),
-                  run_torch(model, batch, args.iters)):
-            if r is None:
-                continue
+        steppers = [cct_stepper(model, batch, graphs=False, tf32=False),
+                    cct_stepper(model, batch, graphs=True, tf32=False),
+                    cct_stepper(model, batch, graphs=True, tf32=True)] + torch_steppers(model, batch)
+        times: dict[str, list[float]] = {s[0]: [] for s in steppers}
+        for _ in range(args.rounds):
+            for impl, step, _info in steppers:
+                times[impl].append(time_steps(step, sync, args.iters))
+        base = statistics.median(times[steppers[0][0]])
+        torch_fp32 = next((statistics.median(v) for k, v in times.items() if k.endswith(" FP32")
+                           and k.startswith("pytorch") and "graph" not in k), None)
+        for impl, _step, info in steppers:
+            t = statistics.median(times[impl])
+            gflops = info["flops"] / t / 1e9 if "flops" in info else None
+            r = {"model": model, "batch": batch, "impl": impl, "iter_s": t, "round_medians_s": times[impl],
+                 "img_s": batch / t, "vs_cct_eager": base / t,
+                 "vs_pytorch_fp32": (torch_fp32 / t) if torch_fp32 else None,
+                 "gflops": gflops, "of_sgemm": gflops / peak if gflops else None,
+                 "graph_nodes": info.get("graph_nodes"), "setup_s": info.get("setup_s")}
             results.append(r)
-            picks = ",".join(r["plans"].values()) if r.get("tune") else ""
-            rows.append([model, batch, r["impl"], r["iter_s"] * 1e3, r["img_s"],
-                         f"{100 * r['gflops'] / peak:.1f}%" if "gflops" in r else "",
-                         f"{r['setup_s']:.2f}" if "setup_s" in r else "", picks])
-    print_table(["model", "batch", "implementation", "ms/iter (median)", "img/s", "of SGEMM", "setup s", "picks"],
-                rows)
-    path = write_json("bench_gpu", {"gpu": name, "sgemm_gflops": peak, "results": results}, args.out)
+            rows.append([model, batch, impl, t * 1e3, r["img_s"],
+                         f"{r['vs_pytorch_fp32']:.2f}x" if r["vs_pytorch_fp32"] else "",
+                         f"{100 * r['of_sgemm']:.1f}%" if r["of_sgemm"] else "",
+                         r["graph_nodes"] if r["graph_nodes"] is not None else ""])
+        del steppers
+    print_table(["model", "batch", "implementation", "ms/step (median)", "img/s", "vs PyTorch FP32", "of SGEMM",
+                 "graph nodes"], rows)
+    path = write_json("bench_gpu", {"gpu": name, "host_cpu": host, "sgemm_gflops": peak, "rounds": args.rounds,
+                                    "iters": args.iters, "results": results}, args.out)
     print(f"# wrote {path}")
     return 0
 
