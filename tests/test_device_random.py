@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cct
-from cct import rng
+from cct import kernels, rng
 from cct.blob import Blob
 from cct.device.random import CounterRandom, NetRandom, key_from_host, philox4x32_10, round_keys
 from cct.errors import CctError
@@ -156,6 +156,27 @@ def test_bernoulli_edge_probabilities_and_rate():
     assert m.max() == 0.0
     CounterRandom((1, 1), 0).bernoulli_(m, 0.3, 1.0)
     assert abs(m.mean() - 0.3) < 5e-3
+
+
+@pytest.mark.skipif(not kernels.numba_available(), reason="numba missing")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("start", [0, 1, 2, 3, 4 * 2 ** 32 - 3])
+def test_compiled_draws_equal_the_array_module_path(dtype, start):
+    """On numpy arrays the draws run one compiled pass (cct.kernels.philox): the same bits, the same position."""
+    for n in (1, 3, 6, 16389, 40001):  # 16389: past one kernel task (16384), odd ends
+        fast, slow = CounterRandom((21, 22), 5), CounterRandom((21, 22), 5)
+        for g in (fast, slow):
+            g.set_state({**g.state(), "position": start})
+        a, b = np.empty(n, dtype), np.empty(n, dtype)
+        fast.bernoulli_(a, 0.45, 3.0)
+        fast.uniform_(b)
+        c, d = np.empty(n, dtype), np.empty(n, dtype)
+        with kernels.forced_mode("numpy"):
+            slow.bernoulli_(c, 0.45, 3.0)
+            slow.uniform_(d)
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+        assert fast.state() == slow.state()
 
 
 def test_state_round_trip_and_errors():

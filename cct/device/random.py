@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import kernels
 from ..backend import get_array_module, to_numpy
 from ..errors import CctError
 
@@ -107,7 +108,11 @@ class CounterRandom:
     def uniform_(self, out) -> None:
         """Fill ``out`` (C-contiguous float32 or float64) with uniforms in [0, 1) from the next words:
         float32 takes one word per value (its top 24 bits times 2^-24), float64 two (53 bits times 2^-53)."""
-        if out.dtype == np.float32:
+        if out.dtype in (np.float32, np.float64) and (km := self._kernels(out)) is not None:
+            words = out.size * (1 if out.dtype == np.float32 else 2)
+            km.uniform(out.reshape(-1), int(self.position[0]), self.key, self.stream)
+            self.position += np.uint64(words)
+        elif out.dtype == np.float32:
             self._fill(out, self._uniform32)
         elif out.dtype == np.float64:
             self._fill(out, self._uniform64)
@@ -123,6 +128,11 @@ class CounterRandom:
         threshold = np.uint32(min(math.ceil(p32 * 2.0 ** 24), 2 ** 24))
 
         def draw(flat):
+            km = self._kernels(flat)
+            if km is not None:
+                km.bernoulli(flat, int(self.position[0]), int(threshold), scale, self.key, self.stream)
+                self.position += np.uint64(flat.size)
+                return
             keep = (self.words(flat.size) >> np.uint32(8)) < threshold
             self.xp.multiply(keep, flat.dtype.type(scale), out=flat)
 
@@ -136,6 +146,13 @@ class CounterRandom:
         high = (w[:, 0] >> np.uint32(5)).astype(np.float64)
         low = (w[:, 1] >> np.uint32(6)).astype(np.float64)
         self.xp.multiply(high * _TWO_26 + low, _U53_TO_UNIT_F64, out=flat)
+
+    def _kernels(self, out):
+        """:mod:`cct.kernels.philox` for a C-contiguous numpy float array drawn by a numpy generator
+        (the same bits in one compiled pass), else None."""
+        if self.xp is np and kernels.usable(out, contiguous=True):
+            return kernels.get("philox")
+        return None
 
     def _fill(self, out, draw) -> None:
         """Run ``draw(flat)`` on ``out`` seen flat; an array of another module (a scheduler slice on
