@@ -414,3 +414,18 @@ def test_dropout_scale_is_exact():
     layer.forward([b], [t])
     assert set(np.unique(t.data)) == {0.0, np.float32(1 / (1 - float(np.float32(0.3))))}
     assert math.isclose((t.data != 0).mean(), 0.7, abs_tol=0.03)
+
+
+def test_spp_stochastic_levels_share_the_layers_stream():
+    text = """
+    name: "spp"
+    layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 8 dim: 8 } } }
+    layer { name: "spp" type: "SPP" bottom: "x" top: "y" spp_param { pyramid_height: 2 pool: STOCHASTIC } }
+    """
+    cct.set_random_seed(2)
+    net = cct.Net(parse_text(text, caffe_pb2.NetParameter()), cct.TRAIN)
+    net.blobs["x"].data[...] = np.random.default_rng(0).uniform(0.1, 1, (2, 3, 8, 8))
+    spp = net.layer_by_name("spp")
+    assert spp.random is net.random.streams["spp"] and all(pool.random is spp.random for pool, _ in spp.levels)
+    net.forward()
+    assert net.random.state()["spp"]["position"] == 2 * 3 * (1 + 4)  # one uniform per output of each level
