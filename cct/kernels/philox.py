@@ -2,8 +2,8 @@
 
 Each fills a C-contiguous numpy array from words ``start ..`` of a Philox4x32-10 stream (key, stream
 number), computing each block once, with the bits of the array-module path: :func:`bernoulli` (one word
-per element, kept where ``word >> 8`` is below the threshold), :func:`uniform32` (``(word >> 8) * 2^-24``),
-:func:`uniform64` (two words per value, 53 bits). The caller advances the stream's position.
+per element, kept where ``word >> 8`` is below the threshold) and :func:`uniform` (float32: ``(word >> 8) *
+2^-24``; float64: two words per value, 53 bits). The caller advances the stream's position.
 """
 from __future__ import annotations
 
@@ -46,12 +46,10 @@ def _lane(c0, c1, c2, c3, lane):  # pragma: no cover (compiled)
 
 
 @nb.njit(inline="always", **_OPTS)
-def _keep(w, threshold, scale, zero):  # pragma: no cover (compiled)
-    return scale if (w >> np.uint64(8)) < threshold else zero
-
-
-@nb.njit(inline="always", **_OPTS)
-def _unit32(w):  # pragma: no cover (compiled)
+def _value(w, bernoulli, threshold, scale, zero):  # pragma: no cover (compiled)
+    """A mask value (``scale`` where ``w >> 8`` is below ``threshold``, else ``zero``) or a float32 uniform."""
+    if bernoulli:
+        return scale if (w >> np.uint64(8)) < threshold else zero
     return np.float32(w >> np.uint64(8)) * np.float32(2.0 ** -24)
 
 
@@ -65,7 +63,8 @@ def _unit64(high, low):  # pragma: no cover (compiled)
 
 
 @nb.njit(**_OPTS)
-def _bernoulli(piece, pieces, out, start, threshold, scale, zero, s0, s1, k0, k1):  # pragma: no cover
+def _one_word_each(piece, pieces, out, start, bernoulli, threshold, scale, zero, s0, s1, k0, k1):  # pragma: no cover
+    """``out[i] = _value(word(start + i))``: Bernoulli masks and float32 uniforms."""
     n = out.size
     tasks = (n + _CHUNK - 1) // _CHUNK
     for t in range(tasks * piece // pieces, tasks * (piece + 1) // pieces):
@@ -75,7 +74,7 @@ def _bernoulli(piece, pieces, out, start, threshold, scale, zero, s0, s1, k0, k1
         i = 0
         while i < o.size and (j & _LANE) != 0:  # a start mid-block
             c0, c1, c2, c3 = _block(j >> _S2, s0, s1, k0, k1)
-            o[i] = _keep(_lane(c0, c1, c2, c3, j & _LANE), threshold, scale, zero)
+            o[i] = _value(_lane(c0, c1, c2, c3, j & _LANE), bernoulli, threshold, scale, zero)
             i += 1
             j += np.uint64(1)
         o = o[i:]
@@ -83,43 +82,14 @@ def _bernoulli(piece, pieces, out, start, threshold, scale, zero, s0, s1, k0, k1
         whole = o.size // 4
         for q in range(whole):
             c0, c1, c2, c3 = _block(b + np.uint64(q), s0, s1, k0, k1)
-            o[4 * q] = _keep(c0, threshold, scale, zero)
-            o[4 * q + 1] = _keep(c1, threshold, scale, zero)
-            o[4 * q + 2] = _keep(c2, threshold, scale, zero)
-            o[4 * q + 3] = _keep(c3, threshold, scale, zero)
+            o[4 * q] = _value(c0, bernoulli, threshold, scale, zero)
+            o[4 * q + 1] = _value(c1, bernoulli, threshold, scale, zero)
+            o[4 * q + 2] = _value(c2, bernoulli, threshold, scale, zero)
+            o[4 * q + 3] = _value(c3, bernoulli, threshold, scale, zero)
         if o.size > 4 * whole:
             c0, c1, c2, c3 = _block(b + np.uint64(whole), s0, s1, k0, k1)
             for lane in range(o.size - 4 * whole):
-                o[4 * whole + lane] = _keep(_lane(c0, c1, c2, c3, lane), threshold, scale, zero)
-
-
-@nb.njit(**_OPTS)
-def _uniform32(piece, pieces, out, start, s0, s1, k0, k1):  # pragma: no cover
-    n = out.size
-    tasks = (n + _CHUNK - 1) // _CHUNK
-    for t in range(tasks * piece // pieces, tasks * (piece + 1) // pieces):
-        lo = t * _CHUNK
-        o = out[lo:min(n, lo + _CHUNK)]
-        j = start + np.uint64(lo)
-        i = 0
-        while i < o.size and (j & _LANE) != 0:
-            c0, c1, c2, c3 = _block(j >> _S2, s0, s1, k0, k1)
-            o[i] = _unit32(_lane(c0, c1, c2, c3, j & _LANE))
-            i += 1
-            j += np.uint64(1)
-        o = o[i:]
-        b = j >> _S2
-        whole = o.size // 4
-        for q in range(whole):
-            c0, c1, c2, c3 = _block(b + np.uint64(q), s0, s1, k0, k1)
-            o[4 * q] = _unit32(c0)
-            o[4 * q + 1] = _unit32(c1)
-            o[4 * q + 2] = _unit32(c2)
-            o[4 * q + 3] = _unit32(c3)
-        if o.size > 4 * whole:
-            c0, c1, c2, c3 = _block(b + np.uint64(whole), s0, s1, k0, k1)
-            for lane in range(o.size - 4 * whole):
-                o[4 * whole + lane] = _unit32(_lane(c0, c1, c2, c3, lane))
+                o[4 * whole + lane] = _value(_lane(c0, c1, c2, c3, lane), bernoulli, threshold, scale, zero)
 
 
 @nb.njit(**_OPTS)
@@ -162,10 +132,14 @@ def bernoulli(flat: np.ndarray, start: int, threshold: int, scale: float, key: t
     """``flat[i] = scale if (word(start + i) >> 8) < threshold else 0``."""
     t = flat.dtype.type
     s, s0, s1, k0, k1 = _stream_args(start, key, stream)
-    launch(_bernoulli, flat, s, np.uint64(threshold), t(scale), t(0), s0, s1, k0, k1, work=flat.size)
+    launch(_one_word_each, flat, s, True, np.uint64(threshold), t(scale), t(0), s0, s1, k0, k1, work=flat.size)
 
 
 def uniform(flat: np.ndarray, start: int, key: tuple[int, int], stream: int) -> None:
     """Uniforms in [0, 1): float32 from one word each, float64 from two (the array-module path's bits)."""
-    kernel = _uniform32 if flat.dtype == np.float32 else _uniform64
-    launch(kernel, flat, *_stream_args(start, key, stream), work=flat.size)
+    s, s0, s1, k0, k1 = _stream_args(start, key, stream)
+    if flat.dtype == np.float32:
+        launch(_one_word_each, flat, s, False, np.uint64(0), np.float32(0), np.float32(0), s0, s1, k0, k1,
+               work=flat.size)
+    else:
+        launch(_uniform64, flat, s, s0, s1, k0, k1, work=flat.size)
