@@ -61,6 +61,8 @@ def test_philox_known_answers(counter, key, want):
     assert naive_philox(counter, key) == want
     got = philox4x32_10(np, tuple(np.array([c], dtype=np.uint32) for c in counter), round_keys(key))
     assert tuple(int(g[0]) for g in got) == want
+    # host scalars (the stream words of a draw's first round) take the same arithmetic on the host
+    assert tuple(int(g) for g in philox4x32_10(np, tuple(np.uint32(c) for c in counter), round_keys(key))) == want
 
 
 def test_philox_vectorized_matches_naive_on_random_counters():

@@ -42,8 +42,12 @@ def round_keys(key: tuple[int, int]) -> list[tuple[np.uint32, np.uint32]]:
 
 
 def _mulhilo(xp, a, multiplier: np.uint64):
-    """(high, low) 32-bit halves of ``multiplier * a`` for a uint32 array or scalar ``a``."""
-    product = xp.multiply(xp.asarray(a, dtype=xp.uint64), multiplier)
+    """(high, low) 32-bit halves of ``multiplier * a`` for a uint32 array or host scalar ``a`` (a scalar,
+    such as a stream word in the first round, stays on the host: nothing is uploaded inside a draw)."""
+    if isinstance(a, np.generic):
+        product = int(a) * int(multiplier)
+        return np.uint32(product >> 32), np.uint32(product & _MASK32)
+    product = a.astype(xp.uint64) * multiplier
     return (product >> np.uint64(32)).astype(xp.uint32), product.astype(xp.uint32)
 
 
