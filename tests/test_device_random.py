@@ -431,3 +431,19 @@ def test_spp_stochastic_levels_share_the_layers_stream():
     assert spp.random is net.random.streams["spp"] and all(pool.random is spp.random for pool, _ in spp.levels)
     net.forward()
     assert net.random.state()["spp"]["position"] == 2 * 3 * (1 + 4)  # one uniform per output of each level
+
+
+def test_resume_with_a_stream_of_another_layer_is_a_clean_error(tmp_path):
+    from cct.errors import SolverError
+
+    first = get_solver(solver_param(str(tmp_path / "run"), 2, 2))
+    first.solve()
+    state_file = str(tmp_path / "run_iter_2.solverstate")
+    cct_state = snapshot.cctstate_path(state_file)
+    state = snapshot.read_cctstate(cct_state)
+    state["random_streams"]["train_net"]["drop"]["stream"] = 99  # as if the layer had moved in the net
+    os.remove(cct_state)
+    snapshot.write_cctstate(cct_state, state)
+    again = get_solver(solver_param(str(tmp_path / "run"), 4, 0))
+    with pytest.raises(SolverError, match=r"run_iter_2.cctstate: train net: layer 'drop': .*stream 99"):
+        again.restore(state_file)

@@ -232,5 +232,8 @@ class NetRandom:
             if gen is None:
                 unknown.append(name)
                 continue
-            gen.set_state(s if keys else {**s, "key": list(gen.key)})
+            try:
+                gen.set_state(s if keys else {**s, "key": list(gen.key)})
+            except CctError as e:
+                raise CctError(f"layer '{name}': {e}") from e
         return unknown

@@ -808,7 +808,11 @@ class Solver:
         nets = [(self.net, train, "train net")]
         nets += [(n, s, f"test net #{i}") for i, (n, s) in enumerate(zip(self.test_nets, saved.get("test_nets", [])))]
         for net, states, what in nets:
-            for name in net.random.set_state(states, keys=same_ranks):
+            try:
+                unknown = net.random.set_state(states, keys=same_ranks)
+            except CctError as e:
+                raise SolverError(f"{path}: {what}: {e}") from e
+            for name in unknown:
                 log.warning("%s: layer '%s' of the %s draws no random numbers in this net; its random stream "
                             "state is ignored", path, name, what)
 
