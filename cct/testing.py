@@ -25,8 +25,12 @@ def make_blob(arr: np.ndarray, name: str = "", xp: Any = np) -> Blob:
     return blob
 
 
-def _objective(layer: Layer, bottom, top, weights, seed) -> float:
+def _objective(layer: Layer, bottom, top, weights, seed, random_state: dict | None = None) -> float:
+    """The projection of the tops after one forward, every random draw repeated: the host stream reseeded,
+    the layer's own stream (Dropout's mask) rewound to ``random_state``."""
     rng.set_random_seed(seed)
+    if random_state is not None:
+        layer.random.set_state(random_state)
     layer.reshape(bottom, top)
     layer.forward(bottom, top)
     return float(sum(float(t.xp.sum(w * t.data)) for w, t in zip(weights, top) if w is not None))
@@ -57,15 +61,16 @@ def check_gradient(
         rng.set_random_seed(seed)
         layer.setup(bottom, top)
     wrng = np.random.default_rng(seed + 1)
+    random_state = layer.random.state() if layer.random is not None else None
     if top_weights is None:
         top_weights = [None] * len(top)
-        _objective(layer, bottom, top, [None] * len(top), seed)
+        _objective(layer, bottom, top, [None] * len(top), seed, random_state)
         top_weights = [wrng.standard_normal(t.shape).astype(t.dtype) for t in top]
     top_weights = [None if w is None else t.xp.asarray(w) for w, t in zip(top_weights, top)]
     check_bottom = list(range(len(bottom))) if check_bottom is None else list(check_bottom)
 
     # Analytic gradients.
-    _objective(layer, bottom, top, top_weights, seed)
+    _objective(layer, bottom, top, top_weights, seed, random_state)
     for t, w in zip(top, top_weights):
         if w is not None:
             t.diff[...] = w
@@ -90,9 +95,9 @@ def check_gradient(
             if kink is not None and abs(x0 - kink) < kink_range:
                 continue
             flat[k] = x0 + stepsize
-            f_plus = _objective(layer, bottom, top, top_weights, seed)
+            f_plus = _objective(layer, bottom, top, top_weights, seed, random_state)
             flat[k] = x0 - stepsize
-            f_minus = _objective(layer, bottom, top, top_weights, seed)
+            f_minus = _objective(layer, bottom, top, top_weights, seed, random_state)
             flat[k] = x0
             numeric = (f_plus - f_minus) / (2 * stepsize)
             computed = float(grad[k])

@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import rng
 from ..backend import get_array_module, to_numpy
+from ..device.random import key_from_host
 from ..io.prototxt import to_text
 from ..solver import signals
 from .comm import Comm
@@ -129,10 +130,13 @@ class DataParallel:
                 blob.data[...] = get_array_module(blob.data).asarray(host)
 
     def _seed_rank_streams(self) -> None:
-        """Ranks > 0 draw dropout masks etc. from a stream of their own (rank 0 keeps the shared one)."""
+        """Ranks > 0 draw dropout masks etc. from streams of their own (rank 0 keeps the shared ones): the host
+        generator and the train net's device random streams (a key of the rank's own)."""
         if self.rank > 0:
             seed = int(rng.get_rng().integers(0, 2**63 - 1))
-            rng.set_state(np.random.default_rng([seed, self.rank]).bit_generator.state)
+            own = np.random.default_rng([seed, self.rank])
+            rng.set_state(own.bit_generator.state)
+            self.solver.net.random.rekey(key_from_host(own))
 
     def shard_data(self, states: dict | None = None) -> None:
         """Shard the train net's data layers, every rank continuing from the same read state

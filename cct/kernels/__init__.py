@@ -1,5 +1,6 @@
 """Compiled CPU kernels (numba) for the non-GEMM hot loops: pooling, im2col/col2im, LRN, ReLU, SGD update,
-and direct convolution (:mod:`.conv_simd`'s register-blocked micro-kernels, :mod:`.direct`'s plain ones).
+direct convolution (:mod:`.conv_simd`'s register-blocked micro-kernels, :mod:`.direct`'s plain ones), and
+the Philox draws of the device random streams on the CPU (:mod:`.philox`, for :mod:`cct.device.random`).
 
 The layers keep their array-module (numpy/cupy) code as the general path and as the reference;
 for numpy ``float32``/``float64`` arrays they dispatch here when the kernels are enabled

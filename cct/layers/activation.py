@@ -11,12 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 from .. import kernels
 from ..blob import Blob
 from ..proto import caffe_pb2
-from ..rng import get_rng
 from .base import Layer, log, register
 
 # Caffe's BNLL backward clamps the exponent at this value (kBNLL_THRESHOLD).
@@ -466,9 +463,10 @@ class ThresholdLayer(NeuronLayer):
 
 @register("Dropout")
 class DropoutLayer(NeuronLayer):
-    """TRAIN: y = x * mask / (1 - p), mask ~ Bernoulli(1 - p) from cct's RNG; TEST: y = x.
+    """TRAIN: y = x * mask, mask = 1 / (1 - p) with probability 1 - p, else 0; TEST: y = x.
 
-    The mask drawn in forward is reused by backward.
+    The mask is drawn where the blob lives from the layer's counter-based stream (:mod:`cct.device.random`,
+    a float32 uniform below 1 - p keeps the element) into a buffer allocated at reshape; backward reuses it.
     """
 
     param_fields = ("dropout_param",)
@@ -481,17 +479,28 @@ class DropoutLayer(NeuronLayer):
         self.dropout_ratio = ratio
         self.scale = 1.0 / (1.0 - ratio)
         self.mask = None
+        self._drawn = False
+        if self.draws_random():
+            self.random_stream(bottom[0].xp)
+
+    def draws_random(self) -> bool:
+        return self.phase == caffe_pb2.TRAIN
+
+    def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        super().reshape(bottom, top)
+        x = bottom[0].data
+        mask = self.mask
+        if self.draws_random() and (mask is None or type(mask) is not type(x) or mask.shape != x.shape
+                                    or mask.dtype != x.dtype):
+            self.mask = bottom[0].xp.empty(x.shape, dtype=x.dtype)
+            self._drawn = False
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
-        xp = bottom[0].xp
         x = bottom[0].data
         if self.phase == caffe_pb2.TRAIN:
-            # drawn on the host (one seeded stream for CPU and GPU nets) in float32, sent as one byte
-            # per element, scaled where the blob lives
-            keep = xp.asarray(get_rng().random(x.shape, dtype=np.float32) < np.float32(1.0 - self.dropout_ratio))
-            self.mask = keep.astype(x.dtype)
-            self.mask *= x.dtype.type(self.scale)
-            xp.multiply(x, self.mask, out=top[0].data)
+            self.random.bernoulli_(self.mask, 1.0 - self.dropout_ratio, self.scale)
+            self._drawn = True
+            bottom[0].xp.multiply(x, self.mask, out=top[0].data)
         elif bottom[0] is not top[0]:
             top[0].data[...] = x
 
@@ -499,9 +508,9 @@ class DropoutLayer(NeuronLayer):
         if not propagate_down[0]:
             return
         if self.phase == caffe_pb2.TRAIN:
-            if self.mask is None or self.mask.shape != top[0].diff.shape:
+            if not self._drawn or self.mask.shape != top[0].diff.shape:
                 raise self.error("backward called before forward")
-            bottom[0].diff[...] = top[0].diff * self.mask
+            top[0].xp.multiply(top[0].diff, self.mask, out=bottom[0].diff)
         elif bottom[0] is not top[0]:
             bottom[0].diff[...] = top[0].diff
 

@@ -23,9 +23,11 @@ from typing import ClassVar
 import numpy as np
 
 from ..blob import Blob
+from ..device.random import CounterRandom, key_from_host
 from ..errors import LayerError
 from ..fillers import fill
 from ..proto import caffe_pb2
+from ..rng import get_rng
 
 log = logging.getLogger("cct")
 
@@ -104,6 +106,8 @@ class Layer:
         self.phase = param.phase
         self.blobs: list[Blob] = []
         self.param_propagate_down: list[bool] = []
+        # the layer's random stream when it draws (see draws_random): its net hands it one before setup
+        self.random: CounterRandom | None = None
         self._check_param_fields()
         for blob_proto in param.blobs:
             self.blobs.append(blob_from_proto_shape(blob_proto, name=f"{self.name}"))
@@ -161,6 +165,18 @@ class Layer:
                 raise self.error(f"expected {expected} parameter blob(s), {len(self.blobs)} were given")
             return True
         return False
+
+    def draws_random(self) -> bool:
+        """Whether forward draws random numbers (Dropout, stochastic pooling in TRAIN); the net then hands
+        the layer its own stream as ``self.random`` before setup."""
+        return False
+
+    def random_stream(self, xp) -> CounterRandom:
+        """The layer's random stream: the one its net handed it, else (a layer set up on its own) a new
+        one (stream 0) keyed from cct's seeded host generator."""
+        if self.random is None:
+            self.random = CounterRandom(key_from_host(get_rng()), 0, xp)
+        return self.random
 
     # -- the contract ------------------------------------------------------------
     def setup(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:

@@ -6,8 +6,9 @@
   the optional second top is the flat index ``h * W + w`` of the max (as float).
 * AVE divides by the window area clipped to the *padded* input ``[-p, H + p)``.
 * STOCHASTIC (no CPU version in Caffe; its GPU semantics): TRAIN samples a position with
-  probability proportional to its value (cct's RNG) and routes the gradient there; TEST gives
-  ``sum(x^2) / sum(x)`` over the window (cct backpropagates that formula exactly).
+  probability proportional to its value (one uniform of the blob's dtype per output, drawn into a buffer
+  allocated at reshape from the layer's device random stream, :mod:`cct.device.random`) and routes the
+  gradient there; TEST gives ``sum(x^2) / sum(x)`` over the window (cct backpropagates that formula exactly).
 
 Everything is vectorized over the batch and channels; the loops run over kernel offsets.
 For numpy float arrays MAX and AVE (and the STOCHASTIC TRAIN backward) run compiled kernels
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .. import kernels, rng
+from .. import kernels
 from ..backend import in_device_memory
 from ..blob import Blob
 from ..proto import caffe_pb2
@@ -117,6 +118,12 @@ class PoolingLayer(Layer):
                         self.name)
         self.arg = None
         self.pool_size = None
+        self.uniform = None  # STOCHASTIC TRAIN: the draws of one forward (allocated at reshape)
+        if self.draws_random():
+            self.random_stream(bottom[0].xp)
+
+    def draws_random(self) -> bool:
+        return self.param.pooling_param.pool == _PP.STOCHASTIC and self.phase == caffe_pb2.TRAIN
 
     def _check_axes(self, blob: Blob) -> None:
         if blob.num_axes == 5 and not self._uniform:
@@ -158,6 +165,10 @@ class PoolingLayer(Layer):
                 starts = np.arange(o) * s - p
                 size = np.multiply.outer(size, np.minimum(starts + k, i + p) - starts)
             self.pool_size = xp.asarray(size.astype(bottom[0].dtype))
+        u, x = self.uniform, bottom[0].data
+        if self.draws_random() and (u is None or type(u) is not type(x) or u.shape != top[0].shape
+                                    or u.dtype != x.dtype):
+            self.uniform = bottom[0].xp.empty(top[0].shape, dtype=x.dtype)
 
     # -- helpers -------------------------------------------------------------------
     def _offsets(self):
@@ -278,8 +289,8 @@ class PoolingLayer(Layer):
         total = xp.zeros(out.shape, dtype=x.dtype)
         for off in self._offsets():
             total += xpad[self._win(off)]
-        u = xp.asarray(rng.get_rng().random(out.shape).astype(x.dtype))
-        thres = u * total
+        self.random.uniform_(self.uniform)
+        thres = self.uniform * total
         cum = xp.zeros(out.shape, dtype=x.dtype)
         arg = xp.full(out.shape, -1, dtype=np.int32)
         out[...] = 0

@@ -54,11 +54,18 @@ class SPPLayer(Layer):
             raise self.error("spp_param.pyramid_height must be set to at least 1")
         self.height = int(p.pyramid_height)
         self._in_shape: tuple[int, ...] | None = None
+        if self.draws_random():
+            self.random_stream(bottom[0].xp)
+
+    def draws_random(self) -> bool:
+        return self.param.spp_param.pool == _PP.STOCHASTIC and self.phase == caffe_pb2.TRAIN
 
     def _pool_layer(self, level: int, h: int, w: int) -> PoolingLayer:
         lp = caffe_pb2.LayerParameter(name=self.name, type="Pooling", phase=self.phase)
         lp.pooling_param.CopyFrom(spp_pooling_param(level, h, w, self.param.spp_param.pool))
-        return PoolingLayer(lp)
+        pool = PoolingLayer(lp)
+        pool.random = self.random  # STOCHASTIC: the levels draw one after another from the SPP layer's stream
+        return pool
 
     def reshape(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         x = bottom[0]

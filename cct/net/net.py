@@ -10,6 +10,7 @@ import numpy as np
 
 from ..blob import Blob
 from ..config import Config, current, runs_in_own_config
+from ..device.random import NetRandom
 from ..errors import CctError, LayerError, MemoryBudgetError, NetError
 from ..io.int_range import values_above_int_max
 from ..io.prototxt import read_net_prototxt
@@ -18,6 +19,7 @@ from ..layers.base import Layer
 from ..malloc import tune_malloc
 from ..membudget import INT_MAX
 from ..proto import caffe_pb2
+from ..rng import get_rng
 from .graph import filter_net, insert_splits
 
 log = logging.getLogger("cct")
@@ -134,6 +136,8 @@ class Net:
         self.blob_need_backward: dict[str, bool] = {}
         self.blob_loss_weights: dict[str, float] = {}
         self.input_blob_names: list[str] = []
+        # the net's random streams (Dropout, stochastic pooling): one key per net, one stream per such layer
+        self.random = NetRandom(get_rng(), self.xp)
         # parameters
         # every layer param blob, shared ones repeated (Caffe's params_); ``params`` is pycaffe's dict
         self._all_params: list[Blob] = []
@@ -217,6 +221,8 @@ class Net:
             self.bottom_need_backward.append(bottom_need)
             # lets a conv layer price only the passes it runs (force_backward brings every gradient back)
             layer.bottom_need_backward = [b or bool(param.force_backward) for b in bottom_need]
+            if layer.draws_random():
+                layer.random = self.random.stream(layer_id, lp.name)
 
             log.info("Setting up %s", lp.name)
             try:

@@ -61,13 +61,14 @@ def cache_key(solver, groups: Sequence[int], batch: int) -> str:
 
 
 class _SavedState:
-    """The train net's weights (every layer blob), data read positions and the random stream."""
+    """The train net's weights (every layer blob), data read positions and the random streams (host and device)."""
 
     def __init__(self, net):
         self.net = net
         self.blobs = [blob.data.copy() for layer in net.layers for blob in layer.blobs]
         self.reads = {name: layer.get_read_state() for name, layer in data_layers(net)}
         self.rng = rng.get_state()
+        self.random = net.random.state()
 
     def restore(self) -> None:
         net = self.net
@@ -79,6 +80,7 @@ class _SavedState:
         for name, layer in data_layers(net):
             layer.set_read_state(self.reads[name])
         rng.set_state(self.rng)
+        net.random.set_state(self.random)
 
 
 def _pass(net, par) -> float:

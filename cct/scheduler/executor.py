@@ -454,6 +454,7 @@ class DataParallelExecutor:
             del lp.blobs[:]
             shadow = create_layer(lp)
             shadow.phase = layer.phase
+            shadow.random = layer.random  # serial slices draw on from the master's stream, in order
             dev = self.devices[d]
             # Param blobs given up front: setup validates them and draws nothing from the RNG.
             shadow.blobs = [Blob(mb.shape, dtype=mb.dtype, xp=dev.xp, name=mb.name) for mb in layer.blobs]

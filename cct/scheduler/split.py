@@ -4,8 +4,9 @@ CcT (section 2.3): each device takes the fraction of the batch equal to its frac
 total FLOPS. :func:`flops_share` turns rates into whole images; :class:`ShareTable` holds the
 default shares plus per-layer overrides (CcT's ``gpu_N_batch_proportion`` idea);
 :func:`layer_mode` decides per layer whether it runs split by batch ("split"), split but with
-the device slices run one after the other in device order because the layer draws from the global
-RNG ("serial": then the draws concatenate to exactly the single-device stream), or whole on the
+the device slices run one after the other in device order because the layer draws random numbers
+("serial": the slices share the layer's stream, so their draws concatenate to exactly the single-device
+draw), or whole on the
 host ("host": losses, Accuracy, BatchNorm with batch statistics, data layers, Python layers,
 layers working across the batch axis, unknown types).
 """
@@ -17,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from ..blob import Blob
 from ..errors import CctError
 from ..layers.base import Layer
-from ..proto import caffe_pb2
 
 SHARE_TOLERANCE = 1e-6
 
@@ -133,14 +133,8 @@ def _batch_axis_free(layer: Layer, bottom: Sequence[Blob]) -> bool:
 
 
 def draws_random(layer: Layer) -> bool:
-    """True when the layer's forward draws from cct's global RNG (Dropout / stochastic pooling in TRAIN)."""
-    if layer.phase != caffe_pb2.TRAIN:
-        return False
-    if layer.type == "Dropout":
-        return True
-    if layer.type == "Pooling":
-        return layer.param.pooling_param.pool == caffe_pb2.PoolingParameter.STOCHASTIC
-    return False
+    """True when the layer's forward draws random numbers (Dropout / stochastic pooling in TRAIN)."""
+    return layer.draws_random()
 
 
 def layer_mode(layer: Layer, bottom: Sequence[Blob], top: Sequence[Blob]) -> str:

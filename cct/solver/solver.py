@@ -706,11 +706,15 @@ class Solver:
             "rng": rng.get_state(),
             "train_net": train,
             "test_nets": [read_states(n) for n in self.test_nets],
+            # the device random streams (Dropout, stochastic pooling): key and position per layer
+            "random_streams": {"train_net": self.net.random.state(),
+                               "test_nets": [n.random.state() for n in self.test_nets]},
         }
         if self.parallel is not None:  # every rank's read position and random stream, on the root
             state["ranks"] = self.parallel.size
             state["train_net_ranks"] = self.parallel.gather_read_states(train)
             state["rng_ranks"] = self.parallel.gather_rng_states()
+            state["random_streams_ranks"] = self.parallel.comm.gather_obj(self.net.random.state(), root=0)
             if self.parallel.shares is not None:
                 state["shares"] = self.parallel.shares
         return state
@@ -758,6 +762,7 @@ class Solver:
                 rng.set_state(state["rng_ranks"][rank])
         elif "rng" in state:
             rng.set_state(state["rng"])
+        self._restore_random_streams(state, path, saved_ranks == ranks, rank)
 
         def set_states(net: Net, states: dict, what: str) -> None:
             for name, s in states.items():
@@ -790,6 +795,26 @@ class Solver:
         for i, (net, states) in enumerate(zip(self.test_nets, state.get("test_nets", []))):
             set_states(net, states, f"test net #{i}")
         log.info("Restored RNG state and data read positions from %s", path)
+
+    def _restore_random_streams(self, state: dict, path: str, same_ranks: bool, rank: int) -> None:
+        """The nets' device random streams continue where the snapshot left them (keys too, unless the
+        rank count changed: then each rank keeps its own key and takes the saved positions)."""
+        saved = state.get("random_streams")
+        if saved is None:
+            return
+        train = saved.get("train_net", {})
+        if same_ranks and "random_streams_ranks" in state:
+            train = state["random_streams_ranks"][rank]
+        nets = [(self.net, train, "train net")]
+        nets += [(n, s, f"test net #{i}") for i, (n, s) in enumerate(zip(self.test_nets, saved.get("test_nets", [])))]
+        for net, states, what in nets:
+            try:
+                unknown = net.random.set_state(states, keys=same_ranks)
+            except CctError as e:
+                raise SolverError(f"{path}: {what}: {e}") from e
+            for name in unknown:
+                log.warning("%s: layer '%s' of the %s draws no random numbers in this net; its random stream "
+                            "state is ignored", path, name, what)
 
     def __repr__(self) -> str:
         return f"<cct {self.type}Solver iter={self.iter} net='{self.net.name}'>"
