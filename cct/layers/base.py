@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from ..blob import Blob
 from ..errors import LayerError
 from ..fillers import fill
 from ..proto import caffe_pb2
+
+if TYPE_CHECKING:
+    from ..device.deferred import DeviceChecks
 
 log = logging.getLogger("cct")
 
@@ -92,6 +95,9 @@ class Layer:
     equal_num_bottom_top: ClassVar[bool] = False
     # Loss layers give top[0] an implicit loss weight of 1.
     is_loss: ClassVar[bool] = False
+    # The net's checks on device data (label ranges): set by the Net before setup; None (a layer run
+    # on its own) checks immediately, as a numpy net does.
+    checks: DeviceChecks | None = None
 
     def __init__(self, param: caffe_pb2.LayerParameter):
         self.param = param
