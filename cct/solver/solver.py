@@ -449,8 +449,10 @@ class Solver:
                     on_start()
             display = bool(p.display) and self.iter % p.display == 0
             self.net.debug_info = display and p.debug_info
+            if self._loss_log.full:
+                self._settle(start_iter)  # more iterations between two boundaries than the log holds
             self._run_iteration()
-            if display or settle_every_iteration or self._loss_log.full:
+            if display or settle_every_iteration:
                 self._settle(start_iter, display=display)
             for _, on_grad in self._callbacks:
                 if on_grad is not None:
