@@ -503,9 +503,8 @@ class Solver:
             raise e.in_context(f"train net, iteration {self.iter}") from e
         loss /= np.float32(p.iter_size)
         if self.parallel is not None:  # gradients summed over ranks / N; the global mean loss
-            self._loss_log.append(self.iter, self.parallel.finish(np.float32(float(loss))))
-        else:
-            self._loss_log.append(self.iter, loss)
+            loss.fill(self.parallel.finish(np.float32(float(loss))))
+        self._loss_log.append(self.iter, loss)
         self.net.checks.advance()
 
     def _settle(self, start_iter: int, display: bool = False) -> None:
