@@ -60,9 +60,9 @@ def test_solver_run_matches_caffe(case, strategy, tmp_path, monkeypatch):
     # record each forward pass's loss (iter_size passes per iteration)
     orig_fb = solver.net.forward_backward
 
-    def fb():
-        loss = orig_fb()
-        forward_losses.append(loss)
+    def fb(**kw):
+        loss = orig_fb(**kw)
+        forward_losses.append(float(loss))  # the solver asks for the loss as a device scalar
         return loss
 
     solver.net.forward_backward = fb

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from ..errors import LayerError
 from ..fillers import fill
 from ..proto import caffe_pb2
 from ..rng import get_rng
+
+if TYPE_CHECKING:
+    from ..device.deferred import DeviceChecks
 
 log = logging.getLogger("cct")
 
@@ -99,6 +102,9 @@ class Layer:
     # False for layers that cannot run inside a CUDA graph (host code between kernels); ``capture_blocker`` says why.
     capturable: ClassVar[bool] = True
     capture_blocker: ClassVar[str] = ""
+    # The net's checks on device data (label ranges): set by the Net before setup; None (a layer run
+    # on its own) checks immediately, as a numpy net does.
+    checks: DeviceChecks | None = None
 
     def __init__(self, param: caffe_pb2.LayerParameter):
         self.param = param

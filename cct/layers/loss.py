@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..blob import Blob
+from ..device.deferred import raise_first_failure
 from ..errors import CctError
 from ..proto import caffe_pb2
 from .base import Layer, register
@@ -86,21 +87,32 @@ class LossLayer(Layer):
                 raise self.error(f"cannot backpropagate to {what} input bottom[{i}] "
                                  "(set propagate_down: false for it)")
 
-    def _check_labels(self, xp, labels, valid, num_labels: int) -> None:
-        """Labels (ints) must lie in [0, num_labels) where valid (Caffe only DCHECKs this)."""
-        check_label_range(self, xp, labels, valid, num_labels)
+    def _check_labels(self, xp, labels, valid, num_labels: int):
+        """Labels (ints) must lie in [0, num_labels) where valid (Caffe only DCHECKs this); returns them as
+        gather indices (see :func:`check_label_range`)."""
+        return check_label_range(self, xp, labels, valid, num_labels)
 
 
-def check_label_range(layer: Layer, xp, labels, valid, num_labels: int) -> None:
-    """Raise naming the first label outside [0, num_labels) where ``valid``, with its item in the batch
-    (``labels`` is (items,) or (items, positions); the solver adds the iteration)."""
-    bad = valid & ((labels < 0) | (labels >= num_labels))
-    if bool(xp.any(bad)):
-        flat = int(xp.argmax(bad.reshape(-1)))
-        value = int(labels.reshape(-1)[flat])
-        inner = labels.shape[1] if labels.ndim > 1 else 1
+def check_label_range(layer: Layer, xp, labels, valid, num_labels: int):
+    """Fail naming the first label outside [0, num_labels) where ``valid``, with its item in the batch
+    (``labels`` is (items,) or (items, positions); the solver adds the iteration). Through the net's
+    :class:`~cct.device.deferred.DeviceChecks`: at once on numpy, at the next boundary on a device net.
+
+    Returns the labels as indices safe to gather with: 0 where ignored or out of range (a bad label
+    may be reported only at the next boundary: it must not read out of bounds before)."""
+    in_range = (labels >= 0) & (labels < num_labels)
+    bad = valid & ~in_range
+    inner = labels.shape[1] if labels.ndim > 1 else 1
+
+    def describe(flat: int, value: int) -> str:
         where = f"item {flat // inner} of the batch" + (f", position {flat % inner}" if inner > 1 else "")
-        raise layer.error(f"label value {value} out of range [0, {num_labels}) at {where} (bottom[1])")
+        return f"label value {value} out of range [0, {num_labels}) at {where} (bottom[1])"
+
+    if layer.checks is None:
+        raise_first_failure(layer, xp, bad, labels, describe)
+    else:
+        layer.checks.fail_where(layer, "label range", bad, labels, describe)
+    return xp.where(valid & in_range, labels, 0)
 
 
 def _normalization_mode(layer: Layer, default: int, allow_legacy: bool = True) -> int:
@@ -190,8 +202,7 @@ class SoftmaxWithLossLayer(LossLayer):
     def _labels(self, xp, label_blob):
         lab = label_blob.data.reshape(self.outer, self.inner).astype(xp.int64)
         valid = lab != self.ignore_label if self.has_ignore else xp.ones(lab.shape, dtype=bool)
-        self._check_labels(xp, lab, valid, self.num_labels)
-        return xp.where(valid, lab, 0), valid
+        return self._check_labels(xp, lab, valid, self.num_labels), valid
 
     def forward(self, bottom, top):
         xp = bottom[0].xp
@@ -448,7 +459,7 @@ class MultinomialLogisticLossLayer(LossLayer):
     def _p(self, xp, bottom):
         p = bottom[0].data.reshape(self.num, self.dim)
         lab = bottom[1].data.reshape(-1).astype(xp.int64)
-        self._check_labels(xp, lab, xp.ones(lab.shape, dtype=bool), self.dim)
+        lab = self._check_labels(xp, lab, xp.ones(lab.shape, dtype=bool), self.dim)
         pt = xp.take_along_axis(p, lab[:, None], axis=1)[:, 0]
         return xp.maximum(pt, p.dtype.type(LOG_THRESHOLD)), lab
 
@@ -544,8 +555,7 @@ class InfogainLossLayer(LossLayer):
         prob = softmax(xp, x, 1)
         lab = bottom[1].data.reshape(self.outer, self.inner).astype(xp.int64)
         valid = lab != self.ignore_label if self.has_ignore else xp.ones(lab.shape, dtype=bool)
-        self._check_labels(xp, lab, valid, self.num_labels)
-        lab = xp.where(valid, lab, 0)
+        lab = self._check_labels(xp, lab, valid, self.num_labels)
         H = self._H(xp, bottom, x.dtype)
         rows = xp.moveaxis(H[lab], -1, 1)  # (outer, C, inner): H[label, k]
         return xp, prob, valid, rows, H, lab
@@ -607,8 +617,7 @@ class AccuracyLayer(Layer):
         x = bottom[0].data.reshape(self.outer, self.num_labels, self.inner)
         lab = bottom[1].data.reshape(self.outer, self.inner).astype(xp.int64)
         valid = lab != self.ignore_label if self.has_ignore else xp.ones(lab.shape, dtype=bool)
-        check_label_range(self, xp, lab, valid, self.num_labels)
-        safe = xp.where(valid, lab, 0)
+        safe = check_label_range(self, xp, lab, valid, self.num_labels)
         p_true = xp.take_along_axis(x, safe[:, None, :], axis=1)  # (outer, 1, inner)
         better = (x >= p_true).sum(axis=1) - 1  # the true class counts itself
         correct = (better < self.top_k) & valid
@@ -616,9 +625,11 @@ class AccuracyLayer(Layer):
         acc = correct.sum()
         top[0].data[...] = xp.where(count == 0, 0, acc / xp.maximum(count, 1))
         if len(top) > 1:
+            # per-class counts as sums of one-hot rows: no data-dependent shape, no read on the host
             dt = top[1].dtype
-            per_n = xp.bincount(safe[valid], minlength=self.num_labels).astype(dt)
-            per_c = xp.bincount(safe[correct], minlength=self.num_labels).astype(dt)
+            onehot = safe[:, :, None] == xp.arange(self.num_labels)
+            per_n = (onehot & valid[:, :, None]).sum(axis=(0, 1)).astype(dt)
+            per_c = (onehot & correct[:, :, None]).sum(axis=(0, 1)).astype(dt)
             top[1].data[...] = xp.where(per_n == 0, 0, per_c / xp.maximum(per_n, 1))
 
     def backward(self, top, propagate_down, bottom):

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..blob import Blob
 from ..config import Config, current, runs_in_own_config
+from ..device.deferred import DeviceChecks
 from ..device.random import NetRandom
 from ..errors import CctError, LayerError, MemoryBudgetError, NetError
 from ..io.int_range import values_above_int_max
@@ -63,6 +64,11 @@ class Net:
     parameter diffs are then final for this pass) and ``hook(None)`` when the whole backward is done;
     with a device scheduler attached only ``hook(None)`` marks final diffs. Distributed training
     starts its gradient all-reduce from such a hook (:mod:`cct.distributed.gradsync`).
+
+    ``checks`` (a :class:`cct.device.deferred.DeviceChecks`) runs the layers' checks on device data
+    (label ranges): at once on a numpy net, recorded on the device and raised at the end of
+    :meth:`forward` or by :meth:`raise_deferred_errors` on a device net. ``forward(device_loss=True)``
+    returns the loss as a device scalar and leaves both reads to the caller (the solver's path).
     """
 
     def __init__(
@@ -105,6 +111,7 @@ class Net:
             resident.make_current()
             resident.set_tf32(self.config.gpu.tf32)
         self.backward_hooks: list[Callable[[int | None], None]] = []
+        self.checks = DeviceChecks(self.xp, deferred=self.xp is not np)
         self._init(param)
         if weights is not None:
             for w in [weights] if isinstance(weights, (str, os.PathLike)) else weights:
@@ -172,6 +179,7 @@ class Net:
                 if failure is None:
                     raise
                 raise failure from e
+            layer.checks = self.checks
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             bottoms, bottom_need = [], []
@@ -418,11 +426,16 @@ class Net:
 
     # -- running -----------------------------------------------------------------------
     @runs_in_own_config
-    def forward_from_to(self, start: int, end: int) -> float:
-        """Run layers start..end inclusive; return the loss they contribute."""
+    def forward_from_to(self, start: int, end: int, device_loss: bool = False):
+        """Run layers start..end inclusive; return the loss they contribute (a float).
+
+        ``device_loss=True``: return it as a 0-d float64 array of the net's array module (a numpy scalar
+        on a numpy net), without
+        reading device memory and without raising the failures of deferred checks (call
+        :meth:`raise_deferred_errors` at the next boundary)."""
         if not (0 <= start <= end < len(self.layers)):
             raise CctError(f"forward range {start}..{end} is outside the net's {len(self.layers)} layers")
-        loss = 0.0
+        loss = None
         i, stage = start, "reshape"
         try:
             for i in range(start, end + 1):
@@ -434,7 +447,7 @@ class Net:
                     layer.forward(bottom, top)
                 else:
                     self.executor.forward(i, layer, bottom, top)
-                loss += self._loss_of(i, top)
+                loss = self._add_loss_of(i, top, loss)
                 if self.debug_info:
                     self._forward_debug_info(i)
         except Exception as e:
@@ -442,21 +455,40 @@ class Net:
             if failure is None:
                 raise
             raise failure from e
-        return loss
+        if loss is None:
+            loss = self.xp.zeros((), dtype=np.float64)
+        if device_loss:
+            return loss
+        self.raise_deferred_errors()
+        return float(loss)
 
-    def _loss_of(self, i: int, top: list[Blob]) -> float:
-        """Seed the loss tops' diffs with their weights; the weighted loss of layer ``i``'s tops."""
-        loss = 0.0
+    def _add_loss_of(self, i: int, top: list[Blob], loss):
+        """Seed the loss tops' diffs with their weights; ``loss`` (a 0-d float64 array or None) plus the
+        weighted loss of layer ``i``'s tops, summed on the device in double precision."""
         for j, (tname, t) in enumerate(zip(self.top_names[i], top)):
             w = self.blob_loss_weights.get(tname)
             if w and self.top_names[i].index(tname) == j:
                 t.diff[...] = w
-                loss += w * float(t.data.sum())
+                term = t.data.sum().astype(np.float64) * w
+                loss = term if loss is None else loss + term
         return loss
 
-    def forward(self, start: str | int | None = None, end: str | int | None = None) -> float:
-        """Forward over all layers (or from/to a named layer); returns the total loss."""
-        return self.forward_from_to(self._index(start, 0), self._index(end, len(self.layers) - 1))
+    def raise_deferred_errors(self, context: str | None = None) -> None:
+        """Raise the first failure the net's deferred checks recorded since the last call (a device read:
+        call between iterations). ``context`` is appended to the message after being formatted with the
+        ``iteration`` the failure happened in (e.g. ``"train net, iteration {iteration}"``)."""
+        failure = self.checks.take_failure()
+        if failure is None:
+            return
+        if context is None:
+            raise failure.error
+        raise failure.error.in_context(context.format(iteration=failure.iteration))
+
+    def forward(self, start: str | int | None = None, end: str | int | None = None, device_loss: bool = False):
+        """Forward over all layers (or from/to a named layer); returns the total loss (a float, or with
+        ``device_loss`` a device scalar: see :meth:`forward_from_to`)."""
+        return self.forward_from_to(self._index(start, 0), self._index(end, len(self.layers) - 1),
+                                    device_loss=device_loss)
 
     @runs_in_own_config
     def backward_from_to(self, start: int, end: int) -> None:
@@ -492,8 +524,9 @@ class Net:
         for hook in self.backward_hooks:
             hook(None)
 
-    def forward_backward(self) -> float:
-        loss = self.forward()
+    def forward_backward(self, device_loss: bool = False):
+        """Forward then backward over all layers; the loss as :meth:`forward` returns it."""
+        loss = self.forward(device_loss=device_loss)
         self.backward()
         return loss
 

@@ -19,6 +19,13 @@ update, the root alone tests and writes snapshots.
 
 A non-finite loss stops training with a :class:`SolverError` naming the iteration (after writing a
 snapshot when the solver has snapshots configured); Caffe itself would go on with NaN weights.
+
+On a device (GPU) net an iteration does not stop for the host: its loss goes to a device buffer
+(:class:`cct.device.losses.LossLog`) and the layers' checks (label ranges) are recorded on the
+device (:mod:`cct.device.deferred`). Both are read at the boundaries -- a display iteration, before
+a test, before a snapshot, the end of ``step`` -- where the smoothed loss is replayed iteration by
+iteration as Caffe computes it, and a failure raises naming the iteration it happened in. A numpy
+net reads both after every iteration, as it always has.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import numpy as np
 from .. import rng
 from ..backend import get_array_module
 from ..config import Config, current
+from ..device.losses import LossLog
 from ..errors import CctError, LayerError, SolverError
 from ..io.atomic import remove_stale_temps
 from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
@@ -45,6 +53,10 @@ from .tensorboard import TensorBoardWriter
 from .timing import PhaseTimer, data_seconds
 
 log = logging.getLogger("cct")
+
+# most losses a device net keeps between two reads: a step without display, tests or snapshots reads
+# them every _LOSS_LOG_LIMIT iterations
+_LOSS_LOG_LIMIT = 1024
 
 _SOLVERS: dict[str, type[Solver]] = {}
 
@@ -158,6 +170,9 @@ class Solver:
         self.requested_early_exit = False
         self.smoothed_loss = 0.0
         self._losses: list[float] = []
+        self._loss_log = LossLog(self.net.xp, 1)  # this step's pending losses (see step)
+        self._iteration_loss = self.net.xp.zeros((), dtype=np.float32)
+        self._display_clock = (time.perf_counter(), 0)  # when and at which iteration the last display was
         self._callbacks: list[tuple[Callback | None, Callback | None]] = []
         self._action_function = action_function
         self._last_snapshot_iter: int | None = None
@@ -402,7 +417,12 @@ class Solver:
             raise SolverError(f"{self.source}: {str(e).removeprefix('solver: ')}") from None
 
     def step(self, iters: int) -> None:
-        """Run ``iters`` training iterations (Caffe's Solver::Step)."""
+        """Run ``iters`` training iterations (Caffe's Solver::Step).
+
+        Each iteration's compute (:meth:`_run_iteration`) leaves its loss and its checks' failures on
+        the device; :meth:`_settle` reads them at the boundaries (a display iteration, before a test,
+        before a snapshot, the end of the step) and, on a numpy net, after every iteration.
+        """
         p = self.param
         if iters > 0:
             self.validate_update_params()
@@ -410,14 +430,16 @@ class Solver:
         stop_iter = self.iter + int(iters)
         self._losses = []
         self.smoothed_loss = 0.0
-        timer = time.perf_counter()
-        iterations_last = self.iter
+        self._start_loss_log(int(iters))
+        self._display_clock = (time.perf_counter(), self.iter)
+        settle_every_iteration = not self.net.checks.deferred
         phases = self.phase_timer
         while self.iter < stop_iter:
             if phases is not None:
                 phases.start_iteration()
             self.net.clear_param_diffs()
             if p.test_interval and self.iter % p.test_interval == 0 and (self.iter > 0 or p.test_initialization):
+                self._settle(start_iter)
                 with self._phase("test"):
                     self.test_all()
                 if self.requested_early_exit:
@@ -427,30 +449,11 @@ class Solver:
                     on_start()
             display = bool(p.display) and self.iter % p.display == 0
             self.net.debug_info = display and p.debug_info
-            loss = np.float32(0)
-            try:
-                for k in range(p.iter_size):
-                    if self.parallel is not None and k == p.iter_size - 1:
-                        self.parallel.arm()  # reduce this pass's (accumulated) gradients while backward runs
-                    loss += np.float32(self._forward_backward())
-            except LayerError as e:
-                raise e.in_context(f"train net, iteration {self.iter}") from e
-            loss /= np.float32(p.iter_size)
-            if self.parallel is not None:
-                loss = self.parallel.finish(loss)  # gradients summed over ranks / N; the global mean loss
-            self._update_smoothed_loss(loss, start_iter, p.average_loss)
-            if display:
-                lapse = time.perf_counter() - timer
-                per_s = (self.iter - iterations_last) / (lapse if lapse else 1.0)
-                log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter, _fmt(per_s), _fmt(lapse),
-                         p.display, _fmt(self.smoothed_loss))
-                timer = time.perf_counter()
-                iterations_last = self.iter
-                outputs = self._log_outputs(self.net, "Train")
-                if self.tensorboard is not None:
-                    self.tensorboard.train_display(self.iter, self.smoothed_loss, outputs)
-            if not math.isfinite(float(loss)):
-                self._stop_on_bad_loss(float(loss))
+            if self._loss_log.full:
+                self._settle(start_iter)  # more iterations between two boundaries than the log holds
+            self._run_iteration()
+            if display or settle_every_iteration:
+                self._settle(start_iter, display=display)
             for _, on_grad in self._callbacks:
                 if on_grad is not None:
                     on_grad()
@@ -461,6 +464,7 @@ class Solver:
             self.iter += 1
             request = self.get_requested_action()
             if (p.snapshot and self.iter % p.snapshot == 0) or request == signals.SNAPSHOT:
+                self._settle(start_iter)
                 with self._phase("snapshot"):
                     self.snapshot()
             if phases is not None:
@@ -468,20 +472,81 @@ class Solver:
             if request == signals.STOP:
                 self.requested_early_exit = True
                 break
+        self._settle(start_iter)
+
+    def _start_loss_log(self, iters: int) -> None:
+        """A loss log that holds every loss between two boundaries of this step (a numpy net settles
+        after every iteration: one slot); the iteration counter of the net's checks set to ``iter``."""
+        p = self.param
+        capacity = 1
+        if self.net.checks.deferred:
+            intervals = [n for n in (p.display, p.test_interval if self.test_nets else 0, p.snapshot) if n > 0]
+            capacity = min([max(iters, 1), _LOSS_LOG_LIMIT, *intervals])
+        if self._loss_log.capacity != capacity or self._loss_log.xp is not self.net.xp:
+            self._loss_log = LossLog(self.net.xp, capacity)
+        self._loss_log.take()  # nothing pending from an earlier step
+        self.net.checks.set_iteration(self.iter)
+
+    def _run_iteration(self) -> None:
+        """One iteration's compute: ``iter_size`` forward/backward passes accumulate the gradient, their
+        mean loss goes to the loss log without a read of device memory (distributed: the global mean,
+        read on the host for MPI's all-reduce), the checks' iteration counter advances."""
+        p = self.param
+        loss = self._iteration_loss
+        loss.fill(0)
+        try:
+            for k in range(p.iter_size):
+                if self.parallel is not None and k == p.iter_size - 1:
+                    self.parallel.arm()  # reduce this pass's (accumulated) gradients while backward runs
+                loss += self._forward_backward().astype(np.float32)
+        except LayerError as e:
+            raise e.in_context(f"train net, iteration {self.iter}") from e
+        loss /= np.float32(p.iter_size)
+        if self.parallel is not None:  # gradients summed over ranks / N; the global mean loss
+            loss.fill(self.parallel.finish(np.float32(float(loss))))
+        self._loss_log.append(self.iter, loss)
+        self.net.checks.advance()
+
+    def _settle(self, start_iter: int, display: bool = False) -> None:
+        """Boundary bookkeeping: raise the first failed check of the train net, replay the pending losses
+        in order (the smoothed loss; a non-finite loss stops training), log the display."""
+        self.net.raise_deferred_errors("train net, iteration {iteration}")
+        for iteration, loss in self._loss_log.take():
+            self._update_smoothed_loss(loss, start_iter, self.param.average_loss, iteration)
+            if not math.isfinite(float(loss)):
+                if display and iteration == self.iter:
+                    self._display()
+                self._stop_on_bad_loss(float(loss), iteration)
+        if display:
+            self._display()
+
+    def _display(self) -> None:
+        """The display line (speed since the last one, smoothed loss), the train net's outputs, TensorBoard."""
+        p = self.param
+        since, iterations_last = self._display_clock
+        lapse = time.perf_counter() - since
+        per_s = (self.iter - iterations_last) / (lapse if lapse else 1.0)
+        log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter, _fmt(per_s), _fmt(lapse),
+                 p.display, _fmt(self.smoothed_loss))
+        self._display_clock = (time.perf_counter(), self.iter)
+        outputs = self._log_outputs(self.net, "Train")
+        if self.tensorboard is not None:
+            self.tensorboard.train_display(self.iter, self.smoothed_loss, outputs)
 
     def _phase(self, name: str):
         """Book the block to phase ``name`` of the phase timer (a no-op context without one)."""
         return self.phase_timer.phase(name) if self.phase_timer is not None else contextlib.nullcontext()
 
-    def _forward_backward(self) -> float:
-        """One forward + backward of the train net; with a phase timer, timed as data/forward/backward."""
+    def _forward_backward(self):
+        """One forward + backward of the train net, its loss a device scalar; with a phase timer, timed as
+        data/forward/backward."""
         phases = self.phase_timer
         if phases is None:
-            return self.net.forward_backward()
+            return self.net.forward_backward(device_loss=True)
         clock = phases.clock
         data_before = data_seconds(self.net.layers)
         t0 = clock()
-        loss = self.net.forward()
+        loss = self.net.forward(device_loss=True)
         t1 = clock()
         phases.split_forward(t1 - t0, data_seconds(self.net.layers) - data_before)
         self.net.backward()
@@ -502,7 +567,8 @@ class Solver:
                 index += 1
         return values_out
 
-    def _update_smoothed_loss(self, loss, start_iter: int, average_loss: int) -> None:
+    def _update_smoothed_loss(self, loss, start_iter: int, average_loss: int, iteration: int | None = None) -> None:
+        """Caffe's UpdateSmoothedLoss with the loss of ``iteration`` (default: the current one)."""
         loss = np.float32(loss)
         if len(self._losses) < average_loss:
             self._losses.append(loss)
@@ -510,22 +576,32 @@ class Solver:
             self.smoothed_loss = float((np.float32(self.smoothed_loss) * np.float32(size - 1) + loss)
                                        / np.float32(size))
         else:
-            idx = (self.iter - start_iter) % average_loss
+            idx = ((self.iter if iteration is None else iteration) - start_iter) % average_loss
             self.smoothed_loss = float(np.float32(self.smoothed_loss)
                                        + (loss - self._losses[idx]) / np.float32(average_loss))
             self._losses[idx] = loss
 
-    def _stop_on_bad_loss(self, loss: float) -> None:
+    def _stop_on_bad_loss(self, loss: float, iteration: int | None = None) -> None:
+        """Stop training on the non-finite loss of ``iteration`` (default: the current one), found now.
+
+        A device net's losses are read at boundaries: an earlier iteration's loss is named as such, and
+        the snapshot holds the weights of now (before iteration ``iter``), not those before ``iteration``."""
         p = self.param
+        iteration = self.iter if iteration is None else iteration
         what = "NaN" if math.isnan(loss) else "infinite"
-        log.error("Iteration %d, loss = %s: the loss is %s; stopping training.", self.iter, _fmt(loss), what)
+        found = "" if iteration == self.iter else (
+            f" (found at iteration {self.iter}: a device net's losses are read at display, test and snapshot "
+            "boundaries)")
+        before = "this iteration" if iteration == self.iter else f"iteration {self.iter}"
+        log.error("Iteration %d, loss = %s: the loss is %s%s; stopping training.", iteration, _fmt(loss), what,
+                  found)
         wrote = ""
         if (p.snapshot or p.snapshot_after_train) and p.snapshot_prefix and self._last_snapshot_iter != self.iter:
             model = self.snapshot()
-            wrote = f"; the weights before this iteration were saved to {model}"
+            wrote = f"; the weights before {before} were saved to {model}"
         elif self._last_snapshot_iter == self.iter:
-            wrote = "; the last snapshot holds the weights before this iteration"
-        raise SolverError(f"Iteration {self.iter}: loss is {_fmt(loss)} ({what}); training stopped{wrote}. "
+            wrote = f"; the last snapshot holds the weights before {before}"
+        raise SolverError(f"Iteration {iteration}: loss is {_fmt(loss)} ({what}); training stopped{found}{wrote}. "
                           "Lower base_lr, add clip_gradients, or check the input data.")
 
     def test_all(self) -> None:
