@@ -91,6 +91,7 @@ class FlatUpdate:
             xp, dt = g0.group.xp, g0.group.dtype
             self.clip_norm, self.clip_scale = xp.zeros((), dt), xp.ones((), dt)
             self.clip_count = xp.zeros((), np.int64)
+            self._sumsq = cupy_sumsq_kernel()
 
     # -- between iterations (host) -------------------------------------------------------------------
     def write_scalars(self, rate: float, it: int) -> None:
@@ -120,8 +121,7 @@ class FlatUpdate:
         xp, dt = g0.xp, g0.dtype
         sumsq = None
         for st in self.groups:
-            d = st.group.diff
-            part = xp.vdot(d, d).astype(np.float64)
+            part = self._sumsq(st.group.diff)  # in double, without cuBLAS (capturable)
             sumsq = part if sumsq is None else sumsq + part
         norm = xp.sqrt(sumsq).astype(dt)
         clip = dt.type(self.hyper.clip)
@@ -338,6 +338,13 @@ def cupy_kernel_source(rule: str, regularization: str) -> str:
     """The CUDA body of the fused update for ``rule`` and ``regularization`` (see :func:`cupy_kernel`)."""
     return (_HEAD.replace("REG", _REG[regularization]) + _RULE_CODE[rule]
             + "\nd = upd;\nif (apply) w = SUB(w, upd);\n")
+
+
+def cupy_sumsq_kernel():
+    """A ``cupy.ReductionKernel``: the sum of squares of an array, accumulated in double."""
+    import cupy
+
+    return cupy.ReductionKernel("T x", "float64 y", "(double)x * (double)x", "a + b", "y = a", "0", "cct_sumsq")
 
 
 def cupy_kernel(rule: str, regularization: str, dtype):
