@@ -21,6 +21,7 @@ from ..malloc import tune_malloc
 from ..membudget import INT_MAX
 from ..proto import caffe_pb2
 from ..rng import get_rng
+from .flat_params import FlatParams
 from .graph import filter_net, insert_splits
 
 log = logging.getLogger("cct")
@@ -158,6 +159,8 @@ class Net:
         self._has_lr: list[bool] = []
         self._has_decay: list[bool] = []
         self._param_names_index: dict[str, int] = {}
+        #: the flat data/diff buffers of the learnable params once :meth:`flatten_params` made them
+        self.flat_params: FlatParams | None = None
 
         available: set[str] = set()
         memory = 0
@@ -328,6 +331,17 @@ class Net:
                 raise NetError(f"Shared param '{pname}' has mismatched decay_mult (layer '{layer.name}')")
             self._has_decay[lid] = True
             self.params_weight_decay[lid] = spec.decay_mult
+
+    def flatten_params(self) -> FlatParams:
+        """Lay the learnable parameters' data and diffs end to end in flat buffers (one per dtype) and make
+        every parameter Blob, and the weight-shared copies of it, views into them (values kept; the
+        solver calls this at setup). Returns :attr:`flat_params`; a second call with the views intact
+        returns the same layout."""
+        if self.flat_params is not None and self.flat_params.intact():
+            return self.flat_params
+        self.flat_params = FlatParams(self.learnable_params)
+        self._share_weights()
+        return self.flat_params
 
     def _share_weights(self) -> None:
         for i, owner in enumerate(self.param_owners):

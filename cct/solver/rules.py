@@ -1,11 +1,13 @@
 """Caffe's six solver types (SGD, Nesterov, AdaGrad, RMSProp, AdaDelta, Adam): each a :class:`Solver` whose
-``compute_update_value`` applies its rule (:mod:`.updates`) to one parameter; registered by ``type`` name
-for :func:`~cct.solver.solver.get_solver`."""
+``compute_update_value`` applies its rule (:mod:`.updates`) to one parameter, and whose ``flat_rule`` names the
+same rule fused over the flat parameter buffers (:mod:`.flat_update`); registered by ``type`` name for
+:func:`~cct.solver.solver.get_solver`."""
 from __future__ import annotations
 
 from .. import kernels
 from ..errors import SolverError
 from . import updates
+from .flat_update import Hyper
 from .solver import Solver, register_solver
 
 
@@ -14,6 +16,7 @@ class SGDSolver(Solver):
     """Stochastic gradient descent with momentum."""
 
     type = "SGD"
+    flat_rule = "sgd"
 
     def compute_update_value(self, param_id: int, rate: float) -> None:
         blob = self.net.learnable_params[param_id]
@@ -45,6 +48,7 @@ class NesterovSolver(SGDSolver):
     """Nesterov's accelerated gradient."""
 
     type = "Nesterov"
+    flat_rule = "nesterov"
 
     def compute_update_value(self, param_id: int, rate: float) -> None:
         blob = self.net.learnable_params[param_id]
@@ -56,6 +60,7 @@ class AdaGradSolver(SGDSolver):
     """AdaGrad (momentum must be 0)."""
 
     type = "AdaGrad"
+    flat_rule = "adagrad"
 
     def check_params(self) -> None:
         if self.param.momentum != 0:
@@ -71,6 +76,7 @@ class RMSPropSolver(SGDSolver):
     """RMSProp (momentum must be 0; 0 <= rms_decay < 1)."""
 
     type = "RMSProp"
+    flat_rule = "rmsprop"
 
     def check_params(self) -> None:
         if self.param.momentum != 0:
@@ -78,6 +84,12 @@ class RMSPropSolver(SGDSolver):
         if not 0 <= self.param.rms_decay < 1:
             raise SolverError(f"{self.source}: rms_decay should lie between 0 and 1 "
                               f"(rms_decay: {self.param.rms_decay:g})")
+
+    def flat_hyper(self) -> Hyper:
+        """As the base class's, with ``rms_decay`` in the second-momentum slot."""
+        hyper = super().flat_hyper()
+        hyper.momentum2 = self.param.rms_decay
+        return hyper
 
     def compute_update_value(self, param_id: int, rate: float) -> None:
         blob = self.net.learnable_params[param_id]
@@ -90,6 +102,7 @@ class AdaDeltaSolver(SGDSolver):
     """AdaDelta (``momentum`` is the decay; history holds the gradient then the update averages)."""
 
     type = "AdaDelta"
+    flat_rule = "adadelta"
     history_sets = 2
 
     def compute_update_value(self, param_id: int, rate: float) -> None:
@@ -104,6 +117,7 @@ class AdamSolver(SGDSolver):
     """Adam (``momentum`` = beta1, ``momentum2`` = beta2, ``delta`` = epsilon)."""
 
     type = "Adam"
+    flat_rule = "adam"
     history_sets = 2
 
     def compute_update_value(self, param_id: int, rate: float) -> None:

@@ -40,7 +40,7 @@ from typing import ClassVar
 import numpy as np
 
 from .. import rng
-from ..backend import get_array_module
+from ..backend import get_array_module, in_device_memory
 from ..config import Config, current
 from ..device.losses import LossLog
 from ..errors import CctError, LayerError, SolverError
@@ -49,6 +49,7 @@ from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
 from ..net import Net
 from ..proto import caffe_pb2
 from . import lr_policy, signals, snapshot, updates
+from .flat_update import FlatUpdate, Hyper
 from .tensorboard import TensorBoardWriter
 from .timing import PhaseTimer, data_seconds
 
@@ -126,6 +127,10 @@ class Solver:
     """
 
     type: ClassVar[str] = ""
+    #: the rule of :mod:`.flat_update` that fuses this solver's update (None: per-parameter only)
+    flat_rule: ClassVar[str | None] = None
+    #: build the fused flat update for numpy nets too (default: only for device nets; see use_flat_update)
+    flat_update_on_cpu: ClassVar[bool] = False
     #: number of history arrays per learnable parameter (AdaDelta and Adam keep two)
     history_sets: ClassVar[int] = 1
 
@@ -177,6 +182,10 @@ class Solver:
         self._action_function = action_function
         self._last_snapshot_iter: int | None = None
         self.history: list = []
+        self.history_buffers: list = []
+        self.flat_update: FlatUpdate | None = None
+        #: set by a captured-graph runner: the update reads nothing back (call flush_update_log at boundaries)
+        self.defer_host_reads = False
         self.phase_timer: PhaseTimer | None = (phase_times if isinstance(phase_times, PhaseTimer)
                                                else PhaseTimer() if phase_times else None)
         self.pre_solve()
@@ -190,11 +199,50 @@ class Solver:
         """Solver-type specific checks of the parameters (Caffe's constructor CHECKs)."""
 
     def pre_solve(self) -> None:
-        """Allocate the zeroed history arrays (``history_sets`` per learnable parameter)."""
-        xp_zeros = [p.xp.zeros_like(p.data) for p in self.net.learnable_params]
-        self.history = list(xp_zeros)
-        for _ in range(self.history_sets - 1):
-            self.history.extend(p.xp.zeros_like(p.data) for p in self.net.learnable_params)
+        """Lay the train net's learnable parameters out flat (:meth:`cct.net.Net.flatten_params`; the test
+        nets share the new views) and allocate the zeroed history: ``history_sets`` flat buffers, of which
+        ``history`` holds the per-parameter views (Caffe's per-parameter history, as snapshots store it).
+        Builds the fused update (:attr:`flat_update`) where it runs (:meth:`use_flat_update`)."""
+        flat = self.net.flatten_params()
+        for net in self.test_nets:
+            net.share_weights_with(self.net)
+        self.history_buffers, self.history = flat.histories(self.history_sets)
+        self.flat_update = None
+        on_device = any(in_device_memory(g.data) for g in flat.groups)
+        self.use_flat_update(on_device or self.flat_update_on_cpu)
+
+    def use_flat_update(self, on: bool = True) -> bool:
+        """Update through the fused pass over the flat buffers (:mod:`.flat_update`) or, with ``on`` False,
+        parameter by parameter (a setup-time choice; the default is the flat pass for device nets and the
+        per-parameter path on the CPU, where it measured faster: benchmarks/README.md). Solvers that
+        override a step of the update (:meth:`compute_update_value`, :meth:`normalize`, :meth:`regularize`)
+        always take the per-parameter path. Returns whether the flat pass is on."""
+        rule = self._flat_rule()
+        if not on or rule is None or self.net.flat_params is None:
+            self.flat_update = None
+            return False
+        p = self.param
+        self.flat_update = FlatUpdate(self.net.flat_params, rule, self.flat_hyper(), p.weight_decay,
+                                      self.net.params_lr, self.net.params_weight_decay, self.history_buffers)
+        return True
+
+    def _flat_rule(self) -> str | None:
+        """The ``flat_rule`` of the class that defines it, if no subclass changed a step of the update."""
+        cls = type(self)
+        owner = next((k for k in cls.__mro__ if "flat_rule" in vars(k)), None)
+        if owner is None or owner.flat_rule is None:
+            return None
+        if (cls.compute_update_value is not owner.compute_update_value or cls.normalize is not Solver.normalize
+                or cls.regularize is not Solver.regularize):
+            return None
+        return owner.flat_rule
+
+    def flat_hyper(self) -> Hyper:
+        """The rule's hyper-parameters for the flat update (``momentum``, ``momentum2``, ``delta``,
+        ``iter_size``, ``clip_gradients``, ``regularization_type``)."""
+        p = self.param
+        return Hyper(momentum=p.momentum, momentum2=p.momentum2, delta=p.delta, iter_size=p.iter_size,
+                     clip=p.clip_gradients, regularization=p.regularization_type)
 
     def _log_mode(self) -> None:
         """Caffe's solver_mode/device_id, unless the config names devices already (--devices, set_devices)."""
@@ -671,7 +719,14 @@ class Solver:
         return rate
 
     def apply_update(self) -> None:
-        """Turn the accumulated gradients into the update and apply it (Caffe's ApplyUpdate)."""
+        """Turn the accumulated gradients into the update and apply it (Caffe's ApplyUpdate):
+        :meth:`prepare_update` (host: rate, log, the fused pass's scalars), then :meth:`device_update`."""
+        self.prepare_update()
+        self.device_update()
+
+    def prepare_update(self) -> float:
+        """The host half of the update, between iterations: the lr policy's rate (logged at display
+        iterations) written with the other scalars into the fused pass's scalar arrays. Returns the rate."""
         rate = self.get_learning_rate()
         self.lr = rate
         p = self.param
@@ -679,6 +734,43 @@ class Solver:
             log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
             if self.tensorboard is not None:
                 self.tensorboard.learning_rate(self.iter, rate)
+        if self.flat_update is not None:
+            self.flat_update.write_scalars(rate, self.iter)
+        return rate
+
+    def device_update(self) -> None:
+        """The update itself (after :meth:`prepare_update`): with the flat buffers intact one fused pass
+        (no host read on device nets, unless :attr:`defer_host_reads` is False and clipping is on: then the
+        clip line is logged at once), else parameter by parameter."""
+        fu = self.flat_update
+        if fu is not None and self.net.flat_params.intact():
+            if not fu.on_device:
+                updates.clip_gradients([b.diff for b in self.net.learnable_params], self.param.clip_gradients)
+            debug = self.net.debug_info
+            fu.run(apply=not debug)
+            if not self.defer_host_reads:
+                self.flush_update_log()
+            if debug:
+                self.net.update_debug_info()
+                self.net.update()
+            return
+        self._update_per_param(self.lr)
+
+    def flush_update_log(self) -> None:
+        """Log what the device recorded since the last call (a host read; a boundary): Caffe's gradient
+        clipping line with the last clipped iteration's norm and scale."""
+        report = self.flat_update.clip_report() if self.flat_update is not None else None
+        if report is None:
+            return
+        norm, scale, count = report
+        log.info("Gradient clipping: scaling down gradients (L2 norm %g > %g) by scale factor %g",
+                 norm, np.float32(self.param.clip_gradients), scale)
+        if count > 1:
+            log.info("Gradient clipping: %d iterations were clipped since the last report", count)
+
+    def _update_per_param(self, rate: float) -> None:
+        """The update parameter by parameter (Caffe's loop; the numba SGD kernel where it applies)."""
+        p = self.param
         params = self.net.learnable_params
         updates.clip_gradients([b.diff for b in params], p.clip_gradients)
         # the fused kernel also applies data -= diff in its pass, unless debug_info must show the

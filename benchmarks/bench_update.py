@@ -1,0 +1,91 @@
+"""The solver update alone (``Solver.apply_update``) on the CPU: the per-parameter path against the fused pass
+over the flat buffers (``cct.solver.flat_update``, numpy), for every solver type, in the same process.
+
+    python benchmarks/bench_update.py                        # LeNet and cifar10_quick, 3 rounds x 30 updates
+    python benchmarks/bench_update.py --models lenet --types SGD,Adam --rounds 5
+
+Each model's TRAIN net (synthetic Input data, ``bench_e2e.synthetic_net_param``) gets fixed random gradients;
+two solvers of each type (same seed: same weights) are timed round by round, the per-parameter one and the flat
+one alternating, ``--updates`` updates a round; the figure is the median over rounds of the mean update time.
+The per-parameter SGD path is the numba kernel (``cct.kernels.update.sgd_l2``) where numba imports.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+from bench_e2e import synthetic_net_param
+from common import environment_report, print_environment, print_table, reexec_clean, write_json
+
+TYPES = {
+    "SGD": dict(momentum=0.9),
+    "Nesterov": dict(momentum=0.9),
+    "AdaGrad": dict(delta=1e-8),
+    "RMSProp": dict(rms_decay=0.98, delta=1e-8),
+    "AdaDelta": dict(momentum=0.95, delta=1e-6),
+    "Adam": dict(momentum=0.9, momentum2=0.999, delta=1e-8),
+}
+
+
+def build(model: str, kind: str, flat: bool):
+    from cct.proto import caffe_pb2
+    from cct.solver import get_solver
+
+    sp = caffe_pb2.SolverParameter(type=kind, base_lr=0.001, weight_decay=5e-4, lr_policy="fixed", max_iter=10 ** 6,
+                                   display=0, random_seed=1, **TYPES[kind])
+    sp.net_param.CopyFrom(synthetic_net_param(model, 1))
+    sp.solver_mode = caffe_pb2.SolverParameter.CPU
+    s = get_solver(sp)
+    s.use_flat_update(flat)
+    return s
+
+
+def time_updates(s, grads, n: int) -> float:
+    total = 0.0
+    for _ in range(n):
+        for p, g in zip(s.net.learnable_params, grads):
+            p.diff[...] = g
+        t0 = time.perf_counter()
+        s.apply_update()
+        total += time.perf_counter() - t0
+    return total / n
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="lenet,cifar10_quick")
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--updates", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--keep-env", action="store_true")
+    a = ap.parse_args(argv)
+    removed = reexec_clean(keep_env=a.keep_env)
+    env = environment_report(removed)
+    print_environment(env)
+    rows, results = [], []
+    for model in a.models.split(","):
+        for kind in a.types.split(","):
+            per, flat = build(model, kind, False), build(model, kind, True)
+            rng = np.random.default_rng(0)
+            grads = [rng.standard_normal(p.shape).astype(np.float32) * 1e-2 for p in per.net.learnable_params]
+            n_params = sum(g.size for g in grads)
+            time_updates(per, grads, 2)  # warm-up (numba compiles)
+            time_updates(flat, grads, 2)
+            t_per, t_flat = [], []
+            for _ in range(a.rounds):
+                t_per.append(time_updates(per, grads, a.updates))
+                t_flat.append(time_updates(flat, grads, a.updates))
+            mp, mf = statistics.median(t_per), statistics.median(t_flat)
+            rows.append([model, kind, n_params, f"{mp * 1e6:.0f}", f"{mf * 1e6:.0f}", f"{mf / mp:.2f}"])
+            results.append({"model": model, "type": kind, "params": n_params, "per_param_s": t_per,
+                            "flat_s": t_flat, "per_param_median_s": mp, "flat_median_s": mf})
+    print_table(["model", "solver", "params", "per-param us", "flat us", "flat / per-param"], rows)
+    write_json("bench_update", {"env": env, "rounds": a.rounds, "updates": a.updates, "results": results}, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
