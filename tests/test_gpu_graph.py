@@ -86,7 +86,7 @@ def test_graph_replay_equals_eager(solver_type, iter_size):
     assert graphed.step_graphs is not None and eager.step_graphs is None
     w_eager = _train(eager, [batches[i] for i in range(0, len(batches), iter_size)])
     w_graph = _train(graphed, [batches[i] for i in range(0, len(batches), iter_size)])
-    assert graphed.step_graphs.graphs, "nothing was captured"
+    assert graphed.step_graphs.captured, "nothing was captured"
     assert not graphed.step_graphs.eager, f"a piece fell back to eager: {graphed.step_graphs.eager}"
     for a, b in zip(w_graph, w_eager):
         scale = max(float(np.max(np.abs(b))), 1e-30)
@@ -160,7 +160,7 @@ def test_real_caffe_solver_run_with_graphs(tmp_path, monkeypatch):
     for _ in range(solver.param.max_iter):
         solver.step(1)
         rates.append(solver.lr)
-    assert solver.step_graphs is not None and solver.step_graphs.graphs and not solver.step_graphs.eager
+    assert solver.step_graphs is not None and solver.step_graphs.captured and not solver.step_graphs.eager
     np.testing.assert_allclose(rates, ref["lr"], rtol=1e-7)
     final = read_weights(work / "final.caffemodel")
     got = {name: [to_numpy(b.data) for b in layer.blobs] for name, layer in zip(solver.net.layer_names,

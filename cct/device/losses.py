@@ -28,8 +28,16 @@ class LossLog:
 
     def append(self, iteration: int, loss) -> None:
         """Keep ``loss`` (a 0-d float32 array of the log's array module, or a host float32) for ``iteration``."""
+        self.record(loss)
+        self.note(iteration)
+
+    def record(self, loss) -> None:
+        """The device half of :meth:`append` (capturable in a CUDA graph: the slot is a device counter)."""
         self.xp.copyto(self.values, loss, where=self._slots == self._slot)
         self._slot += 1
+
+    def note(self, iteration: int) -> None:
+        """The host half of :meth:`append`: the iteration of the loss just recorded."""
         self.iterations.append(iteration)
 
     def take(self) -> list[tuple[int, np.float32]]:

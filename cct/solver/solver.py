@@ -50,6 +50,7 @@ from ..net import Net
 from ..proto import caffe_pb2
 from . import lr_policy, signals, snapshot, updates
 from .flat_update import FlatUpdate, Hyper
+from .graphed import GraphedIterations, why_not_graphs
 from .tensorboard import TensorBoardWriter
 from .timing import PhaseTimer, data_seconds
 
@@ -193,8 +194,25 @@ class Solver:
             from ..distributed.parallel import DataParallel
 
             self.parallel = DataParallel(self, self.comm, shares=shares)
+        self.step_graphs = self._setup_graphs()
+        self._graphed_iteration = False
 
     # -- construction ----------------------------------------------------------------------
+    def _setup_graphs(self) -> GraphedIterations | None:
+        """CUDA graphs for the iterations of a GPU-resident net (:mod:`.graphed`), or None; logged either way."""
+        reason = why_not_graphs(self)
+        if reason is None:
+            self.defer_host_reads = True  # the clipping line is read at boundaries
+            log.info("Training iterations replay as CUDA graphs after one eager warm-up iteration (--nograph: off)")
+            return GraphedIterations(self)
+        if self.net.learnable_params and in_device_memory(self.net.learnable_params[0].data):
+            log.info("CUDA graphs not used: %s", reason)
+        return None
+
+    def graph_nodes(self) -> int | None:
+        """Nodes in the CUDA graphs of one iteration (None without graphs)."""
+        return self.step_graphs.nodes() if self.step_graphs is not None else None
+
     def check_params(self) -> None:
         """Solver-type specific checks of the parameters (Caffe's constructor CHECKs)."""
 
@@ -540,6 +558,13 @@ class Solver:
         mean loss goes to the loss log without a read of device memory (distributed: the global mean,
         read on the host for MPI's all-reduce), the checks' iteration counter advances."""
         p = self.param
+        self._graphed_iteration = self.step_graphs is not None and self.step_graphs.usable()
+        if self._graphed_iteration:
+            try:
+                self.step_graphs.run_passes()
+            except LayerError as e:
+                raise e.in_context(f"train net, iteration {self.iter}") from e
+            return
         loss = self._iteration_loss
         loss.fill(0)
         try:
@@ -559,6 +584,8 @@ class Solver:
         """Boundary bookkeeping: raise the first failed check of the train net, replay the pending losses
         in order (the smoothed loss; a non-finite loss stops training), log the display."""
         self.net.raise_deferred_errors("train net, iteration {iteration}")
+        if self.defer_host_reads:
+            self.flush_update_log()
         for iteration, loss in self._loss_log.take():
             self._update_smoothed_loss(loss, start_iter, self.param.average_loss, iteration)
             if not math.isfinite(float(loss)):
@@ -722,7 +749,10 @@ class Solver:
         """Turn the accumulated gradients into the update and apply it (Caffe's ApplyUpdate):
         :meth:`prepare_update` (host: rate, log, the fused pass's scalars), then :meth:`device_update`."""
         self.prepare_update()
-        self.device_update()
+        if self._graphed_iteration:
+            self.step_graphs.run_update()
+        else:
+            self.device_update()
 
     def prepare_update(self) -> float:
         """The host half of the update, between iterations: the lr policy's rate (logged at display
