@@ -90,7 +90,8 @@ class StepGraphs:
                     fn()
                     self.warm.add(name)
                     return
-                self.stream.begin_capture()
+                # relaxed: the pool may still call cudaMalloc, and other threads (data prefetch) are not stopped
+                self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
                 try:
                     fn()
                 except Exception as e:
