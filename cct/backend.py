@@ -26,6 +26,13 @@ def in_device_memory(a: Any) -> bool:
     return _cupy is not None and isinstance(a, _cupy.ndarray)
 
 
+def array_address(a: Any) -> int:
+    """Address of an array's first element (device or host memory)."""
+    if in_device_memory(a):
+        return int(a.data.ptr)
+    return int(a.ctypes.data)
+
+
 def cupy_available() -> bool:
     """True when CuPy imports and sees at least one GPU."""
     if _cupy is None:

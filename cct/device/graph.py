@@ -121,6 +121,24 @@ class StepGraphs:
         self.stream.synchronize()
 
 
+class DirectPieces:
+    """:class:`StepGraphs`' interface without CUDA: every piece runs when it is called. What an iteration's
+    decomposition into pieces does on a host array module (the CPU tests of that decomposition use it)."""
+
+    def __init__(self):
+        self.graphs: dict[str, Any] = {}
+        self.eager: dict[str, str] = {}
+        self.ran: list[str] = []
+
+    def run(self, name: str, fn: Callable[[], None]) -> None:
+        """Run piece ``name`` now."""
+        self.ran.append(name)
+        fn()
+
+    def forget(self) -> None:
+        """Nothing is recorded: nothing to drop."""
+
+
 def graph_nodes(graph: Any) -> int:
     """Number of nodes (kernels, copies, memsets) in a captured CuPy graph, or -1 when it cannot be read."""
     import ctypes

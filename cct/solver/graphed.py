@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..backend import in_device_memory
-from ..device.graph import StepGraphs, capture_blockers, first_compute_layer, graph_nodes
+from ..backend import array_address, in_device_memory
+from ..device.graph import DirectPieces, StepGraphs, capture_blockers, first_compute_layer, graph_nodes
 
 if TYPE_CHECKING:
     from .solver import Solver
@@ -55,11 +55,12 @@ def why_not_graphs(solver: Solver) -> str | None:
 
 
 class GraphedIterations:
-    """Runs a solver's iterations through CUDA graphs (see module docstring)."""
+    """Runs a solver's iterations through CUDA graphs (see module docstring). ``pieces``: the runner of the
+    pieces (default :class:`StepGraphs`; :class:`DirectPieces` runs them as called, on any array module)."""
 
-    def __init__(self, solver: Solver):
+    def __init__(self, solver: Solver, pieces: StepGraphs | DirectPieces | None = None):
         self.solver = solver
-        self.graphs = StepGraphs("train net")
+        self.graphs = pieces if pieces is not None else StepGraphs("train net")
         self.first = first_compute_layer(solver.net.layers)
         self._signature: tuple | None = None
 
@@ -84,7 +85,7 @@ class GraphedIterations:
         net = self.solver.net
         if net.debug_info or not net.flat_params.intact():
             return False
-        signature = tuple((t.data.data.ptr, t.data.shape) for i in range(self.first) for t in net.top_vecs[i])
+        signature = tuple((array_address(t.data), t.data.shape) for i in range(self.first) for t in net.top_vecs[i])
         if signature != self._signature:
             if self._signature is not None:
                 log.info("the train net's input buffers changed (new shapes or arrays): its CUDA graphs are "
