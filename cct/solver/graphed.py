@@ -85,11 +85,12 @@ class GraphedIterations:
         net = self.solver.net
         if net.debug_info or not net.flat_params.intact():
             return False
-        signature = tuple((array_address(t.data), t.data.shape) for i in range(self.first) for t in net.top_vecs[i])
+        # the data tops' buffers, and the loss log a pass writes into (a new step() may size a new one)
+        signature = (tuple((array_address(t.data), t.data.shape) for i in range(self.first) for t in net.top_vecs[i]),
+                     id(self.solver._loss_log))
         if signature != self._signature:
             if self._signature is not None:
-                log.info("the train net's input buffers changed (new shapes or arrays): its CUDA graphs are "
-                         "captured again")
+                log.info("the train net's input buffers or loss log changed: its CUDA graphs are captured again")
                 self.graphs.forget()
             self._signature = signature
         return True
