@@ -67,7 +67,8 @@ def key_from_host(host: np.random.Generator) -> tuple[int, int]:
 
     The key comes from a seed sequence spawned off ``host`` (``Generator.spawn``): the host stream itself
     is not advanced, so fillers, shuffles and crops draw what they drew before, while a run with a
-    ``random_seed`` gets the same keys every time and an unseeded run gets new ones."""
+    ``random_seed`` gets the same keys every time and an unseeded run gets new ones (``Generator.spawn``:
+    numpy 1.25 or later)."""
     words = host.spawn(1)[0].bit_generator.seed_seq.generate_state(2, np.uint32)
     return int(words[0]), int(words[1])
 
