@@ -9,7 +9,9 @@ elementwise op: a draw never reads the device from the host, so a captured CUDA 
 counter moves on without the host. Only :meth:`CounterRandom.state` reads it (a boundary operation).
 
 All arithmetic is unsigned integer (the 32x32->64 multiply in uint64), so numpy and CuPy give the same
-bits for the same key, stream and position. Keys are host constants fixed at construction.
+bits for the same key, stream and position; on numpy arrays a draw is one compiled pass
+(:mod:`cct.kernels.philox`, the same bits). Keys are host constants (baked into a captured graph): they
+change only between iterations (``set_state`` on resume, ``NetRandom.rekey`` for another rank).
 """
 from __future__ import annotations
 
