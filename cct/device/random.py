@@ -9,7 +9,9 @@ elementwise op: a draw never reads the device from the host, so a captured CUDA 
 counter moves on without the host. Only :meth:`CounterRandom.state` reads it (a boundary operation).
 
 All arithmetic is unsigned integer (the 32x32->64 multiply in uint64), so numpy and CuPy give the same
-bits for the same key, stream and position. Keys are host constants fixed at construction.
+bits for the same key, stream and position; on numpy arrays a draw is one compiled pass
+(:mod:`cct.kernels.philox`, the same bits). Keys are host constants (baked into a captured graph): they
+change only between iterations (``set_state`` on resume, ``NetRandom.rekey`` for another rank).
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ def key_from_host(host: np.random.Generator) -> tuple[int, int]:
 
     The key comes from a seed sequence spawned off ``host`` (``Generator.spawn``): the host stream itself
     is not advanced, so fillers, shuffles and crops draw what they drew before, while a run with a
-    ``random_seed`` gets the same keys every time and an unseeded run gets new ones."""
+    ``random_seed`` gets the same keys every time and an unseeded run gets new ones (``Generator.spawn``:
+    numpy 1.25 or later)."""
     words = host.spawn(1)[0].bit_generator.seed_seq.generate_state(2, np.uint32)
     return int(words[0]), int(words[1])
 
