@@ -26,7 +26,11 @@ def canonical_axis(axis: int, num_axes: int, what: str = "axis") -> int:
 
 
 class Blob:
-    """Caffe's Blob: N-d ``data`` and ``diff`` arrays of the same shape and dtype."""
+    """Caffe's Blob: N-d ``data`` and ``diff`` arrays of the same shape and dtype.
+
+    ``diff`` is allocated (zeroed) when it is first used, as Caffe's SyncedMemory allocates on first access: a
+    net that only runs forward (inference, test nets) holds no gradient arrays.
+    """
 
     def __init__(self, shape: Sequence[int] = (), dtype=np.float32, xp=np, name: str = ""):
         self.name = name
@@ -34,8 +38,32 @@ class Blob:
         self.dtype = np.dtype(dtype)
         self._shape: tuple[int, ...] = ()
         self.data = xp.zeros((), dtype=self.dtype)
-        self.diff = xp.zeros((), dtype=self.dtype)
+        self._diff = None
+        self._diff_source: tuple | None = None  # (blob, shape) whose diff this one's views (share_diff)
         self.reshape(shape)
+
+    @property
+    def diff(self):
+        """The gradient array (same shape and dtype as ``data``); allocated zeroed on first use."""
+        d = self._diff
+        if d is None:
+            source = self._diff_source
+            if source is not None:
+                d = source[0].diff.reshape(source[1])
+            else:
+                d = self.xp.zeros(self._shape, dtype=self.dtype)
+            self._diff = d
+        return d
+
+    @diff.setter
+    def diff(self, value) -> None:
+        self._diff = value
+        self._diff_source = None
+
+    @property
+    def has_diff(self) -> bool:
+        """Whether ``diff`` has been allocated (or resolved to a view of another blob's) yet."""
+        return self._diff is not None
 
     # -- shape -------------------------------------------------------------
     @property
@@ -59,7 +87,8 @@ class Blob:
         check_blob_size(self.name, shape, self.dtype.itemsize, current().memory_budget)
         self._shape = shape
         self.data = self.xp.zeros(shape, dtype=self.dtype)
-        self.diff = self.xp.zeros(shape, dtype=self.dtype)
+        self._diff = None  # allocated when first used
+        self._diff_source = None
 
     def reshape_like(self, other: Blob) -> None:
         self.reshape(other.shape)
@@ -69,13 +98,19 @@ class Blob:
         shape = other.shape if shape is None else tuple(int(d) for d in shape)
         self._shape = shape
         self.data = other.data.reshape(shape)
-        if self.diff.shape != shape:
-            self.diff = self.xp.zeros(shape, dtype=self.dtype)
+        if self._diff is not None and self._diff.shape != shape:
+            self._diff = None  # a fresh zeroed diff when next used
+        if self._diff_source is not None and tuple(self._diff_source[1]) != shape:
+            self._diff_source = None
 
     def share_diff(self, other: Blob, shape: Sequence[int] | None = None) -> None:
         """Make ``diff`` a view of another blob's diff (optionally with a new shape)."""
         shape = other.shape if shape is None else tuple(int(d) for d in shape)
-        self.diff = other.diff.reshape(shape)
+        if other.has_diff if isinstance(other, Blob) else True:
+            self.diff = other.diff.reshape(shape)
+        else:  # bound now, allocated when either blob's diff is first used
+            self._diff = None
+            self._diff_source = (other, shape)
 
     @property
     def num_axes(self) -> int:

@@ -7,11 +7,12 @@ cct's optimizer and cost model (:func:`cct.lowering.optimizer.predictions` of th
 priced at the batch the fragments create), its predicted seconds and workspace. It keeps the candidate with the most
 predicted output voxels per second whose predicted peak memory fits the budget.
 
-Predicted peak bytes = every blob's data and diff (as :class:`cct.Blob` allocates them; in-place layers
-share one blob), the per-axis stride-1 pooling buffers of each MPF layer, the buffers each convolution keeps between
-calls plus the largest transient workspace (:func:`conv_memory`), the index array MAX pooling keeps, the
-input patch and the output tile. Predicted time = the convolutions' forward passes times the number of
-shifted runs (plain pooling layers need one run per offset), plus one streaming pass over each blob.
+Predicted peak bytes = every blob's data (a forward-only net never allocates a diff: :class:`cct.Blob` does
+on first use; in-place layers share one blob), the per-axis stride-1 pooling buffers of each MPF layer, the
+buffers each convolution keeps between calls plus the largest transient workspace (:func:`conv_memory`), the
+index array MAX pooling keeps, the input patch and the output tile. Predicted time = the convolutions' forward
+passes times the number of shifted runs (plain pooling layers need one run per offset), plus one streaming pass
+over each blob.
 """
 from __future__ import annotations
 
@@ -161,7 +162,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     for name, blob in net.blobs.items():
         d = depth.get(name, 0)
         c = blob.shape[1] if blob.num_axes > 1 else 1
-        blob_bytes += 2 * batches[d] * c * _prod(sizes[d]) * itemsize
+        blob_bytes += batches[d] * c * _prod(sizes[d]) * itemsize
     layers, seconds, work, kept = [], 0.0, 0, 0
     pool_i = 0
     for k, op in enumerate(geom.ops):
