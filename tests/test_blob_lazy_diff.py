@@ -15,7 +15,8 @@ layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
         convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" } } }
 layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
 layer { name: "flat" type: "Flatten" bottom: "conv" top: "flat" }
-layer { name: "ip" type: "InnerProduct" bottom: "flat" top: "ip" inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "ip" type: "InnerProduct" bottom: "flat" top: "ip"
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
 """
 
 
