@@ -41,6 +41,8 @@ def _solver(solver_type: str, iter_size: int):
     sp.lr_policy, sp.stepsize, sp.gamma = "step", 4, 0.5
     sp.max_iter, sp.display, sp.average_loss, sp.random_seed = 100, 3, 2, 7
     sp.iter_size = iter_size
+    sp.test_iter.append(2)
+    sp.test_interval = 4  # test passes between replayed iterations
     sp.snapshot_after_train = False
     return get_solver(sp)
 
@@ -100,3 +102,31 @@ def test_capture_starts_after_the_data_layers_and_names_blockers():
     late_data = layers[0]
     assert capture_blockers([layers[1], late_data]) == \
         [f"{late_data.name} (Input): a data layer after the first compute layer"]
+
+
+def test_pieces_with_tests_snapshots_and_resume(tmp_path, caplog):
+    """Test passes, snapshots and a resume in the middle behave as in the eager loop."""
+
+    def solver(prefix):
+        s = _solver("Nesterov", 1)
+        s.param.snapshot, s.param.snapshot_prefix = 4, str(tmp_path / prefix)
+        s.step_graphs = GraphedIterations(s, pieces=DirectPieces())
+        return s
+
+    straight = solver("a")
+    want = _train(straight, 8)
+    resumed = solver("b")
+    _train(resumed, 4)
+    again = solver("c")
+    again.restore(str(tmp_path / "b_iter_4.solverstate"))
+    assert again.iter == 4
+    rng = np.random.default_rng(3)
+    batches = [(rng.standard_normal((4, 2, 6, 6)).astype(np.float32), rng.integers(0, 3, size=4))
+               for _ in range(8)]
+    for x, y in batches[4:]:  # the same inputs the straight run saw at iterations 4..7
+        again.net.blobs["data"].data[...] = x
+        again.net.blobs["label"].data[...] = y
+        again.step(1)
+    for a, b in zip([p.data for p in again.net.learnable_params], want):
+        np.testing.assert_array_equal(a, b)
+    assert (tmp_path / "a_iter_8.caffemodel").is_file()
