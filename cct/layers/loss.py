@@ -100,8 +100,8 @@ def check_label_range(layer: Layer, xp, labels, valid, num_labels: int):
 
     Returns the labels as indices safe to gather with: 0 where ignored or out of range (a bad label
     may be reported only at the next boundary: it must not read out of bounds before)."""
-    in_range = (labels >= 0) & (labels < num_labels)
-    bad = valid & ~in_range
+    ok = valid & (labels >= 0) & (labels < num_labels)
+    bad = valid ^ ok  # valid but out of range
     inner = labels.shape[1] if labels.ndim > 1 else 1
 
     def describe(flat: int, value: int) -> str:
@@ -112,7 +112,7 @@ def check_label_range(layer: Layer, xp, labels, valid, num_labels: int):
         raise_first_failure(layer, xp, bad, labels, describe)
     else:
         layer.checks.fail_where(layer, "label range", bad, labels, describe)
-    return xp.where(valid & in_range, labels, 0)
+    return xp.where(ok, labels, 0)
 
 
 def _normalization_mode(layer: Layer, default: int, allow_legacy: bool = True) -> int:
