@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..backend import get_array_module, to_numpy
 from ..errors import LayerError
 
 if TYPE_CHECKING:
@@ -52,6 +52,15 @@ def raise_first_failure(layer: Layer, xp, bad, values, describe: Describe) -> No
     if bool(xp.any(bad)):
         flat = int(xp.argmax(bad.reshape(-1)))
         raise layer.error(describe(flat, int(values.reshape(-1)[flat])))
+
+
+def layer_check(layer: Layer, name: str, bad, values, describe: Describe) -> None:
+    """Check on ``layer``'s data that no element of ``bad`` is True (see :meth:`DeviceChecks.fail_where`),
+    through the checks of the layer's net, or at once for a layer run on its own (``layer.checks`` None)."""
+    if layer.checks is None:
+        raise_first_failure(layer, get_array_module(bad), bad, values, describe)
+    else:
+        layer.checks.fail_where(layer, name, bad, values, describe)
 
 
 class DeviceChecks:

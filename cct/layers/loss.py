@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..blob import Blob
-from ..device.deferred import raise_first_failure
+from ..device.deferred import layer_check
 from ..errors import CctError
 from ..proto import caffe_pb2
 from .base import Layer, register
@@ -108,10 +108,7 @@ def check_label_range(layer: Layer, xp, labels, valid, num_labels: int):
         where = f"item {flat // inner} of the batch" + (f", position {flat % inner}" if inner > 1 else "")
         return f"label value {value} out of range [0, {num_labels}) at {where} (bottom[1])"
 
-    if layer.checks is None:
-        raise_first_failure(layer, xp, bad, labels, describe)
-    else:
-        layer.checks.fail_where(layer, "label range", bad, labels, describe)
+    layer_check(layer, "label range", bad, labels, describe)
     return xp.where(ok, labels, 0)
 
 
