@@ -88,8 +88,10 @@ class DeviceChecks:
         if not self.deferred:
             raise_first_failure(layer, xp, bad, values, describe)
             return
-        check_id = self._register(layer, name, describe)
         flat_bad = bad.reshape(-1)
+        if flat_bad.size == 0:
+            return  # nothing to check (an empty batch)
+        check_id = self._register(layer, name, describe)
         position = xp.argmax(flat_bad)
         value = xp.take(values.reshape(-1), position).astype(np.int64)
         found = xp.stack([xp.ones_like(position), self.iteration, xp.full_like(position, check_id),
