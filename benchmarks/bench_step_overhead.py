@@ -3,9 +3,9 @@
 A tiny net (a 5-input InnerProduct of 3 outputs, SoftmaxWithLoss and Accuracy on batch 4) keeps the
 arithmetic negligible, so what ``Solver.step`` spends per iteration is the bookkeeping around the layers:
 the loss, the checks, the smoothed loss, the update loop. Each round times ``--iters`` iterations of
-every tree in turn, in a fresh process (``PYTHONPATH`` set to the tree), as ten blocks of which the
-fastest counts (the least disturbed by other load on the host); the table gives each tree's median over
-the rounds, in microseconds per iteration.
+every tree in turn, in a fresh single-threaded process (``PYTHONPATH`` set to the tree), as ten blocks
+timed in process CPU time of which the fastest counts (the least disturbed by other load on the host);
+the table gives each tree's median over the rounds, in CPU microseconds per iteration.
 
     python benchmarks/bench_step_overhead.py --trees base=/path/to/old/checkout,new=. --rounds 5
 """
@@ -43,16 +43,17 @@ s.step(200)
 n = int(sys.argv[1]) // 10
 best = float("inf")
 for _ in range(10):
-    t = time.perf_counter()
+    t = time.process_time()
     s.step(n)
-    best = min(best, (time.perf_counter() - t) / n * 1e6)
+    best = min(best, (time.process_time() - t) / n * 1e6)
 print(best)
 """
 
 
 def time_tree(path: str, iters: int) -> float:
     """Microseconds per iteration of the tree at ``path`` (a fresh process)."""
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(path), GLOG_minloglevel="2")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", CHILD, str(iters)], env=env, check=True, capture_output=True,
                          text=True, cwd=os.path.abspath(path))
     return float(out.stdout.strip().splitlines()[-1])

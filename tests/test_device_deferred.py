@@ -246,6 +246,7 @@ def test_device_checks_record_only_the_first_failure_with_its_iteration():
         return f"value {value} at {flat}"
 
     checks.fail_where(Owner(), "a", np.array([False, False]), np.array([1, 2]), describe)
+    checks.fail_where(Owner(), "a", np.zeros(0, bool), np.zeros(0, np.int64), describe)  # an empty batch
     checks.advance()
     checks.fail_where(Owner(), "a", np.array([False, True, True]), np.array([1, -5, 9]), describe)
     checks.advance()

@@ -6,6 +6,8 @@ nothing on the host: it runs inside a CUDA stream capture, where any device->hos
 """
 import numpy as np
 import pytest
+from test_device_deferred import NET as IP_NET
+from test_device_deferred import Feed
 
 from cct.backend import cupy_available, to_numpy
 from cct.errors import LayerError
@@ -14,15 +16,6 @@ from cct.proto import caffe_pb2
 from cct.solver import get_solver
 
 pytestmark = pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a GPU")
-
-IP_NET = """
-layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 4 dim: 5 } } }
-layer { name: "label" type: "Input" top: "label" input_param { shape { dim: 4 } } }
-layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y"
-        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "y" bottom: "label" top: "loss" }
-layer { name: "acc" type: "Accuracy" bottom: "y" bottom: "label" top: "acc" top: "per_class" }
-"""
 
 # no GEMM: CuPy refuses cuBLAS calls during a stream capture (the lead's binding lifts that)
 GEMM_FREE_NET = """
@@ -42,28 +35,12 @@ def _gpu_solver(net_text, solver_text):
     return get_solver(p)
 
 
-def _feed(solver, bad_label_at=None):
-    import cupy
-
-    def on_start():
-        it = solver.iter
-        r = np.random.default_rng(it)
-        net = solver.net
-        net.blobs["x"].data[...] = cupy.asarray(r.standard_normal(net.blobs["x"].shape))
-        labels = r.integers(0, 3, 4).astype(np.float32)
-        if it == bad_label_at:
-            labels[2] = 7
-        net.blobs["label"].data[...] = cupy.asarray(labels)
-
-    solver.add_callback(on_start=on_start)
-
-
 def test_gpu_bad_label_raises_at_the_next_boundary_naming_its_iteration():
     import cupy
 
     s = _gpu_solver(IP_NET, 'base_lr: 0.1 lr_policy: "fixed" display: 4')
     assert isinstance(s.net.blobs["y"].data, cupy.ndarray) and s.net.checks.deferred
-    _feed(s, bad_label_at=5)
+    s.add_callback(on_start=Feed(s, bad_label_at=5))  # numpy batches written into the GPU blobs
     with pytest.raises(LayerError, match=r"^layer 'loss' \(type SoftmaxWithLoss\): label value 7 out of range \[0, 3\) "
                                          r"at item 2 of the batch \(bottom\[1\]\) \(train net, iteration 5\)$"):
         s.step(20)

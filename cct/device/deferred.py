@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..backend import get_array_module, to_numpy
 from ..errors import LayerError
 
 if TYPE_CHECKING:
@@ -54,6 +54,15 @@ def raise_first_failure(layer: Layer, xp, bad, values, describe: Describe) -> No
         raise layer.error(describe(flat, int(values.reshape(-1)[flat])))
 
 
+def layer_check(layer: Layer, name: str, bad, values, describe: Describe) -> None:
+    """Check on ``layer``'s data that no element of ``bad`` is True (see :meth:`DeviceChecks.fail_where`),
+    through the checks of the layer's net, or at once for a layer run on its own (``layer.checks`` None)."""
+    if layer.checks is None:
+        raise_first_failure(layer, get_array_module(bad), bad, values, describe)
+    else:
+        layer.checks.fail_where(layer, name, bad, values, describe)
+
+
 class DeviceChecks:
     """The checks of one net: immediate or deferred (see the module docstring).
 
@@ -79,8 +88,10 @@ class DeviceChecks:
         if not self.deferred:
             raise_first_failure(layer, xp, bad, values, describe)
             return
-        check_id = self._register(layer, name, describe)
         flat_bad = bad.reshape(-1)
+        if flat_bad.size == 0:
+            return  # nothing to check (an empty batch)
+        check_id = self._register(layer, name, describe)
         position = xp.argmax(flat_bad)
         value = xp.take(values.reshape(-1), position).astype(np.int64)
         found = xp.stack([xp.ones_like(position), self.iteration, xp.full_like(position, check_id),

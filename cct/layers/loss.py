@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..blob import Blob
-from ..device.deferred import raise_first_failure
+from ..device.deferred import layer_check
 from ..errors import CctError
 from ..proto import caffe_pb2
 from .base import Layer, register
@@ -100,19 +100,16 @@ def check_label_range(layer: Layer, xp, labels, valid, num_labels: int):
 
     Returns the labels as indices safe to gather with: 0 where ignored or out of range (a bad label
     may be reported only at the next boundary: it must not read out of bounds before)."""
-    in_range = (labels >= 0) & (labels < num_labels)
-    bad = valid & ~in_range
+    ok = valid & (labels >= 0) & (labels < num_labels)
+    bad = valid ^ ok  # valid but out of range
     inner = labels.shape[1] if labels.ndim > 1 else 1
 
     def describe(flat: int, value: int) -> str:
         where = f"item {flat // inner} of the batch" + (f", position {flat % inner}" if inner > 1 else "")
         return f"label value {value} out of range [0, {num_labels}) at {where} (bottom[1])"
 
-    if layer.checks is None:
-        raise_first_failure(layer, xp, bad, labels, describe)
-    else:
-        layer.checks.fail_where(layer, "label range", bad, labels, describe)
-    return xp.where(valid & in_range, labels, 0)
+    layer_check(layer, "label range", bad, labels, describe)
+    return xp.where(ok, labels, 0)
 
 
 def _normalization_mode(layer: Layer, default: int, allow_legacy: bool = True) -> int:

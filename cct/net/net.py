@@ -444,9 +444,8 @@ class Net:
         """Run layers start..end inclusive; return the loss they contribute (a float).
 
         ``device_loss=True``: return it as a 0-d float64 array of the net's array module (a numpy scalar
-        on a numpy net), without
-        reading device memory and without raising the failures of deferred checks (call
-        :meth:`raise_deferred_errors` at the next boundary)."""
+        on a numpy net) without reading device memory and without raising the failures of deferred
+        checks (call :meth:`raise_deferred_errors` at the next boundary)."""
         if not (0 <= start <= end < len(self.layers)):
             raise CctError(f"forward range {start}..{end} is outside the net's {len(self.layers)} layers")
         loss = None

@@ -62,6 +62,8 @@ class GraphedIterations:
         self.solver = solver
         self.graphs = pieces if pieces is not None else StepGraphs("train net")
         self.first = first_compute_layer(solver.net.layers)
+        #: the iteration's loss, written by the captured passes (one device scalar at a fixed address)
+        self.loss = solver.net.xp.zeros((), dtype=np.float32)
         self._signature: tuple | None = None
 
     # -- what the tests and benchmarks read --------------------------------------------------------------
@@ -113,7 +115,7 @@ class GraphedIterations:
         net = solver.net
         pass_loss = net.forward_from_to(self.first, len(net.layers) - 1, device_loss=True)
         net.backward()
-        loss = solver._iteration_loss
+        loss = self.loss
         if pass_loss is None:
             if first:
                 loss.fill(0)

@@ -177,7 +177,8 @@ class Solver:
         self.smoothed_loss = 0.0
         self._losses: list[float] = []
         self._loss_log = LossLog(self.net.xp, 1)  # this step's pending losses (see step)
-        self._iteration_loss = self.net.xp.zeros((), dtype=np.float32)
+        self._zero_loss = self.net.xp.zeros((), dtype=np.float32)  # never written
+        self._mean_loss = self.net.xp.zeros((), dtype=np.float32)  # a distributed run's global mean loss
         self._display_clock = (time.perf_counter(), 0)  # when and at which iteration the last display was
         self._callbacks: list[tuple[Callback | None, Callback | None]] = []
         self._action_function = action_function
@@ -565,18 +566,18 @@ class Solver:
             except LayerError as e:
                 raise e.in_context(f"train net, iteration {self.iter}") from e
             return
-        loss = self._iteration_loss
-        loss.fill(0)
+        loss = self._zero_loss  # float32 sums from zero, as Caffe's
         try:
             for k in range(p.iter_size):
                 if self.parallel is not None and k == p.iter_size - 1:
                     self.parallel.arm()  # reduce this pass's (accumulated) gradients while backward runs
-                loss += self._forward_backward().astype(np.float32)
+                loss = loss + self._forward_backward().astype(np.float32)
         except LayerError as e:
             raise e.in_context(f"train net, iteration {self.iter}") from e
-        loss /= np.float32(p.iter_size)
+        loss = loss / np.float32(p.iter_size)
         if self.parallel is not None:  # gradients summed over ranks / N; the global mean loss
-            loss.fill(self.parallel.finish(np.float32(float(loss))))
+            self._mean_loss.fill(self.parallel.finish(np.float32(float(loss))))
+            loss = self._mean_loss
         self._loss_log.append(self.iter, loss)
         self.net.checks.advance()
 
