@@ -233,6 +233,11 @@ def _np_adagrad(d, hist, lr, s, tmp) -> None:
     h = hist[0]
     np.multiply(d, d, out=tmp)
     h += tmp
+    _np_over_root(d, h, lr, s, tmp)
+
+
+def _np_over_root(d, h, lr, s, tmp) -> None:
+    """AdaGrad's and RMSProp's step: ``d = d / (sqrt(h) + delta) * lr``."""
     np.sqrt(h, out=tmp)
     tmp += s[DELTA]
     d /= tmp
@@ -246,10 +251,7 @@ def _np_rmsprop(d, hist, lr, s, tmp) -> None:
     np.multiply(d, d, out=tmp)
     tmp *= s.dtype.type(1) - decay
     h += tmp
-    np.sqrt(h, out=tmp)
-    tmp += s[DELTA]
-    d /= tmp
-    d *= lr
+    _np_over_root(d, h, lr, s, tmp)
 
 
 def _np_adadelta(d, hist, lr, s, tmp) -> None:
