@@ -83,8 +83,9 @@ class FlatUpdate:
                                            rule, hyper.regularization))
         device = [in_device_memory(g.data) for g in flat.groups]
         self.on_device = any(device)
-        #: device clipping record: the last iteration's norm and scale, and how many iterations were clipped
-        #: since :meth:`clip_report` last read them (0-d arrays of the first group's dtype; None without clipping)
+        #: device clipping record: the last clipped iteration's norm and scale, and how many iterations were
+        #: clipped since :meth:`clip_report` last read them (0-d arrays of the first group's dtype; None
+        #: without clipping or on the CPU, where clipping logs as it happens)
         self.clip_norm = self.clip_scale = self.clip_count = None
         if hyper.clip >= 0 and self.on_device:
             g0 = self.groups[0]
@@ -127,8 +128,8 @@ class FlatUpdate:
         clip = dt.type(self.hyper.clip)
         over = norm > clip
         scale = xp.where(over, clip / norm, dt.type(1)).astype(dt)
-        self.clip_norm[...] = norm
-        self.clip_scale[...] = scale
+        self.clip_norm[...] = xp.where(over, norm, self.clip_norm)  # the last clipped iteration's
+        self.clip_scale[...] = xp.where(over, scale, self.clip_scale)
         self.clip_count += over.astype(np.int64)
         for st in self.groups:
             st.scalars[CLIP] = scale.astype(st.group.dtype)
