@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpirun import needs_mpi, run_mpi, script
 
 import caffe
 from cct import scheduler
 from cct.io.prototxt import parse_text
 from cct.net import Net
 from cct.net.flat_params import FlatParams
+from cct.paths import shared_path
 from cct.proto import caffe_pb2
 from cct.scheduler import CpuDevice
 from cct.solver import get_solver
+
+LENET_CASE = shared_path("reference", "solver_sgd_lenet")
 
 NET = """
 name: "flat"
@@ -224,3 +228,22 @@ def test_device_scheduler_keeps_the_views(tmp_path):
     ref, net = train(False), train(True)
     for p, r in zip(net.learnable_params, ref.learnable_params):
         np.testing.assert_allclose(p.data, r.data, rtol=1e-5, atol=1e-6)
+
+
+@needs_mpi()
+@pytest.mark.skipif(not LENET_CASE.is_dir(), reason="shared/reference not available")
+def test_data_parallel_ranks_keep_the_views(tmp_path):
+    """Two MPI ranks (the gradient all-reduce writes into the diffs) train LeNet with the views intact."""
+    import json
+    import shutil
+
+    from cct.io.caffemodel import read_weights
+
+    case = tmp_path / "case"
+    shutil.copytree(LENET_CASE, case)
+    out = case / "out.caffemodel"
+    run_mpi(2, ["python", script("train_run.py"), str(case), "2", "4", str(out), "--init", "init.caffemodel"],
+            timeout=90)
+    assert json.loads((case / "out.caffemodel.json").read_text())["flat_params_intact"] is True
+    got = read_weights(str(out))
+    assert got.keys() and all(np.isfinite(b).all() for blobs in got.values() for b in blobs)
