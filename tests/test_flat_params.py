@@ -1,6 +1,7 @@
 """Flat parameter buffers (cct.net.flat_params): every learnable param's data and diff is a view of the flat
 buffers, and stays one after what writes weights: weight sharing, test nets sharing the train net's weights,
-copy_from (binary and HDF5 caffemodels), the pycaffe shim, snapshot/restore, the device scheduler."""
+copy_from (binary and HDF5 caffemodels), the pycaffe shim, snapshot/restore, the device scheduler, two
+data-parallel MPI ranks."""
 from __future__ import annotations
 
 import numpy as np
@@ -247,3 +248,18 @@ def test_data_parallel_ranks_keep_the_views(tmp_path):
     assert json.loads((case / "out.caffemodel.json").read_text())["flat_params_intact"] is True
     got = read_weights(str(out))
     assert got.keys() and all(np.isfinite(b).all() for blobs in got.values() for b in blobs)
+
+
+def test_solver_setup_logs_no_extra_sharing(tmp_path, caplog):
+    """The train net is flat before the test nets share its weights: setup shares (and logs) once, as before."""
+    import logging
+
+    sp = solver_param(tmp_path)
+    parse_text('layer { name: "train_only" type: "Silence" bottom: "h" include { phase: TRAIN } }', sp.net_param)
+    with caplog.at_level(logging.INFO, logger="cct"):
+        s = get_solver(sp)
+    ignoring = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Ignoring source layer")]
+    assert ignoring == ["Ignoring source layer h_sum_0_split", "Ignoring source layer train_only"]  # once each
+    assert s.net.flat_params.intact()
+    g = s.net.flat_params.groups[0]
+    assert all(np.shares_memory(p.data, g.data) for p in s.test_nets[0].learnable_params)

@@ -184,13 +184,16 @@ class Solver:
         """Solver-type specific checks of the parameters (Caffe's constructor CHECKs)."""
 
     def pre_solve(self) -> None:
-        """Lay the train net's learnable parameters out flat (:meth:`cct.net.Net.flatten_params`; the test
-        nets share the new views) and allocate the zeroed history: ``history_sets`` flat buffers, of which
-        ``history`` holds the per-parameter views (Caffe's per-parameter history, as snapshots store it).
-        Builds the fused update (:attr:`flat_update`) where it runs (:meth:`use_flat_update`)."""
+        """Allocate the zeroed history: ``history_sets`` flat buffers like the train net's parameters (laid out
+        flat when the net was built, :meth:`cct.net.Net.flatten_params`; again here, the test nets then sharing
+        the new views, if a parameter was rebound since), of which ``history`` holds the per-parameter views
+        (Caffe's per-parameter history, as snapshots store it). Builds the fused update (:attr:`flat_update`)
+        where it runs (:meth:`use_flat_update`)."""
+        before = self.net.flat_params
         flat = self.net.flatten_params()
-        for net in self.test_nets:
-            net.share_weights_with(self.net)
+        if flat is not before:  # a new layout: the test nets share the new views
+            for net in self.test_nets:
+                net.share_weights_with(self.net)
         self.history_buffers, self.history = flat.histories(self.history_sets)
         self.flat_update = None
         on_device = any(in_device_memory(g.data) for g in flat.groups)
@@ -287,6 +290,7 @@ class Solver:
         net_param.state.CopyFrom(state)
         net = Net(net_param, config=self.config)
         self._load_weights(net)
+        net.flatten_params()  # before the test nets share its weights (pre_solve builds the update on it)
         return net
 
     def _init_test_nets(self) -> list[Net]:
