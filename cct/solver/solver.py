@@ -117,8 +117,6 @@ class Solver:
     type: ClassVar[str] = ""
     #: the rule of :mod:`.flat_update` that fuses this solver's update (None: per-parameter only)
     flat_rule: ClassVar[str | None] = None
-    #: build the fused flat update for numpy nets too (default: only for device nets; see use_flat_update)
-    flat_update_on_cpu: ClassVar[bool] = False
     #: number of history arrays per learnable parameter (AdaDelta and Adam keep two)
     history_sets: ClassVar[int] = 1
 
@@ -197,7 +195,7 @@ class Solver:
         self.history_buffers, self.history = flat.histories(self.history_sets)
         self.flat_update = None
         on_device = any(in_device_memory(g.data) for g in flat.groups)
-        self.use_flat_update(on_device or self.flat_update_on_cpu)
+        self.use_flat_update(on_device)
 
     def use_flat_update(self, on: bool = True) -> bool:
         """Update through the fused pass over the flat buffers (:mod:`.flat_update`) or, with ``on`` False,
