@@ -212,22 +212,18 @@ def test_pycaffe_shim_writes_land_in_the_buffer(tmp_path):
 def test_device_scheduler_keeps_the_views(tmp_path):
     """Two CPU devices (the data-parallel executor: shadows view the master params) train the flat net as a
     single device does."""
-    def train(attach: bool):
-        s = get_solver(solver_param(tmp_path, kind="SGD"))
-        cfg = scheduler.make_config([CpuDevice(0, 1), CpuDevice(1, 1)], [0.5, 0.5], None) if attach else None
-        if cfg:
-            cfg.attach(s.net)
-        try:
-            s.step(3)
-        finally:
-            if cfg:
-                scheduler.detach(s.net)
-                cfg.close()
-        assert_flat(s.net)
-        return s.net
-
-    ref, net = train(False), train(True)
-    for p, r in zip(net.learnable_params, ref.learnable_params):
+    single = get_solver(solver_param(tmp_path, kind="SGD"))
+    single.step(3)
+    split = get_solver(solver_param(tmp_path, kind="SGD"))
+    devices = scheduler.make_config([CpuDevice(0, 1), CpuDevice(1, 1)], [0.5, 0.5], None)
+    devices.attach(split.net)
+    try:
+        split.step(3)
+        assert_flat(split.net)
+    finally:
+        scheduler.detach(split.net)
+        devices.close()
+    for p, r in zip(split.net.learnable_params, single.net.learnable_params):
         np.testing.assert_allclose(p.data, r.data, rtol=1e-5, atol=1e-6)
 
 
