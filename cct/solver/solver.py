@@ -10,7 +10,9 @@ history. ``step(n)`` runs n iterations exactly as Caffe's ``Solver::Step``:
    iteration's loss (smoothed over ``average_loss`` iterations for the display);
 3. ``apply_update``: the lr policy gives the rate, gradients are clipped (``clip_gradients``,
    global L2 norm), divided by ``iter_size``, regularised (``weight_decay * decay_mult``, L2/L1)
-   and turned into the update by the solver's rule (rate * ``lr_mult``); ``Net.update`` applies it;
+   and turned into the update by the solver's rule (rate * ``lr_mult``); ``Net.update`` applies it
+   (the parameters, diffs and history live in flat buffers; on a GPU all of this is one fused kernel
+   per solver type reading the rate from device memory, :mod:`.flat_update`);
 4. ``iter += 1``; snapshot every ``snapshot`` iterations, and on a SIGHUP/SIGINT request.
 
 Under MPI (``mpiexec -n N``, or ``comm=`` given) the solver runs as one of N data-parallel ranks
