@@ -3,11 +3,18 @@ over the flat buffers (``cct.solver.flat_update``, numpy), for every solver type
 
     python benchmarks/bench_update.py                        # LeNet and cifar10_quick, 3 rounds x 30 updates
     python benchmarks/bench_update.py --models lenet --types SGD,Adam --rounds 5
+    python benchmarks/bench_update.py --paths per-param    # only the default CPU path (runs on older trees too)
+    python benchmarks/bench_update.py --layout             # whole SGD steps: flat buffers vs separate arrays
 
 Each model's TRAIN net (synthetic Input data, ``bench_e2e.synthetic_net_param``) gets fixed random gradients;
 two solvers of each type (same seed: same weights) are timed round by round, the per-parameter one and the flat
 one alternating, ``--updates`` updates a round; the figure is the median over rounds of the mean update time.
 The per-parameter SGD path is the numba kernel (``cct.kernels.update.sgd_l2``) where numba imports.
+
+``--layout``: whole training steps (``bench_e2e.build_solver``: SGD, LeNet b64 / cifar10_quick b100) of two
+solvers in one process, one with its parameters in the flat buffers (as every solver now has them), one with
+them rebound to separately allocated arrays (the layout before the flat buffers; the per-parameter path then
+runs), ``--rounds`` alternating rounds of ``--updates`` steps; the figure is the median of the round medians.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import statistics
 import time
 
 import numpy as np
-from bench_e2e import synthetic_net_param
+from bench_e2e import build_solver, synthetic_net_param
 from common import environment_report, print_environment, print_table, reexec_clean, write_json
 
 TYPES = {
@@ -29,6 +36,9 @@ TYPES = {
 }
 
 
+PATHS = ("per-param", "flat")
+
+
 def build(model: str, kind: str, flat: bool):
     from cct.proto import caffe_pb2
     from cct.solver import get_solver
@@ -38,7 +48,8 @@ def build(model: str, kind: str, flat: bool):
     sp.net_param.CopyFrom(synthetic_net_param(model, 1))
     sp.solver_mode = caffe_pb2.SolverParameter.CPU
     s = get_solver(sp)
-    s.use_flat_update(flat)
+    if flat:
+        s.use_flat_update(True)
     return s
 
 
@@ -53,35 +64,82 @@ def time_updates(s, grads, n: int) -> float:
     return total / n
 
 
+def time_steps(s, n: int) -> float:
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        s.step(1)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def compare_layout(models: list[str], rounds: int, steps: int) -> tuple[list, list]:
+    """Whole SGD steps, flat buffers vs separately allocated parameter arrays (see the module docstring)."""
+    rows, results = [], []
+    for model in models:
+        batch = {"lenet": 64, "cifar10_quick": 100}.get(model, 32)
+        flat, separate = build_solver(model, batch), build_solver(model, batch)
+        for p in separate.net.learnable_params:
+            p.data, p.diff = p.data.copy(), p.diff.copy()
+        separate.net._share_weights()
+        separate.history = [h.copy() for h in separate.history]
+        assert flat.net.flat_params.intact() and not separate.net.flat_params.intact()
+        flat.step(2)
+        separate.step(2)
+        t_sep, t_flat = [], []
+        for _ in range(rounds):
+            t_sep.append(time_steps(separate, steps))
+            t_flat.append(time_steps(flat, steps))
+        ms, mf = statistics.median(t_sep), statistics.median(t_flat)
+        rows.append([model, batch, f"{ms * 1e3:.2f}", f"{mf * 1e3:.2f}", f"{mf / ms:.2f}"])
+        results.append({"model": model, "batch": batch, "separate_s": t_sep, "flat_s": t_flat,
+                        "separate_median_s": ms, "flat_median_s": mf})
+    return rows, results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="lenet,cifar10_quick")
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--updates", type=int, default=30)
+    ap.add_argument("--paths", default="per-param,flat", help="per-param, flat or both (comma-separated)")
+    ap.add_argument("--layout", action="store_true", help="time whole SGD steps, flat vs separate arrays")
     ap.add_argument("--out", default=None)
     ap.add_argument("--keep-env", action="store_true")
     a = ap.parse_args(argv)
     removed = reexec_clean(keep_env=a.keep_env)
     env = environment_report(removed)
     print_environment(env)
+    if a.layout:
+        rows, results = compare_layout(a.models.split(","), a.rounds, a.updates)
+        print_table(["model", "batch", "separate arrays ms", "flat buffers ms", "flat / separate"], rows)
+        write_json("bench_update_layout", {"env": env, "rounds": a.rounds, "steps": a.updates, "results": results},
+                   a.out)
+        return 0
     rows, results = [], []
+    paths = a.paths.split(",")
+    if not paths or any(p not in PATHS for p in paths):
+        ap.error(f"--paths: give per-param, flat or both, not {a.paths!r}")
     for model in a.models.split(","):
         for kind in a.types.split(","):
-            per, flat = build(model, kind, False), build(model, kind, True)
+            solvers = {path: build(model, kind, path == "flat") for path in paths}
             rng = np.random.default_rng(0)
-            grads = [rng.standard_normal(p.shape).astype(np.float32) * 1e-2 for p in per.net.learnable_params]
+            first = next(iter(solvers.values()))
+            grads = [rng.standard_normal(p.shape).astype(np.float32) * 1e-2 for p in first.net.learnable_params]
             n_params = sum(g.size for g in grads)
-            time_updates(per, grads, 2)  # warm-up (numba compiles)
-            time_updates(flat, grads, 2)
-            t_per, t_flat = [], []
+            times: dict[str, list[float]] = {path: [] for path in paths}
+            for s in solvers.values():
+                time_updates(s, grads, 2)  # warm-up (numba compiles)
             for _ in range(a.rounds):
-                t_per.append(time_updates(per, grads, a.updates))
-                t_flat.append(time_updates(flat, grads, a.updates))
-            mp, mf = statistics.median(t_per), statistics.median(t_flat)
-            rows.append([model, kind, n_params, f"{mp * 1e6:.0f}", f"{mf * 1e6:.0f}", f"{mf / mp:.2f}"])
-            results.append({"model": model, "type": kind, "params": n_params, "per_param_s": t_per,
-                            "flat_s": t_flat, "per_param_median_s": mp, "flat_median_s": mf})
+                for path, s in solvers.items():
+                    times[path].append(time_updates(s, grads, a.updates))
+            med = {path: statistics.median(t) for path, t in times.items()}
+            ratio = f"{med['flat'] / med['per-param']:.2f}" if len(med) == 2 else "-"
+            rows.append([model, kind, n_params] + [f"{med[p] * 1e6:.0f}" if p in med else "-" for p in PATHS]
+                        + [ratio])
+            results.append({"model": model, "type": kind, "params": n_params,
+                            **{f"{p}_s": t for p, t in times.items()}, **{f"{p}_median_s": m for p, m in med.items()}})
     print_table(["model", "solver", "params", "per-param us", "flat us", "flat / per-param"], rows)
     write_json("bench_update", {"env": env, "rounds": a.rounds, "updates": a.updates, "results": results}, a.out)
     return 0

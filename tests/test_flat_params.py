@@ -1,19 +1,24 @@
 """Flat parameter buffers (cct.net.flat_params): every learnable param's data and diff is a view of the flat
 buffers, and stays one after what writes weights: weight sharing, test nets sharing the train net's weights,
-copy_from (binary and HDF5 caffemodels), the pycaffe shim, snapshot/restore, the device scheduler."""
+copy_from (binary and HDF5 caffemodels), the pycaffe shim, snapshot/restore, the device scheduler, two
+data-parallel MPI ranks."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpirun import needs_mpi, run_mpi, script
 
 import caffe
 from cct import scheduler
 from cct.io.prototxt import parse_text
 from cct.net import Net
 from cct.net.flat_params import FlatParams
+from cct.paths import shared_path
 from cct.proto import caffe_pb2
 from cct.scheduler import CpuDevice
 from cct.solver import get_solver
+
+LENET_CASE = shared_path("reference", "solver_sgd_lenet")
 
 NET = """
 name: "flat"
@@ -57,10 +62,11 @@ def assert_flat(net: Net) -> None:
     flat = net.flat_params
     assert flat is not None and flat.intact()
     (g,) = flat.groups
-    assert g.data.ndim == 1 and g.data.size == sum(p.count for p in net.learnable_params)
+    assert g.data.ndim == 1 and g.data.size >= sum(p.count for p in net.learnable_params)
     for i, o, n in zip(g.param_ids, g.offsets, g.sizes):
         p = net.learnable_params[i]
         assert np.shares_memory(p.data, g.data[o:o + n]) and np.shares_memory(p.diff, g.diff[o:o + n])
+        assert p.data.ctypes.data % 64 == 0 and p.diff.ctypes.data % 64 == 0
     for nid, owner in enumerate(net.param_owners):
         if owner >= 0:
             assert np.shares_memory(net._all_params[nid].data, g.data)
@@ -78,10 +84,10 @@ def test_flatten_keeps_values_and_aliases_every_param():
         np.testing.assert_array_equal(p.data, d)
         np.testing.assert_array_equal(p.diff, g)
     g = flat.groups[0]
-    assert g.offsets == [0, 54, 57, 297, 302] and g.sizes == [54, 3, 240, 5, 5]
+    assert g.offsets == [0, 64, 80, 320, 336] and g.sizes == [54, 3, 240, 5, 5]  # 64-byte aligned
     # writes through a blob land in the buffer and the other way round
     net.learnable_params[2].data[...] = 7
-    assert np.all(g.data[57:297] == 7)
+    assert np.all(g.data[80:320] == 7)
     g.diff[:54] = 2
     assert np.all(net.learnable_params[0].diff == 2)
     # the shared copy (ip2's weight) sees the owner's segment
@@ -99,8 +105,10 @@ def test_layout_helpers():
     g = net.flatten_params().groups[0]
     lr = g.per_element([1, 2, 3, 4, 5])
     assert lr.dtype == np.float32 and lr.size == g.size
-    np.testing.assert_array_equal(lr[[0, 53, 54, 56, 57, 296, 297, 301, 302, 306]], [1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
-    np.testing.assert_array_equal(g.segment_ends(), [54, 57, 297, 302, 307])
+    np.testing.assert_array_equal(lr[[0, 53, 64, 66, 80, 319, 320, 324, 336, 340]], [1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
+    assert not lr[54:64].any() and not lr[341:].any()  # the alignment gaps
+    np.testing.assert_array_equal(g.segment_starts(), [0, 64, 80, 320, 336])
+    np.testing.assert_array_equal(g.segment_ends(), [54, 67, 320, 325, 341])
     np.testing.assert_array_equal(g.per_segment([0.5, 1, 2, 3, 4]), np.float32([0.5, 1, 2, 3, 4]))
     bufs, views = net.flat_params.histories(2)
     assert len(bufs) == 2 and len(views) == 10
@@ -119,7 +127,7 @@ def test_rebinding_a_param_breaks_intact():
     net.learnable_params[1].data[...] = 4
     flat2 = net.flatten_params()
     assert flat2 is not flat and flat2.intact()
-    assert np.all(flat2.groups[0].data[54:57] == 4)
+    assert np.all(flat2.groups[0].data[64:67] == 4)
 
 
 def test_mixed_dtypes_make_one_group_each():
@@ -130,8 +138,8 @@ def test_mixed_dtypes_make_one_group_each():
         b.data[...] = k + 1
     flat = FlatParams(blobs)
     assert [g.dtype for g in flat.groups] == [np.float32, np.float64]
-    assert flat.groups[0].param_ids == [0, 2] and flat.groups[0].offsets == [0, 6]
-    assert flat.intact() and np.all(flat.groups[1].data == 2)
+    assert flat.groups[0].param_ids == [0, 2] and flat.groups[0].offsets == [0, 16]
+    assert flat.intact() and np.all(flat.groups[1].data[:4] == 2) and not flat.groups[1].data[4:].any()
 
 
 def test_solver_setup_test_nets_and_steps(tmp_path):
@@ -192,7 +200,7 @@ def test_pycaffe_shim_writes_land_in_the_buffer(tmp_path):
     solver.net.params["conv"][0].data[...] = 0.5
     solver.net.params["ip2"][1].data[...] = -1
     g = inner.flat_params.groups[0]
-    assert np.all(g.data[:54] == 0.5) and np.all(g.data[302:307] == -1)
+    assert np.all(g.data[:54] == 0.5) and np.all(g.data[336:341] == -1)
     solver.test_nets[0].share_with(solver.net)
     solver.share_weights(solver.test_nets[0])
     assert_flat(inner)
@@ -204,20 +212,50 @@ def test_pycaffe_shim_writes_land_in_the_buffer(tmp_path):
 def test_device_scheduler_keeps_the_views(tmp_path):
     """Two CPU devices (the data-parallel executor: shadows view the master params) train the flat net as a
     single device does."""
-    def train(attach: bool):
-        s = get_solver(solver_param(tmp_path, kind="SGD"))
-        cfg = scheduler.make_config([CpuDevice(0, 1), CpuDevice(1, 1)], [0.5, 0.5], None) if attach else None
-        if cfg:
-            cfg.attach(s.net)
-        try:
-            s.step(3)
-        finally:
-            if cfg:
-                scheduler.detach(s.net)
-                cfg.close()
-        assert_flat(s.net)
-        return s.net
-
-    ref, net = train(False), train(True)
-    for p, r in zip(net.learnable_params, ref.learnable_params):
+    single = get_solver(solver_param(tmp_path, kind="SGD"))
+    single.step(3)
+    split = get_solver(solver_param(tmp_path, kind="SGD"))
+    devices = scheduler.make_config([CpuDevice(0, 1), CpuDevice(1, 1)], [0.5, 0.5], None)
+    devices.attach(split.net)
+    try:
+        split.step(3)
+        assert_flat(split.net)
+    finally:
+        scheduler.detach(split.net)
+        devices.close()
+    for p, r in zip(split.net.learnable_params, single.net.learnable_params):
         np.testing.assert_allclose(p.data, r.data, rtol=1e-5, atol=1e-6)
+
+
+@needs_mpi()
+@pytest.mark.skipif(not LENET_CASE.is_dir(), reason="shared/reference not available")
+def test_data_parallel_ranks_keep_the_views(tmp_path):
+    """Two MPI ranks (the gradient all-reduce writes into the diffs) train LeNet with the views intact."""
+    import json
+    import shutil
+
+    from cct.io.caffemodel import read_weights
+
+    case = tmp_path / "case"
+    shutil.copytree(LENET_CASE, case)
+    out = case / "out.caffemodel"
+    run_mpi(2, ["python", script("train_run.py"), str(case), "2", "4", str(out), "--init", "init.caffemodel"],
+            timeout=90)
+    assert json.loads((case / "out.caffemodel.json").read_text())["flat_params_intact"] is True
+    got = read_weights(str(out))
+    assert got.keys() and all(np.isfinite(b).all() for blobs in got.values() for b in blobs)
+
+
+def test_solver_setup_logs_no_extra_sharing(tmp_path, caplog):
+    """The train net is flat before the test nets share its weights: setup shares (and logs) once, as before."""
+    import logging
+
+    sp = solver_param(tmp_path)
+    parse_text('layer { name: "train_only" type: "Silence" bottom: "h" include { phase: TRAIN } }', sp.net_param)
+    with caplog.at_level(logging.INFO, logger="cct"):
+        s = get_solver(sp)
+    ignoring = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Ignoring source layer")]
+    assert ignoring == ["Ignoring source layer h_sum_0_split", "Ignoring source layer train_only"]  # once each
+    assert s.net.flat_params.intact()
+    g = s.net.flat_params.groups[0]
+    assert all(np.shares_memory(p.data, g.data) for p in s.test_nets[0].learnable_params)

@@ -9,50 +9,19 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import update_cases
+from update_cases import NET, RULES
 
 from cct import kernels
 from cct.errors import SolverError
 from cct.io.prototxt import parse_text
 from cct.proto import caffe_pb2
-from cct.solver import get_solver
 from cct.solver.flat_update import CORRECTION, NORM, RATE, FlatUpdate, Hyper, cupy_kernel_source
-
-# conv (lr 1/2, decay 1/0), ip1 and ip2 sharing a weight (lr 0.5, decay 3), ip1's bias frozen (lr 0),
-# ip2's bias (lr 1.5, decay 0.25)
-NET = """
-name: "mix"
-layer { name: "data" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 5 dim: 5 } } }
-layer { name: "conv" type: "Convolution" bottom: "x" top: "c"
-  param { lr_mult: 1 decay_mult: 1 } param { lr_mult: 2 decay_mult: 0 }
-  convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 }
-                      bias_filler { type: "gaussian" std: 0.3 } } }
-layer { name: "ip1" type: "InnerProduct" bottom: "c" top: "h1"
-  param { name: "shared_w" lr_mult: 0.5 decay_mult: 3 } param { lr_mult: 0 decay_mult: 1 }
-  inner_product_param { num_output: 6 weight_filler { type: "gaussian" std: 0.3 }
-                        bias_filler { type: "gaussian" std: 0.3 } } }
-layer { name: "ip2" type: "InnerProduct" bottom: "c" top: "h2"
-  param { name: "shared_w" } param { lr_mult: 1.5 decay_mult: 0.25 }
-  inner_product_param { num_output: 6 weight_filler { type: "gaussian" std: 0.3 }
-                        bias_filler { type: "gaussian" std: 0.3 } } }
-"""
-
-RULES = {
-    "SGD": "momentum: 0.9",
-    "Nesterov": "momentum: 0.9",
-    "AdaGrad": "delta: 1e-6",
-    "RMSProp": "rms_decay: 0.9 delta: 1e-6",
-    "AdaDelta": "momentum: 0.95 delta: 1e-6",
-    "Adam": "momentum: 0.9 momentum2: 0.999 delta: 1e-8",
-}
+from cct.solver.flat_update import RULES as FLAT_RULES
 
 
 def make_solver(kind: str, reg: str, iter_size: int, extra: str = "", flat: bool = False):
-    text = (f'type: "{kind}" base_lr: 0.05 lr_policy: "step" gamma: 0.5 stepsize: 2 weight_decay: 0.02 '
-            f'regularization_type: "{reg}" iter_size: {iter_size} display: 0 max_iter: 100 random_seed: 5 '
-            f'solver_mode: CPU {RULES[kind]} {extra}')
-    p = parse_text(text, caffe_pb2.SolverParameter())
-    parse_text(NET, p.net_param)
-    s = get_solver(p)
+    s = update_cases.make_solver(kind, reg, iter_size, extra)
     assert s.use_flat_update(flat) is flat
     return s
 
@@ -201,3 +170,84 @@ def test_kernel_source_uses_rounded_ops_only(rule):
     for op in ("*", "/"):
         assert op not in body, (rule, op)
     assert "w > 0 ? one" in src and "if (apply) w = SUB(w, upd);" in src
+
+
+# -- the CUDA kernels' arithmetic, compiled as C++ on the CPU -----------------------------------------------
+_CPP_PREAMBLE = """#include <cmath>
+typedef float T;
+#define MUL(a, b) ((T)((a) * (b)))
+#define ADD(a, b) ((T)((a) + (b)))
+#define SUB(a, b) ((T)((a) - (b)))
+#define DIV(a, b) ((T)((a) / (b)))
+#define SQRT(a) ((T)std::sqrt(a))
+"""
+
+
+@pytest.fixture(scope="module")
+def cpp_kernels(tmp_path_factory):
+    """Every rule's CUDA body (cupy_kernel_source) in a loop over the elements, built by the system C++
+    compiler without FMA contraction (IEEE float ops like the _rn intrinsics): one function per rule and
+    regularisation, ``k_<rule>_<L1|L2>``."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    parts = [_CPP_PREAMBLE]
+    for rule, reg in itertools.product(FLAT_RULES, ("L1", "L2")):
+        h2 = ", T* h2_" if FLAT_RULES[rule] == 2 else ""
+        h2ref = "T& h2 = h2_[i];" if FLAT_RULES[rule] == 2 else ""
+        parts.append(f"""extern "C" void k_{rule}_{reg}(const T* s, const long long* starts, const long long* ends,
+    const T* seg_lr, const T* seg_decay, long long nseg, int norm, int clip, int apply, T* w_, T* d_, T* h_{h2},
+    long long n) {{
+  for (long long i = 0; i < n; ++i) {{
+    T& w = w_[i]; T& d = d_[i]; T& h = h_[i]; {h2ref}
+    {cupy_kernel_source(rule, reg)}
+  }}
+}}
+""")
+    d = tmp_path_factory.mktemp("kernels")
+    (d / "k.cpp").write_text("".join(parts))
+    subprocess.run([cxx, "-O1", "-ffp-contract=off", "-shared", "-fPIC", str(d / "k.cpp"), "-o", str(d / "k.so")],
+                   check=True, capture_output=True)
+    return ctypes.CDLL(str(d / "k.so"))
+
+
+@pytest.mark.parametrize("kind,reg,iter_size", list(itertools.product(RULES, ("L2", "L1"), (1, 3))))
+def test_kernel_body_matches_per_param_bits(cpp_kernels, kind, reg, iter_size):
+    """The device kernels' body, run on the CPU over the flat buffers with the solver's scalars and segment
+    tables, gives the per-parameter path's bits; it leaves the alignment gaps at zero."""
+    import ctypes
+
+    ref, dev = make_solver(kind, reg, iter_size), make_solver(kind, reg, iter_size, flat=True)
+    st = dev.flat_update.groups[0]
+    g = st.group
+    starts = np.array(g.offsets, np.int64)
+    ends = starts + np.array(g.sizes, np.int64)
+    seg_lr = g.per_segment(dev.net.params_lr)
+    seg_decay = g.per_segment([np.float32(0.02) * np.float32(m) for m in dev.net.params_weight_decay])
+    kernel = getattr(cpp_kernels, f"k_{kind.lower()}_{reg}")
+    p_ = ctypes.c_void_p
+
+    def ptr(a):
+        return a.ctypes.data_as(p_)
+
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        for p, q in zip(ref.net.learnable_params, dev.net.learnable_params):
+            grad = rng.standard_normal(p.diff.shape).astype(np.float32)
+            p.diff[...] = grad
+            q.diff[...] = grad
+        ref.apply_update()
+        dev.prepare_update()  # the scalars the kernel reads
+        kernel(ptr(st.scalars), ptr(starts), ptr(ends), ptr(seg_lr), ptr(seg_decay),
+               ctypes.c_longlong(len(g.param_ids)), int(iter_size != 1), 0, 1, ptr(g.data), ptr(g.diff),
+               *[ptr(h) for h in st.history], ctypes.c_longlong(g.size))
+        ref.iter += 1
+        dev.iter += 1
+        assert_same_bits(ref, dev)
+        for end, nxt in zip(ends, [*starts[1:], g.size]):
+            assert not g.data[end:nxt].any() and not g.diff[end:nxt].any()
+            assert not any(h[end:nxt].any() for h in st.history)

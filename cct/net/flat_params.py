@@ -4,6 +4,8 @@ A :class:`FlatParams` is built once at setup (:meth:`cct.net.Net.flatten_params`
 for each dtype of the learnable parameters one :class:`FlatGroup` holds a ``data`` and a ``diff`` buffer
 (1-D, C-contiguous) and every parameter Blob's ``data``/``diff`` becomes a reshaped view of its segment
 ``[offset, offset + count)``. The values are copied in, so nothing the net holds changes but where it lives.
+Each segment starts on a 64-byte boundary (:data:`ALIGN`; the gaps between segments hold zeros, which every
+update rule leaves zero): the CPU kernels then see the alignment separately allocated arrays had.
 
 With the parameters flat, a solver can update all of them in one elementwise pass
 (:mod:`cct.solver.flat_update`); its per-parameter ``lr_mult``/``decay_mult`` come from the segment
@@ -23,6 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..blob import Blob
+
+#: every parameter's segment starts on a boundary of this many bytes (a cache line: whole-vector loads)
+ALIGN = 64
 
 
 @dataclass
@@ -55,6 +60,12 @@ class FlatGroup:
                                                            dtype=np.int64))
         return self._cache["ends"]
 
+    def segment_starts(self):
+        """The start offset of each parameter's segment (int64, in ``xp``'s memory; cached)."""
+        if "starts" not in self._cache:
+            self._cache["starts"] = self.xp.asarray(np.array(self.offsets, dtype=np.int64))
+        return self._cache["starts"]
+
     def per_segment(self, values: Sequence[float]):
         """One value per parameter of this group (``values`` indexed by the net's learnable param id),
         rounded to the group's dtype, in ``xp``'s memory."""
@@ -62,9 +73,11 @@ class FlatGroup:
 
     def per_element(self, values: Sequence[float]):
         """``values`` (indexed by learnable param id) repeated over each parameter's elements: an array of
-        the buffer's size and dtype (allocated here: call at setup)."""
-        seg = np.array([values[p] for p in self.param_ids], dtype=self.dtype)
-        return self.xp.asarray(np.repeat(seg, self.sizes))
+        the buffer's size and dtype, 0 in the alignment gaps (allocated here: call at setup)."""
+        out = np.zeros(self.size, dtype=self.dtype)
+        for p, o, n in zip(self.param_ids, self.offsets, self.sizes):
+            out[o:o + n] = values[p]
+        return self.xp.asarray(out)
 
 
 class FlatParams:
@@ -79,12 +92,16 @@ class FlatParams:
         self.groups: list[FlatGroup] = []
         for ids in keys.values():
             first = self.blobs[ids[0]]
+            dtype = np.dtype(first.dtype)
+            step = max(1, ALIGN // dtype.itemsize)
             sizes = [int(self.blobs[i].data.size) for i in ids]
-            offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(int).tolist() if ids else []
-            total = int(sum(sizes))
+            offsets, total = [], 0
+            for n in sizes:
+                offsets.append(total)
+                total += -(-n // step) * step
             xp = first.xp
-            group = FlatGroup(np.dtype(first.dtype), xp, list(ids), offsets, sizes,
-                              xp.empty(total, dtype=first.dtype), xp.empty(total, dtype=first.dtype))
+            group = FlatGroup(dtype, xp, list(ids), offsets, sizes, _aligned_zeros(xp, total, dtype),
+                              _aligned_zeros(xp, total, dtype))
             shapes = [self.blobs[i].data.shape for i in ids]
             for i, dv, gv in zip(ids, group.views(group.data, shapes), group.views(group.diff, shapes)):
                 b = self.blobs[i]
@@ -112,13 +129,23 @@ class FlatParams:
         for k in range(sets):
             row = []
             for g in self.groups:
-                buf = g.xp.zeros(g.size, dtype=g.dtype)
+                buf = _aligned_zeros(g.xp, g.size, g.dtype)
                 row.append(buf)
                 shapes = [self.blobs[i].data.shape for i in g.param_ids]
                 for i, v in zip(g.param_ids, g.views(buf, shapes)):
                     views[k * n + i] = v
             buffers.append(row)
         return buffers, views
+
+
+def _aligned_zeros(xp, n: int, dtype: np.dtype):
+    """A zeroed 1-D array of ``n`` elements whose first element sits on an :data:`ALIGN`-byte boundary."""
+    if xp is not np:
+        return xp.zeros(n, dtype=dtype)  # device allocations are aligned more strictly already
+    step = max(1, ALIGN // dtype.itemsize)
+    raw = np.zeros(n + step, dtype=dtype)
+    start = (-_address(raw) % ALIGN) // dtype.itemsize
+    return raw[start:start + n]
 
 
 def _views_at(a, buffer, offset: int, size: int) -> bool:

@@ -83,8 +83,9 @@ class FlatUpdate:
                                            rule, hyper.regularization))
         device = [in_device_memory(g.data) for g in flat.groups]
         self.on_device = any(device)
-        #: device clipping record: the last iteration's norm and scale, and how many iterations were clipped
-        #: since :meth:`clip_report` last read them (0-d arrays of the first group's dtype; None without clipping)
+        #: device clipping record: the last clipped iteration's norm and scale, and how many iterations were
+        #: clipped since :meth:`clip_report` last read them (0-d arrays of the first group's dtype; None
+        #: without clipping or on the CPU, where clipping logs as it happens)
         self.clip_norm = self.clip_scale = self.clip_count = None
         if hyper.clip >= 0 and self.on_device:
             g0 = self.groups[0]
@@ -127,8 +128,8 @@ class FlatUpdate:
         clip = dt.type(self.hyper.clip)
         over = norm > clip
         scale = xp.where(over, clip / norm, dt.type(1)).astype(dt)
-        self.clip_norm[...] = norm
-        self.clip_scale[...] = scale
+        self.clip_norm[...] = xp.where(over, norm, self.clip_norm)  # the last clipped iteration's
+        self.clip_scale[...] = xp.where(over, scale, self.clip_scale)
         self.clip_count += over.astype(np.int64)
         for st in self.groups:
             st.scalars[CLIP] = scale.astype(st.group.dtype)
@@ -167,7 +168,7 @@ class _GroupState:
         self.has_decay = any(local_decay[p] != 0 for p in group.param_ids)
         if in_device_memory(group.data):
             self.kernel = cupy_kernel(rule, regularization, group.dtype)
-            self.ends = group.segment_ends()
+            self.starts, self.ends = group.segment_starts(), group.segment_ends()
             self.seg_lr = group.per_segment(lr_mult)
             self.seg_decay = group.per_segment(local_decay)
         else:
@@ -182,7 +183,7 @@ class _GroupState:
         g = self.group
         if self.kernel is not None:
             if g.size:
-                self.kernel(self.scalars, self.ends, self.seg_lr, self.seg_decay, len(g.param_ids),
+                self.kernel(self.scalars, self.starts, self.ends, self.seg_lr, self.seg_decay, len(g.param_ids),
                             int(hyper.iter_size != 1), int(hyper.clip >= 0), int(apply), g.data, g.diff,
                             *self.history)
             return
@@ -233,6 +234,11 @@ def _np_adagrad(d, hist, lr, s, tmp) -> None:
     h = hist[0]
     np.multiply(d, d, out=tmp)
     h += tmp
+    _np_over_root(d, h, lr, s, tmp)
+
+
+def _np_over_root(d, h, lr, s, tmp) -> None:
+    """AdaGrad's and RMSProp's step: ``d = d / (sqrt(h) + delta) * lr``."""
     np.sqrt(h, out=tmp)
     tmp += s[DELTA]
     d /= tmp
@@ -246,10 +252,7 @@ def _np_rmsprop(d, hist, lr, s, tmp) -> None:
     np.multiply(d, d, out=tmp)
     tmp *= s.dtype.type(1) - decay
     h += tmp
-    np.sqrt(h, out=tmp)
-    tmp += s[DELTA]
-    d /= tmp
-    d *= lr
+    _np_over_root(d, h, lr, s, tmp)
 
 
 def _np_adadelta(d, hist, lr, s, tmp) -> None:
@@ -306,6 +309,7 @@ _PREAMBLE = {
 _HEAD = """
 long long lo = 0, hi = nseg - 1;
 while (lo < hi) { long long mid = (lo + hi) >> 1; if ((long long)i < ends[mid]) hi = mid; else lo = mid + 1; }
+if ((long long)i >= starts[lo]) {
 const T lr = MUL(s[0], seg_lr[lo]);
 const T decay = seg_decay[lo];
 const T one = 1;
@@ -337,7 +341,7 @@ _REG = {"L2": "w", "L1": "(w > 0 ? one : (w < 0 ? -one : (w == w ? (T)0 : w)))"}
 def cupy_kernel_source(rule: str, regularization: str) -> str:
     """The CUDA body of the fused update for ``rule`` and ``regularization`` (see :func:`cupy_kernel`)."""
     return (_HEAD.replace("REG", _REG[regularization]) + _RULE_CODE[rule]
-            + "\nd = upd;\nif (apply) w = SUB(w, upd);\n")
+            + "\nd = upd;\nif (apply) w = SUB(w, upd);\n}\n")
 
 
 def cupy_sumsq_kernel():
@@ -348,15 +352,17 @@ def cupy_sumsq_kernel():
 
 
 def cupy_kernel(rule: str, regularization: str, dtype):
-    """The ``cupy.ElementwiseKernel`` of ``rule``: inputs ``(scalars, ends, seg_lr, seg_decay, nseg, norm,
-    clip, apply)``, in-out ``(w, d, h)`` plus ``h2`` for the two-history rules (AdaDelta, Adam)."""
+    """The ``cupy.ElementwiseKernel`` of ``rule``: inputs ``(scalars, starts, ends, seg_lr, seg_decay, nseg,
+    norm, clip, apply)``, in-out ``(w, d, h)`` plus ``h2`` for the two-history rules (AdaDelta, Adam); an
+    element in no segment (an alignment gap) is left alone."""
     import cupy
 
     ctype = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}.get(np.dtype(dtype))
     if ctype is None:
         raise SolverError(f"flat update: no device kernel for parameters of dtype {np.dtype(dtype)}")
     return cupy.ElementwiseKernel(
-        "raw T s, raw int64 ends, raw T seg_lr, raw T seg_decay, int64 nseg, int32 norm, int32 clip, int32 apply",
+        "raw T s, raw int64 starts, raw int64 ends, raw T seg_lr, raw T seg_decay, int64 nseg, int32 norm, "
+        "int32 clip, int32 apply",
         "T w, T d, T h" + (", T h2" if RULES[rule] == 2 else ""),
         cupy_kernel_source(rule, regularization),
         f"cct_flat_{rule}_{regularization.lower()}_{ctype}",

@@ -10,7 +10,9 @@ history. ``step(n)`` runs n iterations exactly as Caffe's ``Solver::Step``:
    iteration's loss (smoothed over ``average_loss`` iterations for the display);
 3. ``apply_update``: the lr policy gives the rate, gradients are clipped (``clip_gradients``,
    global L2 norm), divided by ``iter_size``, regularised (``weight_decay * decay_mult``, L2/L1)
-   and turned into the update by the solver's rule (rate * ``lr_mult``); ``Net.update`` applies it;
+   and turned into the update by the solver's rule (rate * ``lr_mult``); ``Net.update`` applies it
+   (the parameters, diffs and history live in flat buffers; on a GPU all of this is one fused kernel
+   per solver type reading the rate from device memory, :mod:`.flat_update`);
 4. ``iter += 1``; snapshot every ``snapshot`` iterations, and on a SIGHUP/SIGINT request.
 
 Under MPI (``mpiexec -n N``, or ``comm=`` given) the solver runs as one of N data-parallel ranks
@@ -130,8 +132,6 @@ class Solver:
     type: ClassVar[str] = ""
     #: the rule of :mod:`.flat_update` that fuses this solver's update (None: per-parameter only)
     flat_rule: ClassVar[str | None] = None
-    #: build the fused flat update for numpy nets too (default: only for device nets; see use_flat_update)
-    flat_update_on_cpu: ClassVar[bool] = False
     #: number of history arrays per learnable parameter (AdaDelta and Adam keep two)
     history_sets: ClassVar[int] = 1
 
@@ -218,17 +218,20 @@ class Solver:
         """Solver-type specific checks of the parameters (Caffe's constructor CHECKs)."""
 
     def pre_solve(self) -> None:
-        """Lay the train net's learnable parameters out flat (:meth:`cct.net.Net.flatten_params`; the test
-        nets share the new views) and allocate the zeroed history: ``history_sets`` flat buffers, of which
-        ``history`` holds the per-parameter views (Caffe's per-parameter history, as snapshots store it).
-        Builds the fused update (:attr:`flat_update`) where it runs (:meth:`use_flat_update`)."""
+        """Allocate the zeroed history: ``history_sets`` flat buffers like the train net's parameters (laid out
+        flat when the net was built, :meth:`cct.net.Net.flatten_params`; again here, the test nets then sharing
+        the new views, if a parameter was rebound since), of which ``history`` holds the per-parameter views
+        (Caffe's per-parameter history, as snapshots store it). Builds the fused update (:attr:`flat_update`)
+        where it runs (:meth:`use_flat_update`)."""
+        before = self.net.flat_params
         flat = self.net.flatten_params()
-        for net in self.test_nets:
-            net.share_weights_with(self.net)
+        if flat is not before:  # a new layout: the test nets share the new views
+            for net in self.test_nets:
+                net.share_weights_with(self.net)
         self.history_buffers, self.history = flat.histories(self.history_sets)
         self.flat_update = None
         on_device = any(in_device_memory(g.data) for g in flat.groups)
-        self.use_flat_update(on_device or self.flat_update_on_cpu)
+        self.use_flat_update(on_device)
 
     def use_flat_update(self, on: bool = True) -> bool:
         """Update through the fused pass over the flat buffers (:mod:`.flat_update`) or, with ``on`` False,
@@ -321,6 +324,7 @@ class Solver:
         net_param.state.CopyFrom(state)
         net = Net(net_param, config=self.config)
         self._load_weights(net)
+        net.flatten_params()  # before the test nets share its weights (pre_solve builds the update on it)
         return net
 
     def _init_test_nets(self) -> list[Net]:

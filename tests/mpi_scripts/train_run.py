@@ -101,4 +101,5 @@ if solver.is_root:
         json.dump({"losses": losses, "ranks": 1 if solver.parallel is None else solver.parallel.size,
                    "shares": None if solver.parallel is None else solver.parallel.shares,
                    "stats": None if solver.parallel is None else solver.parallel.sync.stats.as_dict(),
-                   "owt_bytes": None if owt is None else owt.bytes_moved}, f)
+                   "owt_bytes": None if owt is None else owt.bytes_moved,
+                   "flat_params_intact": solver.net.flat_params.intact()}, f)
