@@ -30,7 +30,7 @@ def array_address(a: Any) -> int:
     """Address of an array's first element (device or host memory)."""
     if in_device_memory(a):
         return int(a.data.ptr)
-    return int(a.ctypes.data)
+    return int(a.__array_interface__["data"][0])
 
 
 def cupy_available() -> bool:

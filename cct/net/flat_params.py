@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..backend import array_address
 from ..blob import Blob
 
 #: every parameter's segment starts on a boundary of this many bytes (a cache line: whole-vector loads)
@@ -144,7 +145,7 @@ def _aligned_zeros(xp, n: int, dtype: np.dtype):
         return xp.zeros(n, dtype=dtype)  # device allocations are aligned more strictly already
     step = max(1, ALIGN // dtype.itemsize)
     raw = np.zeros(n + step, dtype=dtype)
-    start = (-_address(raw) % ALIGN) // dtype.itemsize
+    start = (-array_address(raw) % ALIGN) // dtype.itemsize
     return raw[start:start + n]
 
 
@@ -155,11 +156,4 @@ def _views_at(a, buffer, offset: int, size: int) -> bool:
         return False
     if size == 0:
         return True
-    return _address(a) == _address(buffer) + offset * buffer.dtype.itemsize
-
-
-def _address(a) -> int:
-    """The address of an array's first element (numpy or cupy)."""
-    if isinstance(a, np.ndarray):
-        return a.__array_interface__["data"][0]
-    return int(a.data.ptr)
+    return array_address(a) == array_address(buffer) + offset * buffer.dtype.itemsize

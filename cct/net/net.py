@@ -560,6 +560,12 @@ class Net:
                     t.diff[...] = w
 
     def clear_param_diffs(self) -> None:
+        """Zero every learnable parameter's diff: one fill per flat buffer while the params are its views."""
+        flat = self.flat_params
+        if flat is not None and flat.intact():
+            for group in flat.groups:
+                group.diff.fill(0)  # the alignment gaps between parameters are zeros anyway
+            return
         for p in self.learnable_params:
             p.diff[...] = 0
 
