@@ -37,11 +37,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..blob import Blob
+from ..data.decode_pool import map_ordered
+from ..data.stream import rng_state, set_rng_state
 from ..data.transformer import DataTransformer, decode_image, read_image, resize_bilinear
 from ..errors import CctError
 from ..proto import caffe_pb2
 from .base import log, register
-from .data import PrefetchingDataLayer, child_rngs, map_ordered, rng_state, set_rng_state
+from .data import PrefetchingDataLayer, child_rngs
 
 # window layout (Caffe's WindowDataLayer enum)
 IMAGE_INDEX, LABEL, OVERLAP, X1, Y1, X2, Y2 = range(7)
