@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import CctError
 from ..proto import caffe_pb2
 from .db import DB, parse_datum
-from .decode_pool import map_ordered
+from .decode_pool import DecodePool
 from .stream import RESTART_MSG, keeps, rng_state, set_rng_state
 from .transformer import DataTransformer
 
@@ -36,6 +36,7 @@ class DBLoader:
             self.next()
         self.offset = 0  # records passed since setup (never wraps): the sharding counter
         self.shard = (0, 1, 1)
+        self.decode = DecodePool()  # encoded records (JPEG/PNG) are decoded side by side
 
     def state(self) -> dict:
         return {"pos": self.pos, "offset": self.offset, "transform_rng": rng_state(self.transformer.rng)}
@@ -49,8 +50,10 @@ class DBLoader:
         set_rng_state(self.transformer.rng, state["transform_rng"])
 
     def close(self) -> None:
+        """Release the cursor, the database and the decoding threads."""
         self.cursor.close()
         self.db.close()
+        self.decode.close()
 
     def next(self) -> None:
         self.cursor.next()
@@ -83,7 +86,7 @@ class DBLoader:
             records.append((key, parse_datum(self.cursor.value, key, self.path)))
             self.next()
         # decoding (JPEG/PNG) is deterministic and releases the GIL: spread it over threads
-        arrays = map_ordered(lambda kd: self._array(*kd), records, parallel=records[0][1].encoded)
+        arrays = self.decode.map(lambda kd: self._array(*kd), records, parallel=records[0][1].encoded)
         try:
             shape = (bs,) + self.transformer.infer_shape(arrays[0])
             data = buf[0] if buf is not None and buf[0].shape == shape else np.empty(shape, self.dtypes[0])

@@ -11,7 +11,7 @@ import logging
 import numpy as np
 
 from ..errors import CctError
-from .decode_pool import map_ordered
+from .decode_pool import DecodePool
 from .stream import RESTART_MSG, keeps, rng_state, set_rng_state
 from .transformer import DataTransformer, read_image
 
@@ -38,6 +38,7 @@ class ImageListLoader:
         self._order = tuple(lines)  # the list order as of the last shuffle (states refer to it)
         self.offset = 0  # images passed since setup (never wraps): the sharding counter
         self.shard = (0, 1, 1)
+        self.decode = DecodePool()  # the images of a batch are read and decoded side by side
 
     def state(self) -> dict:
         return {"pos": self.pos, "offset": self.offset, "lines": self._order if self.shuffle else None,
@@ -51,6 +52,10 @@ class ImageListLoader:
         self.offset = int(state.get("offset", 0))
         set_rng_state(self.rng, state["rng"])
         set_rng_state(self.transformer.rng, state["transform_rng"])
+
+    def close(self) -> None:
+        """Stop the decoding threads."""
+        self.decode.close()
 
     def _next(self) -> None:
         self.pos += 1
@@ -85,7 +90,7 @@ class ImageListLoader:
                 self._next()
             picked.append(self.lines[self.pos])
             self._next()
-        images = map_ordered(lambda item: self.read(item[0]), picked)
+        images = self.decode.map(lambda item: self.read(item[0]), picked)
         data = labels = None
         for i, ((name, label), img) in enumerate(zip(picked, images)):
             chw = img.transpose(2, 0, 1)
