@@ -5,20 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ..errors import CctError, LayerError
+from ..errors import LayerError
 from ..flags import FlagParser, command_parser
 from ..progress import Progress
-from ..runsetup import (
-    add_common_arguments,
-    add_device_arguments,
-    engine_config,
-    init_logging,
-    load_weights,
-    phase,
-    run_config,
-    stages,
-    wants_progress,
-)
+from ..runsetup import add_common_arguments, add_device_arguments, wants_progress
+from .model import model_net
 
 log = logging.getLogger("cct")
 
@@ -39,18 +30,7 @@ def run(args: argparse.Namespace) -> int:
     """``cct test``: run a model's TEST phase for N batches and report each output's mean."""
     import numpy as np
 
-    from ..net import Net
-
-    if not args.model:
-        raise CctError("Need a model definition to score (--model).")
-    if not args.weights:
-        raise CctError("Need model weights to score (--weights).")
-    if args.iterations < 1:
-        raise CctError(f"--iterations must be >= 1, not {args.iterations}")
-    init_logging(args.quiet)
-    config = run_config(args, engine_config(args, calibrate=False))
-    net = Net(args.model, phase(args.phase), level=args.level, stages=stages(args.stage), config=config)
-    load_weights(net, args.weights)
+    net = model_net(args, "score", calibrate=False, need_weights=True)
     log.info("Running for %d iterations.", args.iterations)
     scores: list[np.float32] = []
     names: list[str] = []

@@ -6,20 +6,10 @@ import argparse
 import logging
 import time
 
-from ..errors import CctError
 from ..flags import FlagParser, command_parser
 from ..progress import Progress
-from ..runsetup import (
-    add_common_arguments,
-    add_device_arguments,
-    engine_config,
-    init_logging,
-    load_weights,
-    phase,
-    run_config,
-    stages,
-    wants_progress,
-)
+from ..runsetup import add_common_arguments, add_device_arguments, wants_progress
+from .model import model_net
 
 log = logging.getLogger("cct")
 
@@ -38,17 +28,7 @@ def build_parser() -> FlagParser:
 
 def run(args: argparse.Namespace) -> int:
     """``cct time``: per-layer forward/backward timings (Caffe's ``caffe time``)."""
-    from ..net import Net
-
-    if not args.model:
-        raise CctError("Need a model definition to time (--model).")
-    if args.iterations < 1:
-        raise CctError(f"--iterations must be >= 1, not {args.iterations}")
-    init_logging(args.quiet)
-    config = run_config(args, engine_config(args, calibrate=True))
-    net = Net(args.model, phase(args.phase), level=args.level, stages=stages(args.stage), config=config)
-    if args.weights:
-        load_weights(net, args.weights)
+    net = model_net(args, "time", calibrate=True, need_weights=False)
     log.info("Performing Forward")
     initial_loss = net.forward()
     log.info("Initial loss: %g", initial_loss)
