@@ -78,14 +78,12 @@ def child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Gene
     return np.random.default_rng(a), np.random.default_rng(b)
 
 
-
 def _rank_rng(rng: np.random.Generator | None, rank: int) -> None:
     """Give rank ``rank`` > 0 a transform stream of its own, derived from the shared one (rank 0 keeps
     the shared stream, so one rank reproduces a single process)."""
     if rng is not None and rank > 0:
         seed = int(rng.bit_generator.random_raw())
         rng.bit_generator.state = np.random.default_rng([seed, rank]).bit_generator.state
-
 
 
 def _shutdown(prefetcher: Prefetcher, loader: Any) -> None:
@@ -226,8 +224,6 @@ class PrefetchingDataLayer(Layer):
             self._finalizer()
 
 
-
-
 @register("Data")
 class Data(PrefetchingDataLayer):
     """Caffe's Data layer: batches of Datum records from an LMDB or LevelDB (tops: data, [label])."""
@@ -271,8 +267,6 @@ class Data(PrefetchingDataLayer):
         if len(top) > 1:
             top[1].reshape((int(dp.batch_size),))
         self._start(loader, dp.prefetch)
-
-
 
 
 @register("ImageData")
@@ -331,8 +325,6 @@ class ImageData(PrefetchingDataLayer):
         top[0].reshape(shape)
         top[1].reshape((int(ip.batch_size),))
         self._start(loader, depth)
-
-
 
 
 @register("HDF5Data")
