@@ -150,10 +150,8 @@ class KernelRuntime:
 
     def get(self, name: str) -> ModuleType | None:
         """The kernel module ``cct.kernels.<name>`` (imported on first use), or None without numba."""
-        if not self.numba_available():
-            return None
-        mod = self.modules.get(name)
-        if mod is not None or name in self.failed:
+        mod = self.modules.get(name)  # loaded: numba imported (the common case, first)
+        if mod is not None or name in self.failed or not self.numba_available():
             return mod
         try:
             mod = self._import_module(f"{__name__}.{name}")
@@ -168,10 +166,11 @@ class KernelRuntime:
     def max_threads(self) -> int:
         """Kernel threads a caller may use: ``NUMBA_NUM_THREADS`` when set (read once, as numba does), else
         the cores."""
-        if self._max_threads is None:
+        top = self._max_threads
+        if top is None:
             value = os.environ.get("NUMBA_NUM_THREADS", "").strip()
-            self._max_threads = max(1, int(value) if value.isdigit() else (os.cpu_count() or 1))
-        return self._max_threads
+            top = self._max_threads = max(1, int(value) if value.isdigit() else (os.cpu_count() or 1))
+        return top
 
     def take_helpers(self, k: int) -> list[_Helper]:
         """Up to ``k`` idle team threads (started on first use, :meth:`max_threads` - 1 in all)."""
@@ -288,16 +287,18 @@ def max_threads() -> int:
 def set_num_threads(n: int | None) -> int:
     """Set the calling thread's kernel thread count (clipped to [1, :func:`max_threads`]); returns it.
     ``None`` or ``0`` means all of them."""
-    top = max_threads()
+    runtime = RUNTIME
+    top = runtime.max_threads()
     k = top if not n else max(1, min(int(n), top))
-    RUNTIME.local.threads = k
+    runtime.local.threads = k
     return k
 
 
 def get_num_threads() -> int:
     """The calling thread's kernel thread count."""
-    k = getattr(RUNTIME.local, "threads", None)
-    return max_threads() if k is None else k
+    runtime = RUNTIME
+    k = getattr(runtime.local, "threads", None)
+    return runtime.max_threads() if k is None else k
 
 
 def launch(kernel: Any, *args: Any, work: int | None = None, limit: int = SMALL_WORK) -> None:
