@@ -114,7 +114,9 @@ class KernelRuntime:
       the cores); a forked child starts without them (:meth:`forget_threads`);
     * the kernel-thread ceiling: ``NUMBA_NUM_THREADS``, read once, as numba itself does;
     * the calling threads' kernel thread counts (a ``threading.local``: each thread its own);
-    * the mode :func:`set_mode` forces: by its contract a switch for the whole process, like ``$CCT_KERNELS``.
+    * the mode :func:`set_mode` forces: by its contract a switch for the whole process, like ``$CCT_KERNELS``;
+    * whether a first calibration has compiled the kernels ahead already
+      (:func:`cct.lowering.calibrate.precompile_kernels`): compiled code lives in the process.
 
     A test that needs a fresh state (numba failing to import, a module failing to load) builds its own
     and puts it in place of :data:`RUNTIME` for the test's duration.
@@ -128,6 +130,7 @@ class KernelRuntime:
         self.numba_error: str | None = None
         self.modules: dict[str, ModuleType] = {}
         self.failed: set[str] = set()
+        self.precompiled = False
         self.local = threading.local()
         self._max_threads: int | None = None
         self._idle: list[_Helper] = []
