@@ -126,26 +126,35 @@ def prototxt_corpus(include_shared: bool = True) -> list[tuple[str, bytes]]:
     return out
 
 
-_WEIGHTS_CACHE: dict[str, bytes] = {}
-_WEIGHTS_LOCK = threading.Lock()
+class BaseWeights:
+    """The serialized weights (``caffemodel`` or ``hdf5``) of :data:`WEIGHT_NET` that the weight cases
+    mutate, each built on first use and kept by whoever fuzzes (a test module, a fuzz worker) for its cases.
+    The values are fixed (not drawn from cct's generator), so a case is the same in every process."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: dict[str, bytes] = {}
 
-def _base_weights(fmt: str) -> bytes:
-    """The serialized weights (``caffemodel`` or ``hdf5``) of :data:`WEIGHT_NET`, built once."""
-    with _WEIGHTS_LOCK:
-        if fmt not in _WEIGHTS_CACHE:
-            from .net import Net
-            from .proto import caffe_pb2
+    def get(self, fmt: str) -> bytes:
+        """The weights in format ``fmt`` (``"caffemodel"`` or ``"hdf5"``)."""
+        with self._lock:
+            if fmt not in self._bytes:
+                from .net import Net
+                from .proto import caffe_pb2
 
-            net = Net(_net_param(WEIGHT_NET), caffe_pb2.TEST)
-            with tempfile.TemporaryDirectory(prefix="cct-fuzz-") as d:
-                path = os.path.join(d, "w.caffemodel" + (".h5" if fmt == "hdf5" else ""))
-                if fmt == "hdf5":
-                    net.save_hdf5(path)
-                else:
-                    net.save(path)
-                _WEIGHTS_CACHE[fmt] = Path(path).read_bytes()
-        return _WEIGHTS_CACHE[fmt]
+                net = Net(_net_param(WEIGHT_NET), caffe_pb2.TEST)
+                values = np.random.default_rng(0)  # fixed weights: a case is the same in every process (replays)
+                for blobs in net.params.values():
+                    for blob in blobs:
+                        blob.data[...] = values.standard_normal(blob.shape) * 0.1
+                with tempfile.TemporaryDirectory(prefix="cct-fuzz-") as d:
+                    path = os.path.join(d, "w.caffemodel" + (".h5" if fmt == "hdf5" else ""))
+                    if fmt == "hdf5":
+                        net.save_hdf5(path)
+                    else:
+                        net.save(path)
+                    self._bytes[fmt] = Path(path).read_bytes()
+            return self._bytes[fmt]
 
 
 def _net_param(text: str):
@@ -348,8 +357,10 @@ def mutate_hdf5(data: bytes, rng: random.Random) -> tuple[bytes, str]:
         return Path(path).read_bytes(), f"{name}/{key}:{op}"
 
 
-def make_case(kind: str, seed: int, corpus: list[tuple[str, bytes]] | None = None) -> Case:
-    """The deterministic case ``(kind, seed)``."""
+def make_case(kind: str, seed: int, corpus: list[tuple[str, bytes]] | None = None,
+              weights: BaseWeights | None = None) -> Case:
+    """The deterministic case ``(kind, seed)``: a mutation of a net from ``corpus`` (default
+    :func:`prototxt_corpus`), of ``weights`` (default: built for this case) or of a data record."""
     rng = random.Random(f"{kind}:{seed}")
     if kind == "prototxt":
         corpus = corpus if corpus is not None else prototxt_corpus()
@@ -357,10 +368,10 @@ def make_case(kind: str, seed: int, corpus: list[tuple[str, bytes]] | None = Non
         data, how = mutate_text(text, rng)
     elif kind == "caffemodel":
         origin = "tiny_lenet.caffemodel"
-        data, how = mutate_caffemodel(_base_weights("caffemodel"), rng)
+        data, how = mutate_caffemodel((weights or BaseWeights()).get("caffemodel"), rng)
     elif kind == "hdf5":
         origin = "tiny_lenet.caffemodel.h5"
-        data, how = mutate_hdf5(_base_weights("hdf5"), rng)
+        data, how = mutate_hdf5((weights or BaseWeights()).get("hdf5"), rng)
     elif kind in DATA_KINDS:
         data, origin, how = make_data_case(kind, rng, mutate_bytes)
     else:
@@ -455,5 +466,5 @@ def describe(case: Case, outcome: str, error: str = "") -> str:
     return f"{case.kind} seed={case.seed} origin={case.origin} mutation={case.mutation} -> {outcome} {error}".rstrip()
 
 
-__all__ = ["DATA_KINDS", "KINDS", "Case", "CaseTimeout", "alarm", "describe", "make_case", "mutate_bytes",
-           "mutate_caffemodel", "mutate_hdf5", "mutate_text", "prototxt_corpus", "run_case", "run_in"]
+__all__ = ["DATA_KINDS", "KINDS", "BaseWeights", "Case", "CaseTimeout", "alarm", "describe", "make_case",
+           "mutate_bytes", "mutate_caffemodel", "mutate_hdf5", "mutate_text", "prototxt_corpus", "run_case", "run_in"]

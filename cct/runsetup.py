@@ -139,3 +139,11 @@ def init_logging(quiet: bool, stream=None) -> None:
 
 
 # -- train -------------------------------------------------------------------------------------
+
+
+def load_weights(net, weights: str) -> None:
+    """Copy the trained weights named by a ``--weights`` flag (comma-separated .caffemodel/.h5 files, in
+    order) into ``net``."""
+    for w in (x.strip() for x in weights.split(",")):
+        if w:
+            net.copy_from(w)

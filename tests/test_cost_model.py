@@ -535,7 +535,7 @@ def test_precompile_kernels_fills_numba_cache_in_worker_processes(tmp_path, monk
     if not kernels.enabled():
         pytest.skip("compiled kernels unavailable")
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cal, "_precompiled", False)
+    monkeypatch.setattr(kernels, "RUNTIME", kernels.KernelRuntime())  # not precompiled yet
     here, warm_kernel = [], cal.warm_kernel
     monkeypatch.setattr(cal, "warm_kernel", here.append)
     assert cal.precompile_kernels(("train:elementwise", "train:pool", "type1:unlower"), processes=2) > 0

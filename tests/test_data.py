@@ -1,4 +1,5 @@
 """Data pipeline: databases, DataTransformer (Caffe's semantics), Data / ImageData / HDF5Data layers."""
+import os
 import sys
 import threading
 
@@ -10,7 +11,8 @@ from PIL import Image
 
 from cct import rng as cct_rng
 from cct.blob import Blob
-from cct.data.db import LMDBWriter, open_db, parse_datum
+from cct.data.db import OPEN_DATABASES, LMDBWriter, open_db, parse_datum
+from cct.data.decode_pool import DecodePool
 from cct.data.prefetch import Prefetcher
 from cct.data.transformer import DataTransformer, array_to_datum, decode_image, encode_image, image_to_datum
 from cct.errors import CctError
@@ -559,6 +561,69 @@ def test_prefetcher_order_exception_and_clean_shutdown():
     q.close()
     assert not q._thread.is_alive()
     assert threading.active_count() <= before
+
+
+def _decode_threads() -> int:
+    return sum(t.name.startswith("cct-decode") for t in threading.enumerate())
+
+
+def test_decode_pool_keeps_order_and_errors_and_close_stops_its_threads():
+    pool = DecodePool(workers=2)
+    seen = set()
+
+    def square(x):
+        seen.add(threading.current_thread().name)
+        return x * x
+
+    assert pool.map(square, list(range(50))) == [x * x for x in range(50)]
+    assert seen and all(name.startswith("cct-decode") for name in seen)  # decoded on the pool's threads
+    assert pool.map(square, [3], parallel=True) == [9] and pool.map(square, [1, 2], parallel=False) == [1, 4]
+
+    def fail_at_7(x):
+        if x == 7:
+            raise CctError(f"record {x} is corrupt")
+        return x
+
+    with pytest.raises(CctError, match="record 7 is corrupt"):
+        pool.map(fail_at_7, list(range(20)))
+    before = _decode_threads()
+    pool.close()
+    assert _decode_threads() <= before - 1  # this pool's threads ended
+    assert pool.map(square, [2, 3]) == [4, 9]  # a later batch starts them again
+    pool.close()
+    assert DecodePool(workers=1).map(square, [1, 2, 3]) == [1, 4, 9]  # one worker: no thread at all
+
+
+def test_data_layer_owns_its_decode_pool(tmp_path):
+    root, listfile, imgs, labels = write_images(tmp_path)
+    db = str(tmp_path / "db")
+    convert_imageset(root, listfile, db, encoded=True)
+    before = _decode_threads()
+    layer, top = make_layer(Data, data_layer_text(db, 5), TEST)
+    other, other_top = make_layer(Data, data_layer_text(db, 5), TEST)
+    a, b = batches(layer, top, 1)[0][0], batches(other, other_top, 1)[0][0]
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, np.stack([im.transpose(2, 0, 1) for im in imgs]))
+    if DecodePool().workers > 1:  # encoded records were decoded on threads: each layer's own
+        assert _decode_threads() >= before + 2
+    layer.close()
+    other.close()
+    assert _decode_threads() == before  # closing a layer stops its decoding threads
+
+
+def test_open_databases_share_one_handle_per_path_and_close_with_the_last_reader(tmp_path):
+    path = write_lmdb(tmp_path / "db", [np.zeros((1, 2, 2), np.uint8)] * 3)
+    key = os.path.realpath(path)
+    a, b = open_db(path), open_db(path)  # e.g. a TRAIN and a TEST net
+    assert OPEN_DATABASES.readers("lmdb", key) == 2 and len(a) == len(b) == 3
+    with pytest.raises(lmdb.Error, match="already open"):  # why the registry is per process
+        lmdb.open(key, readonly=True, lock=False)
+    a.close()
+    assert OPEN_DATABASES.readers("lmdb", key) == 1
+    assert [k for k, _ in b.items()] == [b"00000000", b"00000001", b"00000002"]
+    b.close()
+    assert OPEN_DATABASES.readers("lmdb", key) == 0
+    lmdb.open(key, readonly=True, lock=False).close()  # closed with the last reader: free to open again
 
 
 def test_image_to_datum_layout():

@@ -194,7 +194,7 @@ def test_fft_without_the_pocketfft_binding_takes_the_array_module_path(monkeypat
     place: the convolution still matches type 1 in every pass (dilated, strided, grouped)."""
     from cct.lowering import fft as fft_mod
 
-    monkeypatch.setattr(fft_mod, "_POCKETFFT", None)
+    monkeypatch.setattr(fft_mod, "pocketfft_binding", lambda: None)
     g = ConvGeometry(4, 6, 2, (9, 8), (3, 2), (1, 0), (2, 1), (1, 2), (5, 6), True)
     rng = np.random.default_rng(5)
     x = rng.standard_normal((3, 4, 9, 8))

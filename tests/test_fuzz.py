@@ -18,10 +18,11 @@ SETTINGS = dict(deadline=None, database=None, derandomize=True, suppress_health_
 # The big ImageNet nets take seconds each to build under fuzzing: the long run has them, CI does not.
 CORPUS = [(name, text) for name, text in fuzz.prototxt_corpus()
           if not any(big in name for big in ("alexnet", "caffenet", "googlenet", "rcnn", "flickr", "vgg"))]
+WEIGHTS = fuzz.BaseWeights()  # the weights the caffemodel/hdf5 cases mutate, built once for this module
 
 
 def _check(kind: str, seed: int) -> str:
-    case = fuzz.make_case(kind, seed, CORPUS if kind == "prototxt" else None)
+    case = fuzz.make_case(kind, seed, CORPUS if kind == "prototxt" else None, WEIGHTS)
     outcome = fuzz.run_case(case, timeout=30)
     assert outcome == "ok" or outcome.startswith("cct:"), fuzz.describe(case, outcome)
     return outcome
@@ -47,7 +48,7 @@ def test_mutated_hdf5(seed):
 
 def test_cases_are_deterministic_and_mutated():
     for kind in fuzz.KINDS:
-        a, b = fuzz.make_case(kind, 7, CORPUS), fuzz.make_case(kind, 7, CORPUS)
+        a, b = fuzz.make_case(kind, 7, CORPUS, WEIGHTS), fuzz.make_case(kind, 7, CORPUS)  # own weights: same
         assert a == b and a.mutation != "none"
     originals = dict(CORPUS)
     case = fuzz.make_case("prototxt", 7, CORPUS)

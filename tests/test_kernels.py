@@ -348,20 +348,22 @@ def test_kernel_modules_load():
     assert kernels.enabled()
 
 
-def test_kernel_module_load_failure_falls_back(monkeypatch):
-    monkeypatch.setattr(kernels, "_modules", {})
-    monkeypatch.setattr(kernels, "_failed", set())
-    monkeypatch.setattr(kernels, "numba_available", lambda: True)
+def test_kernel_module_load_failure_falls_back():
+    tried = []
 
     def broken(name):
+        tried.append(name)
         raise RuntimeError("no locator available")
 
-    monkeypatch.setattr(kernels.importlib, "import_module", broken)
-    assert kernels.get("pooling") is None and "pooling" in kernels._failed
+    runtime = kernels.KernelRuntime(import_module=broken)
+    runtime.numba_state = True  # as if numba imported: the module's own import fails
+    assert runtime.get("pooling") is None and runtime.failed == {"pooling"}
+    assert runtime.get("pooling") is None and tried == ["cct.kernels.pooling"]  # not tried again
+    assert runtime.modules == {}
 
 
 def test_env_var_forces_numpy(monkeypatch):
-    monkeypatch.setattr(kernels, "_forced", None)
+    monkeypatch.setattr(kernels, "RUNTIME", kernels.KernelRuntime())  # no set_mode override
     monkeypatch.setenv("CCT_KERNELS", "numpy")
     assert kernels.mode() == "numpy" and not kernels.enabled()
     assert not kernels.usable(np.zeros(3, np.float32))
@@ -375,7 +377,7 @@ def test_env_var_forces_numpy(monkeypatch):
 
 
 def test_numba_import_failure_falls_back(monkeypatch, caplog):
-    monkeypatch.setattr(kernels, "_numba_state", None)
+    monkeypatch.setattr(kernels, "RUNTIME", kernels.KernelRuntime())  # numba not tried yet
     monkeypatch.setitem(sys.modules, "numba", None)  # 'import numba' raises ImportError
     with caplog.at_level(logging.DEBUG, logger="cct"):
         assert not kernels.numba_available()

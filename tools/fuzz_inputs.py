@@ -39,13 +39,14 @@ def _worker(jobs: mp.Queue, results: mp.Queue, timeout: float, memory: int) -> N
     os.environ.setdefault("CCT_CALIBRATE", "0")
     _limit_memory(memory)
     corpus = fuzz.prototxt_corpus()
+    weights = fuzz.BaseWeights()  # built once per worker, mutated by every weight case
     _warm_up(corpus)
     while True:
         job = jobs.get()
         kind, seed = job
         results.put(("start", kind, seed, "", ""))
         try:
-            case = fuzz.make_case(kind, seed, corpus)
+            case = fuzz.make_case(kind, seed, corpus, weights)
             outcome, detail = fuzz.run_case(case, timeout=timeout), ""
             if outcome.startswith("other") or outcome == "timeout":
                 detail = fuzz.describe(case, outcome) + " | " + _error_text(case, timeout)

@@ -1,4 +1,6 @@
-"""Data input: Caffe databases (LMDB/LevelDB), the DataTransformer, image decoding, prefetching."""
+"""Data input: Caffe databases (LMDB/LevelDB), the DataTransformer, image decoding, prefetching, and the
+data layers' loaders (:mod:`.db_loader`, :mod:`.image_list_loader`, :mod:`.hdf5_loader`; their sharding and
+read-state bookkeeping in :mod:`.stream`, their decoding threads in :mod:`.decode_pool`)."""
 from .db import DB, Cursor, DBWriter, backend_name, open_db, open_writer, parse_datum
 from .prefetch import Prefetcher
 from .transformer import (

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..errors import CctError
 from ..proto import caffe_pb2
@@ -151,31 +152,49 @@ class LMDBCursor(Cursor):
             self._txn = None
 
 
-# py-lmdb refuses to open one environment twice in a process, while a TRAIN and a TEST net (or
-# two layers) may read the same database: share one read-only environment per path, refcounted.
-_ENVS: dict[tuple[str, str], list] = {}
-_ENVS_LOCK = threading.Lock()
+class OpenDatabases:
+    """The databases open for reading in this process, each shared by its readers and closed with the last.
+
+    Per process because the libraries allow one handle per database per process: py-lmdb refuses to open
+    an environment a second time ("already open in this process"; LMDB itself forbids it, as closing the
+    second handle would drop the first one's locks) and LevelDB holds its ``LOCK`` file for the process.
+    A TRAIN and a TEST net, or two layers, may read one database: they share its handle, refcounted, so
+    the registry cannot belong to one net or config. One instance, :data:`OPEN_DATABASES`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, str], list] = {}  # (backend, real path) -> [handle, readers]
+
+    def acquire(self, backend: str, key: str, opener: Callable[[], Any]) -> Any:
+        """The shared handle of database ``key`` (opened with ``opener()`` the first time), one reader more."""
+        with self._lock:
+            entry = self._open.get((backend, key))
+            if entry is None:
+                entry = self._open[(backend, key)] = [opener(), 0]
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, backend: str, key: str) -> None:
+        """One reader of ``key`` fewer; the last one closes the handle."""
+        with self._lock:
+            entry = self._open.get((backend, key))
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._open[(backend, key)]
+                entry[0].close()
+
+    def readers(self, backend: str, key: str) -> int:
+        """How many readers share the open handle of ``key`` (0: not open)."""
+        with self._lock:
+            entry = self._open.get((backend, key))
+            return 0 if entry is None else entry[1]
 
 
-def _acquire_env(backend: str, key: str, opener):
-    """The shared handle of database ``key`` (opened with ``opener()`` the first time), refcounted."""
-    with _ENVS_LOCK:
-        entry = _ENVS.get((backend, key))
-        if entry is None:
-            entry = _ENVS[(backend, key)] = [opener(), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _release_env(backend: str, key: str) -> None:
-    with _ENVS_LOCK:
-        entry = _ENVS.get((backend, key))
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _ENVS[(backend, key)]
-            entry[0].close()
+#: the process's open read handles (see :class:`OpenDatabases` for why they are per process)
+OPEN_DATABASES = OpenDatabases()
 
 
 class LMDB(DB):
@@ -202,7 +221,7 @@ class LMDB(DB):
             except lmdb.Error as e:
                 raise CctError(f"cannot open LMDB '{self.path}': {e}") from None
 
-        self._env = _acquire_env("lmdb", self._key, opener)
+        self._env = OPEN_DATABASES.acquire("lmdb", self._key, opener)
         self._entries = int(self._env.stat()["entries"])
 
     def __len__(self) -> int:
@@ -214,7 +233,7 @@ class LMDB(DB):
     def close(self) -> None:
         if self._env is not None:
             self._env = None
-            _release_env("lmdb", self._key)
+            OPEN_DATABASES.release("lmdb", self._key)
 
 
 class LevelDBCursor(Cursor):
@@ -270,7 +289,7 @@ class LevelDB(DB):
                 raise CctError(f"cannot open LevelDB '{self.path}': {e}") from None
 
         # LevelDB allows one open handle per process: TRAIN and TEST nets share it.
-        self._db = _acquire_env("leveldb", self._key, opener)
+        self._db = OPEN_DATABASES.acquire("leveldb", self._key, opener)
         self._entries: int | None = None
 
     def __len__(self) -> int:
@@ -291,7 +310,7 @@ class LevelDB(DB):
     def close(self) -> None:
         if self._db is not None:
             self._db = None
-            _release_env("leveldb", self._key)
+            OPEN_DATABASES.release("leveldb", self._key)
 
 
 def open_db(path: str | os.PathLike, backend: str | int = "lmdb", allow_empty: bool = False) -> DB:

@@ -3,7 +3,9 @@
 Each layer reads ahead in a background thread (:class:`cct.data.prefetch.Prefetcher`, queue
 depth ``data_param.prefetch``, default 4) so loading and transforming overlap compute;
 ``forward`` copies the next ready batch into the tops. Like Caffe's data layers they have no
-bottoms, no backward, and never take a gradient.
+bottoms, no backward, and never take a gradient. The layers check their parameters and set up; the
+reading is their loader's (:mod:`cct.data.db_loader`, :mod:`cct.data.image_list_loader`,
+:mod:`cct.data.hdf5_loader`).
 
 Randomness (crops, mirrors, shuffles, ``rand_skip``) comes from two generators private to the
 layer (one for the transforms, one for the record order, like Caffe's transformer and prefetch
@@ -11,8 +13,9 @@ RNGs), seeded by one draw of :func:`cct.rng.get_rng` at setup (only when the lay
 a run with a fixed ``random_seed`` is reproducible whatever the thread timing. As in Caffe,
 ``mirror: true`` flips at random in the TEST phase too; only the crop is centred in TEST.
 
-Decoding of encoded records (JPEG/PNG) and image files runs on a small shared thread pool
-(deterministic work, order kept); the transforms stay in record order on the prefetch thread.
+Decoding of encoded records (JPEG/PNG) and image files runs on a small thread pool
+(:mod:`cct.data.decode_pool`: deterministic work, order kept); the transforms stay in record order on the
+prefetch thread.
 
 Order of records (Caffe's): ``Data`` walks the database in key order and restarts from the
 first key at the end ("Restarting data prefetching from start."); ``ImageData`` walks the list
@@ -22,27 +25,27 @@ order and wraps around row by row, even inside a batch.
 Sharding (distributed training, :meth:`PrefetchingDataLayer.set_shard`): every loader counts the
 records it passes (``offset``, a counter of the layer's whole record stream that never wraps); a
 layer sharded as rank r of N keeps only the records whose offset is r modulo N and steps over the
-others, as Caffe's ``Skip()``. N ranks at batch b thus read, between them, exactly the records one
-process reads at batch N*b, each once.
+others, as Caffe's ``Skip()`` (:mod:`cct.data.stream`). N ranks at batch b thus read, between them,
+exactly the records one process reads at batch N*b, each once.
 """
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ..backend import in_device_memory
 from ..blob import Blob
-from ..data.db import open_db, parse_datum
+from ..data.db import open_db
+from ..data.db_loader import DBLoader
+from ..data.hdf5_loader import HDF5Loader, read_hdf5_list
+from ..data.image_list_loader import ImageListLoader
 from ..data.prefetch import Prefetcher
-from ..data.transformer import DataTransformer, read_image, read_numbered_image_list
+from ..data.transformer import DataTransformer, read_numbered_image_list
 from ..errors import CctError
 from ..proto import caffe_pb2
 from ..rng import get_rng
@@ -51,7 +54,6 @@ from .base import Layer, register
 log = logging.getLogger("cct")
 
 _LEGACY_TRANSFORM_FIELDS = ("scale", "mean_file", "crop_size", "mirror")
-_RESTART_MSG = "Restarting data prefetching from start."
 
 
 def _copy_to_blob(blob: Blob, arr: np.ndarray) -> None:
@@ -76,53 +78,12 @@ def child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Gene
     return np.random.default_rng(a), np.random.default_rng(b)
 
 
-def rng_state(rng: np.random.Generator | None) -> dict | None:
-    """The state of a layer's generator (None for none), for a data read state."""
-    return None if rng is None else rng.bit_generator.state
-
-
-def set_rng_state(rng: np.random.Generator | None, state: dict | None) -> None:
-    """Restore a state from :func:`rng_state` (nothing when either is None)."""
-    if rng is not None and state is not None:
-        rng.bit_generator.state = state
-
-
-def keeps(shard: tuple[int, int, int], offset: int) -> bool:
-    """Whether a loader sharded as ``(start, count, period)`` keeps the record at stream ``offset``."""
-    start, count, period = shard
-    return start <= offset % period < start + count
-
-
 def _rank_rng(rng: np.random.Generator | None, rank: int) -> None:
     """Give rank ``rank`` > 0 a transform stream of its own, derived from the shared one (rank 0 keeps
     the shared stream, so one rank reproduces a single process)."""
     if rng is not None and rank > 0:
         seed = int(rng.bit_generator.random_raw())
         rng.bit_generator.state = np.random.default_rng([seed, rank]).bit_generator.state
-
-
-def _resolve_listed(path: str, list_file: str) -> str:
-    """A path from a list file: as given (relative to the cwd, as Caffe), else relative to the list file."""
-    if os.path.isabs(path) or os.path.exists(path):
-        return path
-    alt = os.path.join(os.path.dirname(os.path.abspath(list_file)), path)
-    return alt if os.path.exists(alt) else path
-
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def map_ordered(fn, items: list, parallel: bool = True) -> list:
-    """``[fn(x) for x in items]``, on a shared thread pool for image decoding (order and errors kept)."""
-    global _POOL
-    workers = min(8, os.cpu_count() or 1)
-    if not parallel or len(items) < 2 or workers < 2:
-        return [fn(x) for x in items]
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cct-decode")
-    return list(_POOL.map(fn, items))
 
 
 def _shutdown(prefetcher: Prefetcher, loader: Any) -> None:
@@ -264,101 +225,6 @@ class PrefetchingDataLayer(Layer):
             self._finalizer()
 
 
-# --------------------------------------------------------------------------------------------
-# Data: LMDB / LevelDB of Datum records
-# --------------------------------------------------------------------------------------------
-class _DBLoader:
-    """Walks a database cursor in key order, wrapping at the end; builds transformed batches."""
-
-    def __init__(self, db, transformer: DataTransformer, batch_size: int, dtypes: list, skip: int):
-        self.db = db
-        self.path = db.path
-        self.cursor = db.cursor()
-        self.transformer = transformer
-        self.batch_size = batch_size
-        self.dtypes = dtypes
-        self.pos = 0  # records read since the first key, modulo the database size
-        self.offset = 0
-        for _ in range(skip % max(1, len(db))):  # wrapping past the end = starting over
-            self.next()
-        self.offset = 0  # records passed since setup (never wraps): the sharding counter
-        self.shard = (0, 1, 1)
-
-    def state(self) -> dict:
-        return {"pos": self.pos, "offset": self.offset, "transform_rng": rng_state(self.transformer.rng)}
-
-    def set_state(self, state: dict) -> None:
-        self.cursor.seek_to_first()
-        self.pos = 0
-        for _ in range(int(state["pos"]) % max(1, len(self.db))):
-            self.next()
-        self.offset = int(state.get("offset", 0))
-        set_rng_state(self.transformer.rng, state["transform_rng"])
-
-    def close(self) -> None:
-        self.cursor.close()
-        self.db.close()
-
-    def next(self) -> None:
-        self.cursor.next()
-        self.pos += 1
-        self.offset += 1
-        if not self.cursor.valid:
-            log.info(_RESTART_MSG)
-            self.cursor.seek_to_first()
-            self.pos = 0
-
-    def _array(self, key: bytes, datum: caffe_pb2.Datum) -> np.ndarray:
-        try:
-            return self.transformer.datum_array(datum)
-        except CctError as e:
-            raise CctError(f"record '{key.decode('utf-8', 'replace')}' in '{self.path}': {e}") from None
-
-    def current(self) -> tuple[bytes, np.ndarray, int]:
-        """The record under the cursor: (key, CxHxW pixels, label)."""
-        key = self.cursor.key
-        datum = parse_datum(self.cursor.value, key, self.path)
-        return key, self._array(key, datum), datum.label
-
-    def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
-        bs = self.batch_size
-        records = []
-        for _ in range(bs):  # read the batch's records in key order
-            while not keeps(self.shard, self.offset):  # another rank's record (Caffe's Skip)
-                self.next()
-            key = self.cursor.key
-            records.append((key, parse_datum(self.cursor.value, key, self.path)))
-            self.next()
-        # decoding (JPEG/PNG) is deterministic and releases the GIL: spread it over threads
-        arrays = map_ordered(lambda kd: self._array(*kd), records, parallel=records[0][1].encoded)
-        try:
-            shape = (bs,) + self.transformer.infer_shape(arrays[0])
-            data = buf[0] if buf is not None and buf[0].shape == shape else np.empty(shape, self.dtypes[0])
-            batched = self.transformer.transform_batch(arrays, data)  # deterministic: one sweep per batch
-        except CctError as e:
-            raise CctError(f"record '{records[0][0].decode('utf-8', 'replace')}' in '{self.path}': {e}") from None
-        if batched:
-            if len(self.dtypes) == 1:
-                return [data]
-            labels = buf[1] if buf is not None else np.empty((bs,), self.dtypes[1])
-            labels[...] = [datum.label for _, datum in records]
-            return [data, labels]
-        data = labels = None
-        for i, ((key, datum), arr) in enumerate(zip(records, arrays)):
-            try:
-                if i == 0:  # the first record of each batch sets its shape (Caffe)
-                    shape = (bs,) + self.transformer.infer_shape(arr)
-                    data = buf[0] if buf is not None and buf[0].shape == shape else np.empty(shape, self.dtypes[0])
-                    if len(self.dtypes) > 1:
-                        labels = buf[1] if buf is not None else np.empty((bs,), self.dtypes[1])
-                self.transformer.transform(arr, data[i])  # random draws stay in record order
-            except CctError as e:
-                raise CctError(f"record '{key.decode('utf-8', 'replace')}' in '{self.path}': {e}") from None
-            if labels is not None:
-                labels[i] = datum.label
-        return [data] if labels is None else [data, labels]
-
-
 @register("Data")
 class Data(PrefetchingDataLayer):
     """Caffe's Data layer: batches of Datum records from an LMDB or LevelDB (tops: data, [label])."""
@@ -390,7 +256,7 @@ class Data(PrefetchingDataLayer):
             skip = int(rng.integers(dp.rand_skip))
             log.info("Skipping first %d data points.", skip)
         dtypes = [top[0].dtype] + ([top[1].dtype] if len(top) > 1 else [])
-        loader = _DBLoader(db, transformer, int(dp.batch_size), dtypes, skip)
+        loader = DBLoader(db, transformer, int(dp.batch_size), dtypes, skip)
         try:
             _, first, _ = loader.current()
             shape = (int(dp.batch_size),) + transformer.infer_shape(first)
@@ -402,90 +268,6 @@ class Data(PrefetchingDataLayer):
         if len(top) > 1:
             top[1].reshape((int(dp.batch_size),))
         self._start(loader, dp.prefetch)
-
-
-# --------------------------------------------------------------------------------------------
-# ImageData: a list file of "path label" lines
-# --------------------------------------------------------------------------------------------
-class _ImageListLoader:
-    def __init__(self, lines, root: str, new_h: int, new_w: int, is_color: bool,
-                 transformer: DataTransformer, batch_size: int, dtypes: list, shuffle: bool,
-                 rng: np.random.Generator | None, start: int, source: str = "", line_of: dict | None = None):
-        self.lines = lines
-        self.source = source
-        self.line_of = line_of or {}  # path -> its (first) line in the list file, for error messages
-        self.root = root
-        self.new_h, self.new_w, self.is_color = new_h, new_w, is_color
-        self.transformer = transformer
-        self.batch_size = batch_size
-        self.dtypes = dtypes
-        self.shuffle = shuffle
-        self.rng = rng
-        self.pos = start
-        self._order = tuple(lines)  # the list order as of the last shuffle (states refer to it)
-        self.offset = 0  # images passed since setup (never wraps): the sharding counter
-        self.shard = (0, 1, 1)
-
-    def state(self) -> dict:
-        return {"pos": self.pos, "offset": self.offset, "lines": self._order if self.shuffle else None,
-                "rng": rng_state(self.rng), "transform_rng": rng_state(self.transformer.rng)}
-
-    def set_state(self, state: dict) -> None:
-        if state["lines"] is not None:
-            self.lines = [tuple(x) for x in state["lines"]]
-            self._order = tuple(self.lines)
-        self.pos = int(state["pos"])
-        self.offset = int(state.get("offset", 0))
-        set_rng_state(self.rng, state["rng"])
-        set_rng_state(self.transformer.rng, state["transform_rng"])
-
-    def _next(self) -> None:
-        self.pos += 1
-        self.offset += 1
-        if self.pos >= len(self.lines):
-            log.info(_RESTART_MSG)
-            self.pos = 0
-            if self.shuffle:
-                self.rng.shuffle(self.lines)
-                self._order = tuple(self.lines)
-
-    def where(self, name: str) -> str:
-        """``list:line: image 'path'`` for an error about the image listed as ``name``."""
-        line = self.line_of.get(name)
-        return f"{self.source}:{line}: image '{self.root + name}'" if line else f"image '{self.root + name}'"
-
-    def read(self, name: str) -> np.ndarray:
-        try:
-            return read_image(self.root + name, self.new_h, self.new_w, self.is_color)
-        except CctError as e:  # the message names the image file; add the list line
-            line = self.line_of.get(name)
-            raise (CctError(f"{self.source}:{line}: {e}") if line else e) from None
-
-    def image(self, i: int) -> np.ndarray:
-        return self.read(self.lines[i][0])
-
-    def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
-        bs = self.batch_size
-        picked = []
-        for _ in range(bs):
-            while not keeps(self.shard, self.offset):  # another rank's image (Caffe's Skip)
-                self._next()
-            picked.append(self.lines[self.pos])
-            self._next()
-        images = map_ordered(lambda item: self.read(item[0]), picked)
-        data = labels = None
-        for i, ((name, label), img) in enumerate(zip(picked, images)):
-            chw = img.transpose(2, 0, 1)
-            try:
-                if i == 0:
-                    shape = (bs,) + self.transformer.infer_shape(chw)
-                    data = buf[0] if buf is not None and buf[0].shape == shape else np.empty(shape, self.dtypes[0])
-                    labels = buf[1] if buf is not None else np.empty((bs,), self.dtypes[1])
-                self.transformer.transform(chw, data[i])
-            except CctError as e:
-                raise CctError(f"{self.where(name)}: {e}") from None
-            labels[i] = label
-        return [data, labels]
 
 
 @register("ImageData")
@@ -534,7 +316,7 @@ class ImageData(PrefetchingDataLayer):
                 raise self.error(f"not enough points to skip: rand_skip drew {start} but the list has "
                                  f"{len(lines)} images")
         dtypes = [top[0].dtype, top[1].dtype]
-        loader = _ImageListLoader(lines, ip.root_folder, new_h, new_w, ip.is_color, transformer,
+        loader = ImageListLoader(lines, ip.root_folder, new_h, new_w, ip.is_color, transformer,
                                   int(ip.batch_size), dtypes, ip.shuffle, rng, start, ip.source, line_of)
         try:
             first = loader.image(start)
@@ -544,144 +326,6 @@ class ImageData(PrefetchingDataLayer):
         top[0].reshape(shape)
         top[1].reshape((int(ip.batch_size),))
         self._start(loader, depth)
-
-
-# --------------------------------------------------------------------------------------------
-# HDF5Data: datasets named after the tops, in the .h5 files listed in a text file
-# --------------------------------------------------------------------------------------------
-def read_hdf5_list(source: str) -> list[str]:
-    """The .h5 file names listed (whitespace separated) in ``source``."""
-    try:
-        # Bytes as Caffe reads them: a non-UTF-8 path still names its file (surrogateescape, like os.fsdecode).
-        with open(source, encoding="utf-8", errors="surrogateescape") as f:
-            names = f.read().split()
-    except OSError as e:
-        raise CctError(f"failed to open HDF5 list file '{source}': {e.strerror}") from None
-    if not names:
-        raise CctError(f"must have at least 1 HDF5 filename listed in '{source}'")
-    return [_resolve_listed(n, source) for n in names]
-
-
-def load_hdf5_file(path: str, names: Sequence[str], dtypes: Sequence) -> list[np.ndarray]:
-    """Read the datasets ``names`` of one HDF5 file (same number of rows) as arrays of ``dtypes``."""
-    import h5py
-
-    try:
-        f = h5py.File(path, "r")
-    except OSError as e:
-        raise CctError(f"cannot open HDF5 file '{path}': {e}") from None
-    with f:
-        out = []
-        for name, dt in zip(names, dtypes):
-            if name not in f:
-                raise CctError(f"HDF5 file '{path}' has no dataset '{name}' (datasets are named after the tops)")
-            ds = f[name]
-            if not isinstance(ds, h5py.Dataset) or ds.ndim < 1:
-                raise CctError(f"HDF5 dataset '{name}' in '{path}' must be an array with at least 1 axis")
-            if ds.dtype.kind not in "fiub":
-                raise CctError(f"HDF5 dataset '{name}' in '{path}' is not numeric ({ds.dtype})")
-            out.append(np.asarray(ds[...], dtype=dt))
-    n = out[0].shape[0]
-    for name, arr in zip(names, out):
-        if arr.shape[0] != n:
-            raise CctError(f"HDF5 file '{path}': dataset '{name}' has {arr.shape[0]} rows, "
-                           f"'{names[0]}' has {n}")
-    if n == 0:
-        raise CctError(f"HDF5 file '{path}' has no rows")
-    return out
-
-
-class _HDF5Loader:
-    def __init__(self, files: list[str], names: list[str], dtypes: list, batch_size: int,
-                 shuffle: bool, rng: np.random.Generator | None):
-        self.files = files
-        self.names = names
-        self.dtypes = dtypes
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.rng = rng
-        self.file_perm = np.arange(len(files))
-        if shuffle:
-            self.file_perm = rng.permutation(self.file_perm)
-        self.cur_file = 0
-        self.arrays: list[np.ndarray] = []
-        self.trailing: list[tuple[int, ...]] | None = None
-        self._load(self.files[self.file_perm[0]])
-        self.offset = 0  # rows passed since setup (never wraps): the sharding counter
-        self.shard = (0, 1, 1)
-
-    def state(self) -> dict:
-        # file_perm and row_perm are replaced, never mutated, so a state can refer to them.
-        return {"cur_file": self.cur_file, "file_perm": self.file_perm, "cur_row": self.cur_row,
-                "row_perm": self.row_perm, "offset": self.offset, "rng": rng_state(self.rng)}
-
-    def set_state(self, state: dict) -> None:
-        self.file_perm = np.asarray(state["file_perm"], dtype=np.int64)
-        self.cur_file = int(state["cur_file"])
-        self._load(self.files[self.file_perm[self.cur_file]], permute=False)
-        self.row_perm = None if state["row_perm"] is None else np.asarray(state["row_perm"], dtype=np.int64)
-        self.cur_row = int(state["cur_row"])
-        self.offset = int(state.get("offset", 0))
-        set_rng_state(self.rng, state["rng"])
-
-    def _load(self, path: str, permute: bool = True) -> None:
-        arrays = load_hdf5_file(path, self.names, self.dtypes)
-        trailing = [a.shape[1:] for a in arrays]
-        if self.trailing is None:
-            self.trailing = trailing
-        elif trailing != self.trailing:
-            raise CctError(f"HDF5 file '{path}': dataset shapes {trailing} differ from the first file's "
-                           f"{self.trailing}")
-        self.arrays = arrays
-        self.rows = arrays[0].shape[0]
-        self.row_perm = self.rng.permutation(self.rows) if (self.shuffle and permute) else None
-        self.cur_row = 0
-
-    def _end_of_file(self) -> None:
-        if len(self.files) > 1:
-            self.cur_file += 1
-            if self.cur_file == len(self.files):
-                self.cur_file = 0
-                if self.shuffle:
-                    self.file_perm = self.rng.permutation(self.file_perm)
-            self._load(self.files[self.file_perm[self.cur_file]])
-        self.cur_row = 0
-        if self.shuffle:
-            self.row_perm = self.rng.permutation(self.rows)
-
-    def _next_row(self) -> None:
-        self.cur_row += 1
-        self.offset += 1
-        if self.cur_row == self.rows:
-            self._end_of_file()
-
-    def load(self, buf: list[np.ndarray] | None) -> list[np.ndarray]:
-        bs = self.batch_size
-        outs = buf if buf is not None else [np.empty((bs,) + t, dt) for t, dt in zip(self.trailing, self.dtypes)]
-        if self.shard[2] > 1:  # row by row, stepping over the other ranks' rows (Caffe's Skip)
-            for pos in range(bs):
-                while not keeps(self.shard, self.offset):
-                    self._next_row()
-                row = self.cur_row if self.row_perm is None else self.row_perm[self.cur_row]
-                for out, arr in zip(outs, self.arrays):
-                    out[pos] = arr[row]
-                self._next_row()
-            return outs
-        pos = 0
-        while pos < bs:
-            n = min(bs - pos, self.rows - self.cur_row)
-            if self.row_perm is None:
-                idx: Any = slice(self.cur_row, self.cur_row + n)
-            else:
-                idx = self.row_perm[self.cur_row:self.cur_row + n]
-            for out, arr in zip(outs, self.arrays):
-                out[pos:pos + n] = arr[idx]
-            pos += n
-            self.cur_row += n
-            self.offset += n
-            if self.cur_row == self.rows:
-                self._end_of_file()
-        return outs
 
 
 @register("HDF5Data")
@@ -707,7 +351,7 @@ class HDF5Data(PrefetchingDataLayer):
             log.info("Loading list of HDF5 filenames from: %s", hp.source)
             files = read_hdf5_list(hp.source)
             log.info("Number of HDF5 files: %d", len(files))
-            loader = _HDF5Loader(files, names, [b.dtype for b in top], int(hp.batch_size), hp.shuffle, rng)
+            loader = HDF5Loader(files, names, [b.dtype for b in top], int(hp.batch_size), hp.shuffle, rng)
         except CctError as e:
             raise self.error(str(e)) from None
         for blob, trailing in zip(top, loader.trailing):

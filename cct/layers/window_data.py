@@ -37,11 +37,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..blob import Blob
+from ..data.decode_pool import DecodePool
+from ..data.stream import rng_state, set_rng_state
 from ..data.transformer import DataTransformer, decode_image, read_image, resize_bilinear
 from ..errors import CctError
 from ..proto import caffe_pb2
 from .base import log, register
-from .data import PrefetchingDataLayer, child_rngs, map_ordered, rng_state, set_rng_state
+from .data import PrefetchingDataLayer, child_rngs
 
 # window layout (Caffe's WindowDataLayer enum)
 IMAGE_INDEX, LABEL, OVERLAP, X1, Y1, X2, Y2 = range(7)
@@ -175,6 +177,7 @@ class _WindowLoader:
         self.num_fg = int(np.float32(self.batch_size) * np.float32(p.fg_fraction))
         self.mean = layer.mean
         self.mean_values = layer.mean_values
+        self.decode = DecodePool()  # the windows of a batch are read and warped side by side
         self.cache: dict[int, bytes] | None = None
         if p.cache_images:
             self.cache = {}
@@ -187,6 +190,10 @@ class _WindowLoader:
 
     def state(self) -> dict:
         return {"rng": rng_state(self.rng)}
+
+    def close(self) -> None:
+        """Stop the decoding threads."""
+        self.decode.close()
 
     def set_state(self, state: dict) -> None:
         set_rng_state(self.rng, state["rng"])
@@ -228,7 +235,7 @@ class _WindowLoader:
                 window = pool[self._draw() % len(pool)]
                 do_mirror = self.mirror and self._draw() % 2 == 1
                 items.append((window, do_mirror))
-        warped = map_ordered(self._warp, items)
+        warped = self.decode.map(self._warp, items)
         for i, ((window, _), (img, pad_h, pad_w)) in enumerate(zip(items, warped)):
             h, w = img.shape[:2]
             pix = img.transpose(2, 0, 1).astype(dt)

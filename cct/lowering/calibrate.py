@@ -231,7 +231,6 @@ def _measure_lowerings_once(sizes: tuple[tuple[int, int], ...], repeats: int) ->
 #: and 2.75 s for the direct passes while they included the 3x3 forward variant (now deferred,
 #: :data:`DEFERRED_RATES`); importing cct and numba takes a worker ~1 s more.
 WARM_JOBS = ("direct:fwd", "type1:lower", "direct:wgrad", "type1:unlower", "train:pool", "train:elementwise")
-_precompiled = False
 
 
 def warm_kernel(job: str) -> None:
@@ -284,14 +283,14 @@ def precompile_kernels(jobs: Sequence[str] = WARM_JOBS, processes: int | None = 
     kernels off, or when this process has done it already. The workers are fresh interpreters running
     this module's :func:`warm_kernel` (not ``multiprocessing``, which would re-run a calling script that
     lacks a ``__main__`` guard); they write into numba's on-disk cache, where this process finds them."""
-    global _precompiled
     n = min(len(jobs), processes or os.cpu_count() or 1)
-    if _precompiled or n < 2 or not kernels.enabled():
+    runtime = kernels.RUNTIME  # compiled code lives in the process: so does the note that it was compiled
+    if runtime.precompiled or n < 2 or not kernels.enabled():
         return 0.0
     import subprocess
     from pathlib import Path
 
-    _precompiled = True
+    runtime.precompiled = True
     t0 = time.perf_counter()
     root = str(Path(__file__).resolve().parents[2])  # the directory that holds this cct package
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))

@@ -23,6 +23,8 @@ pick ``b_p`` (and the number of parallel partitions) by these predictions.
 """
 from __future__ import annotations
 
+import functools
+import glob
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -209,30 +211,26 @@ class Machine:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-_cache_size: int | None = None
 # Fraction of the last-level cache one GEMM's operands may count on: the layer's input, output and
 # gradient arrays, the other batch partitions and other processes share it (measured on a 2-core
 # Zen 5 with 32 MiB L3: chunks of up to ~1/4 of it per partition ran fastest for cifar10_quick).
 CACHE_SHARE = 0.5
 
 
+@functools.cache
 def detect_cache_bytes() -> int:
-    """Size of the last-level CPU cache (sysfs; 8 MiB if unknown)."""
-    global _cache_size
-    if _cache_size is None:
-        best = 0
-        import glob
-
-        for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-            try:
-                with open(path) as f:
-                    txt = f.read().strip().upper()
-                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
-                best = max(best, int(txt.rstrip("KMG")) * mult)
-            except (OSError, ValueError):
-                continue
-        _cache_size = best or (8 << 20)
-    return _cache_size
+    """Size of the last-level CPU cache (sysfs; 8 MiB if unknown): a fact about the machine, read once per
+    process."""
+    best = 0
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                txt = f.read().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
+            best = max(best, int(txt.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or (8 << 20)
 
 
 def _stream_ns_from_curves(machine: Machine) -> float:

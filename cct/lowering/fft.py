@@ -33,6 +33,7 @@ model follow ZNNi Table I (``("fft", flops, points)`` per transform stage and co
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections import OrderedDict
@@ -47,8 +48,11 @@ from .base import IntoLowering, register_strategy
 from .geometry import ConvGeometry
 
 
-def _pocketfft() -> Any:
-    """scipy's pocketfft binding (transforms into given arrays), or None where it is missing."""
+@functools.cache
+def pocketfft_binding() -> Any:
+    """scipy's pocketfft binding (transforms into given arrays), or None where it is missing: imported on the
+    first transform (importing scipy.fft takes ~0.3 s, which every ``import cct`` paid when this was loaded
+    with the module), once per process, as any import."""
     try:
         from scipy.fft._pocketfft import pypocketfft
     except ImportError:  # a scipy without it: the public API, results copied into place
@@ -56,17 +60,9 @@ def _pocketfft() -> Any:
     return pypocketfft if all(hasattr(pypocketfft, f) for f in ("r2c", "c2c", "c2r")) else None
 
 
-_UNLOADED = object()
-#: the binding, loaded on the first transform (importing scipy.fft takes ~0.3 s, which every ``import cct``
-#: paid when this was loaded with the module)
-_POCKETFFT: Any = _UNLOADED
-
-
-def _native(xp: Any) -> bool:
-    global _POCKETFFT
-    if _POCKETFFT is _UNLOADED:
-        _POCKETFFT = _pocketfft()
-    return xp is np and _POCKETFFT is not None
+def _native(xp: Any) -> Any:
+    """The pocketfft binding when ``xp`` is numpy and scipy has it, else None (the array module's FFT)."""
+    return pocketfft_binding() if xp is np else None
 
 
 def _workers() -> int:
@@ -77,8 +73,9 @@ def _r2c(a: Any, axis: int, conjugate: bool, out: Any) -> Any:
     """``out[...]`` = the half spectrum of real ``a`` along ``axis`` (its whole length); its conjugate
     with ``conjugate``."""
     xp = get_array_module(a)
-    if _native(xp):
-        return _POCKETFFT.r2c(a, (axis,), not conjugate, 0, out, _workers())
+    pocketfft = _native(xp)
+    if pocketfft is not None:
+        return pocketfft.r2c(a, (axis,), not conjugate, 0, out, _workers())
     r = xp.fft.rfft(a, axis=axis)
     out[...] = xp.conj(r) if conjugate else r
     return out
@@ -88,8 +85,9 @@ def _c2c(a: Any, axis: int, negative: bool, scale: bool, out: Any) -> Any:
     """``out[...]`` (``out`` may be ``a``) = the complex transform of ``a`` along ``axis`` with a
     negative (``negative``) or positive exponent, divided by the length with ``scale``."""
     xp = get_array_module(a)
-    if _native(xp):
-        return _POCKETFFT.c2c(a, (axis,), negative, 2 if scale else 0, out, _workers())
+    pocketfft = _native(xp)
+    if pocketfft is not None:
+        return pocketfft.c2c(a, (axis,), negative, 2 if scale else 0, out, _workers())
     if negative:
         out[...] = xp.fft.fft(a, axis=axis, norm="forward" if scale else "backward")
     else:
@@ -101,8 +99,9 @@ def _c2r(a: Any, axis: int, points: int, conjugate: bool, out: Any) -> Any:
     """``out[...]`` = the real inverse (divided by ``points``) along ``axis`` of the half spectrum
     ``a``, or of the spectrum whose conjugate ``a`` is (``conjugate``)."""
     xp = get_array_module(a)
-    if _native(xp):
-        return _POCKETFFT.c2r(a, (axis,), points, conjugate, 2, out, _workers())
+    pocketfft = _native(xp)
+    if pocketfft is not None:
+        return pocketfft.c2r(a, (axis,), points, conjugate, 2, out, _workers())
     out[...] = xp.fft.irfft(xp.conj(a) if conjugate else a, n=points, axis=axis)
     return out
 
