@@ -30,7 +30,7 @@ a.add_argument("--devices", default=None, help="split each rank's batch over the
 a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (the root rank writes it)")
 a.add_argument("--test_batch", type=int, default=None, help="TEST-phase data layers read this batch (default BATCH)")
 a.add_argument("--parallel", default="data",
-               help="data, owt, owtN (the tail split n=N), conv:L1,L2 (conv layers by output channel), auto, FILE")
+               help="data, owt, owtN (the tail split n=N), conv:L1,L2 (conv layers by output channel), spatial:h=2:L1,L2 (by height/width), auto, FILE")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -71,7 +71,7 @@ if args.die:
             raise CctError(f"injected failure at iteration {solver.iter}")
 
     solver.add_callback(on_start=die)
-owt = None
+owt, all_bytes = None, None
 if solver.comm is not None and solver.comm.size > 1:
     from cct.distributed import abort_on_error
 
@@ -84,6 +84,12 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.convsplit import enable_conv_split
 
             owt = enable_conv_split(solver, args.parallel[5:].split(","))
+        elif args.parallel.startswith("spatial:"):  # spatial:h=2:conv1,pool1
+            from cct.parallel_plan.spatial import enable_spatial_split
+            from cct.parallel_plan.split import Split
+
+            _, how, names = args.parallel.split(":")
+            owt = enable_spatial_split(solver, {name: Split.parse(how) for name in names.split(",")})
         elif args.parallel != "data":  # auto or a plan file
             from cct.parallel_plan.execute import setup_parallel
 
@@ -93,6 +99,7 @@ if solver.comm is not None and solver.comm.size > 1:
         solver.solve(args.resume)
         if owt is not None:
             owt.gather_owned(solver.history)
+            all_bytes = solver.comm.allgather_obj(owt.bytes_moved)
 else:
     solver.solve(args.resume)
 if solver.is_root:
@@ -101,4 +108,4 @@ if solver.is_root:
         json.dump({"losses": losses, "ranks": 1 if solver.parallel is None else solver.parallel.size,
                    "shares": None if solver.parallel is None else solver.parallel.shares,
                    "stats": None if solver.parallel is None else solver.parallel.sync.stats.as_dict(),
-                   "owt_bytes": None if owt is None else owt.bytes_moved}, f)
+                   "owt_bytes": None if owt is None else owt.bytes_moved, "split_bytes_all": all_bytes}, f)
