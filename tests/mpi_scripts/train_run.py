@@ -30,7 +30,8 @@ a.add_argument("--devices", default=None, help="split each rank's batch over the
 a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (the root rank writes it)")
 a.add_argument("--test_batch", type=int, default=None, help="TEST-phase data layers read this batch (default BATCH)")
 a.add_argument("--parallel", default="data",
-               help="data, owt, owtN (the tail split n=N), conv:L1,L2 (conv layers by output channel), spatial:h=2:L1,L2 (by height/width), auto, FILE")
+               help="data, owt, owtN (the tail split n=N), conv:L1,L2 (conv layers by output channel), "
+                    "spatial:h=2:L1,L2;w=2:L3 (by height/width), auto, FILE")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -84,12 +85,13 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.convsplit import enable_conv_split
 
             owt = enable_conv_split(solver, args.parallel[5:].split(","))
-        elif args.parallel.startswith("spatial:"):  # spatial:h=2:conv1,pool1
+        elif args.parallel.startswith("spatial:"):  # spatial:h=2:conv1,pool1[;w=2:conv2]
             from cct.parallel_plan.spatial import enable_spatial_split
             from cct.parallel_plan.split import Split
 
-            _, how, names = args.parallel.split(":")
-            owt = enable_spatial_split(solver, {name: Split.parse(how) for name in names.split(",")})
+            groups = [g.split(":") for g in args.parallel[8:].split(";")]
+            owt = enable_spatial_split(solver, {name: Split.parse(how) for how, names in groups
+                                                for name in names.split(",")})
         elif args.parallel != "data":  # auto or a plan file
             from cct.parallel_plan.execute import setup_parallel
 
