@@ -92,7 +92,8 @@ def test_plan_files_with_channel_split_convolutions_are_in_the_executed_family(c
     assert channel_split_convs(plan, priced) == ["conv1", "conv2"]
     both = tail_plan(priced, tail, 1)  # OWT's tail and a conv split: not executed together yet
     both.splits["conv2"] = Split(c=2)
-    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*convolutions split c=2 with the tail n=2"):
+    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*convolutions split c=2 or convolutions "
+                                        r"and poolings h\*w=2 \(one of the two\) with the tail n=2"):
         sample_groups_of(both, priced, tail)
     pool = tail_plan(priced, tail, 2)
     pool.splits["pool1"] = Split(c=2)  # only convolutions take a channel split

@@ -12,6 +12,8 @@ from mpirun import needs_mpi, run_mpi, script
 import cct
 from cct.io.prototxt import read_net_prototxt, write_text_file
 from cct.parallel_plan.boxexchange import intersect
+from cct.parallel_plan.costs import price
+from cct.parallel_plan.execute import sample_groups_of, spatial_split_layers, tail_plan
 from cct.parallel_plan.graph import graph_from_net
 from cct.parallel_plan.spatial import SpatialSplitExecutor
 from cct.parallel_plan.split import PlanError, Split
@@ -89,10 +91,14 @@ def test_padded_uneven_and_changing_bands_on_three_ranks_equal_one_process(case,
     """The padded net on 3 ranks at batch 2: conv1 and pool1 (with its in-place ReLU) split h=3 (28 rows:
     9/9/10 with explicit zero padding; 14 rows: 4/5/5), conv2 and pool2 split w=3 (14 columns: 4/5/5, 7:
     2/2/3): the change from rows to columns is one exchange; 4 SGD iterations end with one process's
-    weights at batch 6 (fresh weights: the same seed), with the planner's byte count."""
+    weights at batch 6 (fresh weights: the same seed), with the planner's byte count. The splits are
+    given as a plan file (``cct train --parallel FILE``)."""
     _padded_net(case)
     one = dp._train(case, 0, 6, 4, case / "one.caffemodel")
-    mixed = _train(case, 3, 2, 4, "mixed.caffemodel", "--parallel", "spatial:h=3:conv1,pool1;w=3:conv2,pool2")
+    nodes = {"mnist": "n=3", "conv1": "h=3", "pool1": "h=3", "conv2": "w=3", "pool2": "w=3", "ip1": "n=3",
+             "ip2": "n=3", "loss": "n=3"}
+    (case / "bands.plan").write_text("workers: 3\n" + "".join(f"{k}: {v}\n" for k, v in nodes.items()))
+    mixed = _train(case, 3, 2, 4, "mixed.caffemodel", "--parallel", str(case / "bands.plan"))  # as cct train runs it
     assert "Spatial split on 3 MPI ranks: conv1 h=3 w=1, pool1 h=3 w=1, conv2 h=1 w=3, pool2 h=1 w=3" in mixed.stderr
     dp._compare(case / "mixed.caffemodel", case / "one.caffemodel", 1e-5)
     assert "loss = " in one.stderr
@@ -142,3 +148,22 @@ def test_intersections_of_boxes():
     b = np.array([[2, 6], [0, 3], [8, 12], [1, 2]])
     assert intersect(a, b).tolist() == [[2, 4], [0, 3], [8, 10], [1, 2]]
     assert intersect(a, b + np.array([[0, 0], [0, 0], [2, 2], [0, 0]])) is None
+
+
+def test_plan_files_with_spatial_splits_are_in_the_executed_family(case, monkeypatch):
+    monkeypatch.chdir(case)
+    net = cct.Net("net.prototxt", "TRAIN")
+    priced = price(graph_from_net(net, 8), 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
+        "seconds": lambda self, g, i, s: np.zeros(len(s))})())
+    tail = {"ip1", "ip2"}
+    plan = tail_plan(priced, tail, 2)
+    plan.splits["conv1"], plan.splits["pool1"] = Split(h=2), Split(w=2)
+    assert sample_groups_of(plan, priced, tail) == 2
+    assert spatial_split_layers(plan, priced) == {"conv1": Split(h=2), "pool1": Split(w=2)}
+    plan.splits["conv2"] = Split(c=2)  # a channel split beside spatial ones: not executed together yet
+    with pytest.raises(PlanError, match=r"layer 'conv1' n=1 h=2 w=1 c=1: cct train executes"):
+        sample_groups_of(plan, priced, tail)
+    owt = tail_plan(priced, tail, 1)
+    owt.splits["conv1"] = Split(h=2)
+    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*h\*w=2 \(one of the two\) with the tail"):
+        sample_groups_of(owt, priced, tail)

@@ -4,7 +4,8 @@ The executed family: every layer below the fully-connected tail split by sample 
 parallelism), the tail's InnerProduct layers (with the element-wise layers between them) all split
 ``n=a, c=N/a`` (:func:`~.owt.enable_owt` with ``a`` sample groups; ``a = N`` is data parallelism,
 ``a = 1`` OWT), the layers above the tail (the loss) by sample; or, with the tail by sample, some
-convolutions split ``c=N`` by output channel (:mod:`.convsplit`; plan files only). ``auto`` prices
+convolutions split ``c=N`` by output channel (:mod:`.convsplit`; plan files only), or some convolutions
+and poolings split ``h=a w=N/a`` by height and width (:mod:`.spatial`; plan files only). ``auto`` prices
 every member of the family (not the convolution splits yet) with the cost model, logs the cheapest
 next to DeePa's unrestricted optimum, then measures every member on the ranks (:mod:`.measured`) and
 runs data parallelism unless another member is measured faster by a margin (so ``auto`` is never
@@ -27,6 +28,7 @@ from .owt import enable_owt, tail_layers
 from .planfile import read_plan
 from .plans import Plan, optimal
 from .report import comparison, plan_table
+from .spatial import enable_spatial_split
 from .split import PlanError, Split, divisors
 
 log = logging.getLogger("cct")
@@ -47,26 +49,41 @@ def channel_split_convs(plan: Plan, priced: PricedGraph) -> list[str]:
             if node.kind == "conv" and plan.splits.get(node.name) == Split(c=n)]
 
 
+def spatial_split_layers(plan: Plan, priced: PricedGraph) -> dict[str, Split]:
+    """The convolution and pooling nodes ``plan`` splits by height and width over all workers
+    (``h=a w=N/a``, :mod:`.spatial`), in net order."""
+    n = priced.workers
+    return {node.name: s for node in priced.graph.nodes
+            if node.kind in ("conv", "pool") and (s := plan.splits.get(node.name)) is not None
+            and s.n == s.c == 1 and s.workers == n and s.h * s.w > 1}
+
+
 def sample_groups_of(plan: Plan, priced: PricedGraph, tail: set[str]) -> int:
     """The tail's sample groups of ``plan`` if it is in the executed family; else a :class:`PlanError`.
     The family: every layer ``n=N`` except the tail's ``n=a c=N/a`` (one for all its layers), or,
-    with the tail by sample, convolutions ``c=N`` (:mod:`.convsplit`)."""
+    with the tail by sample, convolutions ``c=N`` (:mod:`.convsplit`), or convolutions and poolings
+    ``h=a w=N/a`` (:mod:`.spatial`; not with channel splits yet)."""
     plan.assignment(priced)  # every node configured, each configuration possible
     n = priced.workers
     groups = {plan.splits[name].n for name in tail}
     convs = set(channel_split_convs(plan, priced))
+    spatial = set(spatial_split_layers(plan, priced))
+    below = convs | spatial
     for node in priced.graph.nodes:
         s = plan.splits[node.name]
         if node.name in tail:
-            ok = s.h == s.w == 1 and s.workers == n and len(groups) == 1 and (not convs or s == Split(n=n))
+            ok = s.h == s.w == 1 and s.workers == n and len(groups) == 1 and (not below or s == Split(n=n))
+        elif convs and spatial:
+            ok = s == Split(n=n)  # channel and spatial splits are not combined yet
         else:
-            ok = s == Split(n=n) or node.name in convs
+            ok = s == Split(n=n) or node.name in below
         if not ok:
             line = plan.lines.get(node.name)
             where = f"{plan.source}: line {line}: " if plan.source and line else ""
             raise PlanError(f"{where}layer '{node.name}' {s}: cct train executes plans whose layers are split n={n} "
                             f"except the fully-connected tail ({', '.join(sorted(tail))}), which takes one n=a c={n}/a "
-                            f"for all its layers, or convolutions split c={n} with the tail n={n} (not both yet); "
+                            f"for all its layers, or convolutions split c={n} or convolutions and poolings h*w={n} "
+                            f"(one of the two) with the tail n={n}; "
                             f"'cct plan --parallel FILE' prices any plan")
     return groups.pop()
 
@@ -92,7 +109,7 @@ def setup_parallel(solver, parallel: str) -> None:
     chosen = None
     if comm.is_root:
         chosen = _choose(solver, plan, tail, cluster)
-    groups, convs = comm.bcast_obj(chosen)
+    groups, convs, spatial = comm.bcast_obj(chosen)
     if plan is None and net.executor is not None:  # --devices: the tail splits cannot run with it yet
         if comm.is_root:
             log.info("--parallel auto: the train net has its own executor (--devices); data parallelism")
@@ -103,6 +120,8 @@ def setup_parallel(solver, parallel: str) -> None:
         groups = measured_choice(solver, candidates, names, _rank_batch(net))
     if convs:
         enable_conv_split(solver, convs)
+    elif spatial:
+        enable_spatial_split(solver, spatial)
     elif groups != n:
         enable_owt(solver, groups)
 
@@ -112,9 +131,10 @@ def _rank_batch(net) -> int:
     return int(net.blobs[net.bottom_names[tail_layers(net)[0]][0]].shape[0])
 
 
-def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> tuple[int, list[str]]:
-    """(the tail's sample groups, the convolutions split by channel) of the plan file, or of the model's
-    cheapest family member (``plan`` None); logs the estimates."""
+def _choose(solver, plan: Plan | None, tail: set[str],
+            cluster: Cluster) -> tuple[int, list[str], dict[str, Split]]:
+    """(the tail's sample groups, the convolutions split by channel, the layers split by height and width)
+    of the plan file, or of the model's cheapest family member (``plan`` None); logs the estimates."""
     net, n = solver.net, cluster.workers
     batch = _rank_batch(net)
     graph = graph_from_net(net, n * batch)
@@ -124,11 +144,13 @@ def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> tupl
     family = {a: tail_plan(priced, tail, a) for a in divisors(n)}
     estimates = {p.strategy: priced.estimate(p.assignment(priced)) for p in family.values()}
     convs: list[str] = []
+    spatial: dict[str, Split] = {}
     if plan is not None:
         groups = sample_groups_of(plan, priced, tail)
         convs = channel_split_convs(plan, priced)
-        chosen = plan if convs else family[groups]
-        if convs:
+        spatial = spatial_split_layers(plan, priced)
+        chosen = plan if convs or spatial else family[groups]
+        if convs or spatial:
             estimates[plan.strategy] = priced.estimate(plan.assignment(priced))
     else:
         chosen = min(family.values(), key=lambda p: estimates[p.strategy].seconds)
@@ -144,4 +166,4 @@ def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> tupl
         log.info("%s", line)
     log.info("DeePa's unrestricted optimum (%d nodes left after elimination) is priced, not executed: it splits %s",
              residual, ", ".join(f"{k} {v}" for k, v in best.splits.items() if v != Split(n=n)) or "nothing else")
-    return groups, convs
+    return groups, convs, spatial
