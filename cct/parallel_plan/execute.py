@@ -15,20 +15,21 @@ first layer that cannot be executed yet.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from .. import blas
 from .cluster import Cluster
 from .compute import ScaledCompute, compute_cache, reference_rates
-from .convsplit import enable_conv_split
+from .convsplit import ConvChannelSplitExecutor, enable_conv_split
 from .costs import PricedGraph, price
 from .graph import graph_from_net
 from .links import cluster_of_ranks, measure_links
-from .measured import measured_choice
-from .owt import enable_owt, tail_layers
+from .measured import Candidate, measured_choice
+from .owt import ChannelSplitExecutor, enable_owt, tail_layers
 from .planfile import read_plan
 from .plans import Plan, optimal
 from .report import comparison, plan_table
-from .spatial import enable_spatial_split
+from .spatial import SpatialSplitExecutor, enable_spatial_split
 from .split import PlanError, Split, divisors
 
 log = logging.getLogger("cct")
@@ -115,15 +116,55 @@ def setup_parallel(solver, parallel: str) -> None:
             log.info("--parallel auto: the train net has its own executor (--devices); data parallelism")
         return
     if plan is None:  # auto: the model's pick is checked against the measured candidates
-        candidates = divisors(n)
-        names = {a: "data" if a == n else "owt" if a == 1 else f"tail n={a}" for a in candidates}
-        groups = measured_choice(solver, candidates, names, _rank_batch(net))
+        run_measured(solver, convs, spatial)
+        return
     if convs:
         enable_conv_split(solver, convs)
     elif spatial:
         enable_spatial_split(solver, spatial)
     elif groups != n:
         enable_owt(solver, groups)
+
+
+def measured_candidates(solver, convs: list[str], spatial: dict[str, Split]) -> dict[str, Candidate]:
+    """``auto``'s candidates (name -> the executor it runs): data parallelism (``data``), the tail splits
+    (``owt``, ``tail n=a``), and where DeePa's optimum uses them, its convolutions split by channel
+    (``conv c=N``) and its convolutions and poolings split by height and width (``spatial``), every other
+    layer by sample; a split the executors refuse (logged by the root) is left out."""
+    par, net = solver.parallel, solver.net
+    comm, n = par.comm, par.size
+    out: dict[str, Candidate] = {}
+    for a in sorted(divisors(n), reverse=True):
+        out["data" if a == n else "owt" if a == 1 else f"tail n={a}"] = \
+            (lambda: None) if a == n else (lambda a=a: ChannelSplitExecutor(net, comm, a))
+    extra: list[tuple[str, Callable[[], object]]] = []
+    if convs:
+        extra.append((f"conv c={n}", lambda: ConvChannelSplitExecutor(net, comm, convs)))
+    if spatial:
+        extra.append(("spatial", lambda: SpatialSplitExecutor(net, comm, spatial)))
+    for name, make in extra:
+        try:
+            ex = make()  # local: the same answer on every rank
+        except PlanError as e:
+            if comm.is_root:
+                log.info("--parallel auto: candidate '%s' of DeePa's optimum left out: %s", name, e)
+            continue
+        out[name] = lambda ex=ex: ex
+    return out
+
+
+def run_measured(solver, convs: list[str], spatial: dict[str, Split]) -> str:
+    """Measure :func:`measured_candidates` on the ranks and attach the pick (data parallelism unless another
+    is faster by the margin); returns its name."""
+    n = solver.parallel.size
+    choice = measured_choice(solver, measured_candidates(solver, convs, spatial), _rank_batch(solver.net))
+    if choice == f"conv c={n}":
+        enable_conv_split(solver, convs)
+    elif choice == "spatial":
+        enable_spatial_split(solver, spatial)
+    elif choice != "data":
+        enable_owt(solver, 1 if choice == "owt" else int(choice.split("=")[1]))
+    return choice
 
 
 def _rank_batch(net) -> int:
@@ -152,10 +193,11 @@ def _choose(solver, plan: Plan | None, tail: set[str],
         chosen = plan if convs or spatial else family[groups]
         if convs or spatial:
             estimates[plan.strategy] = priced.estimate(plan.assignment(priced))
-    else:
+    best, residual = optimal(priced)
+    if plan is None:
         chosen = min(family.values(), key=lambda p: estimates[p.strategy].seconds)
         groups = chosen.splits[next(iter(tail))].n
-    best, residual = optimal(priced)
+        convs, spatial = channel_split_convs(best, priced), spatial_split_layers(best, priced)  # to measure
     shown = dict(estimates)
     shown["DeePa"] = priced.estimate(best.assignment(priced))
     log.info("Per-layer parallelism on %s: %s (predicted by the cost model)", cluster.describe(),
@@ -166,4 +208,8 @@ def _choose(solver, plan: Plan | None, tail: set[str],
         log.info("%s", line)
     log.info("DeePa's unrestricted optimum (%d nodes left after elimination) is priced, not executed: it splits %s",
              residual, ", ".join(f"{k} {v}" for k, v in best.splits.items() if v != Split(n=n)) or "nothing else")
+    if plan is None and (convs or spatial):
+        log.info("--parallel auto: measuring its executable parts as candidates too:%s%s",
+                 f" convolutions {', '.join(convs)} by channel" if convs else "",
+                 f" {', '.join(f'{k} {v}' for k, v in spatial.items())} by height/width" if spatial else "")
     return groups, convs, spatial

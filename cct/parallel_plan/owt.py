@@ -275,6 +275,12 @@ class ChannelSplitExecutor:
         return self.fcs[prev].out if prev in self.fcs else self.slices[prev]
 
     # -- the single-process copy -------------------------------------------------------------------
+    def release(self) -> None:
+        """Free the sub-communicators of the sample groups (collective; the executor is not used again)."""
+        if self.sample_groups > 1:
+            self.comm.free()
+            self.slice_comm.free()
+
     def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
         """All-gather the owned rows of the tail's weights (and of the solver ``history`` arrays of the
         same parameters) so that every rank holds the single-process values (a collective)."""

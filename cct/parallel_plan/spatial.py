@@ -275,6 +275,9 @@ class SpatialSplitExecutor:
     def finish_backward(self) -> None:
         """Nothing is left to finish (the exchanges are synchronous)."""
 
+    def release(self) -> None:
+        """Nothing to free (the exchanges run on the ranks' own communicator)."""
+
     def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
         """Nothing to gather: every rank holds the whole filters and their solver history."""
 
