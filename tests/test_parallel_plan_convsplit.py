@@ -79,11 +79,17 @@ def test_layers_that_cannot_be_split_are_refused_by_name(case, monkeypatch):
         ConvChannelSplitExecutor(net, few, ["conv1"])
 
 
-def test_plan_files_with_channel_split_convolutions_are_in_the_executed_family(case, monkeypatch):
+def flat_priced(case, monkeypatch):
+    """LeNet's plan graph priced for 2 workers at batch 8 (compute free, unit links): the executed family's
+    rules only look at the configurations."""
     monkeypatch.chdir(case)
     net = cct.Net("net.prototxt", "TRAIN")
-    priced = price(graph_from_net(net, 8), 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
+    return price(graph_from_net(net, 8), 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
         "seconds": lambda self, g, i, s: np.zeros(len(s))})())
+
+
+def test_plan_files_with_channel_split_convolutions_are_in_the_executed_family(case, monkeypatch):
+    priced = flat_priced(case, monkeypatch)
     tail = {"ip1", "ip2"}
     plan = tail_plan(priced, tail, 2)
     plan.splits["conv2"] = Split(c=2)

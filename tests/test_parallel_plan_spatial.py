@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
+from test_parallel_plan_convsplit import flat_priced
 
 import cct
 from cct.io.prototxt import read_net_prototxt, write_text_file
 from cct.parallel_plan.boxexchange import intersect
-from cct.parallel_plan.costs import price
 from cct.parallel_plan.execute import sample_groups_of, spatial_split_layers, tail_plan
 from cct.parallel_plan.graph import graph_from_net
 from cct.parallel_plan.spatial import SpatialSplitExecutor
@@ -151,10 +151,7 @@ def test_intersections_of_boxes():
 
 
 def test_plan_files_with_spatial_splits_are_in_the_executed_family(case, monkeypatch):
-    monkeypatch.chdir(case)
-    net = cct.Net("net.prototxt", "TRAIN")
-    priced = price(graph_from_net(net, 8), 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
-        "seconds": lambda self, g, i, s: np.zeros(len(s))})())
+    priced = flat_priced(case, monkeypatch)
     tail = {"ip1", "ip2"}
     plan = tail_plan(priced, tail, 2)
     plan.splits["conv1"], plan.splits["pool1"] = Split(h=2), Split(w=2)

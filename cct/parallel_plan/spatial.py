@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..blob import Blob
-from ..layers.base import Layer, create_layer
+from ..layers.base import Layer
 from ..proto import caffe_pb2
 from .boxexchange import BoxExchange
 from .graph import ELEMENTWISE
-from .owt import attach, splittable
+from .owt import attach, layer_copy, splittable
 from .split import PlanError, Split, worker_boxes
 
 log = logging.getLogger("cct")
@@ -96,18 +96,15 @@ def _windows(layer: Layer, name: str) -> list[tuple[int, int, int]]:
 def _band_copy(layer: Layer, pads: tuple[int, int], inp: Blob, out: Blob) -> Layer:
     """A copy of ``layer`` with padding ``pads`` (0 on the split axes), set up on ``inp`` -> ``out``; its
     fillers cleared (it takes the layer's weights)."""
-    param = caffe_pb2.LayerParameter()
-    param.CopyFrom(layer.param)
-    sub = param.convolution_param if layer.type == "Convolution" else param.pooling_param
-    sub.ClearField("pad")
-    sub.pad_h, sub.pad_w = pads
-    if layer.type == "Convolution":
-        for filler in (sub.weight_filler, sub.bias_filler):
-            filler.Clear()
-    part = create_layer(param)
-    part.setup([inp], [out])
-    part.param_propagate_down = list(layer.param_propagate_down)
-    return part
+    def edit(param: caffe_pb2.LayerParameter) -> None:
+        sub = param.convolution_param if layer.type == "Convolution" else param.pooling_param
+        sub.ClearField("pad")
+        sub.pad_h, sub.pad_w = pads
+        if layer.type == "Convolution":
+            for filler in (sub.weight_filler, sub.bias_filler):
+                filler.Clear()
+
+    return layer_copy(layer, edit, inp, out)
 
 
 class SpatialSplitExecutor:
