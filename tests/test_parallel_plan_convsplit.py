@@ -96,11 +96,9 @@ def test_plan_files_with_channel_split_convolutions_are_in_the_executed_family(c
     assert sample_groups_of(plan, priced, tail) == 2 and channel_split_convs(plan, priced) == ["conv2"]
     plan.splits["conv1"] = Split(c=2)
     assert channel_split_convs(plan, priced) == ["conv1", "conv2"]
-    both = tail_plan(priced, tail, 1)  # OWT's tail and a conv split: not executed together yet
+    both = tail_plan(priced, tail, 1)  # OWT's tail and a conv split: executed together (cct.parallel_plan.combined)
     both.splits["conv2"] = Split(c=2)
-    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*convolutions split c=2 or convolutions "
-                                        r"and poolings h\*w=2 \(one of the two\) with the tail n=2"):
-        sample_groups_of(both, priced, tail)
+    assert sample_groups_of(both, priced, tail) == 1 and channel_split_convs(both, priced) == ["conv2"]
     pool = tail_plan(priced, tail, 2)
     pool.splits["pool1"] = Split(c=2)  # only convolutions take a channel split
     with pytest.raises(PlanError, match=r"layer 'pool1' n=1 h=1 w=1 c=2: cct train executes"):

@@ -157,10 +157,32 @@ def test_plan_files_with_spatial_splits_are_in_the_executed_family(case, monkeyp
     plan.splits["conv1"], plan.splits["pool1"] = Split(h=2), Split(w=2)
     assert sample_groups_of(plan, priced, tail) == 2
     assert spatial_split_layers(plan, priced) == {"conv1": Split(h=2), "pool1": Split(w=2)}
-    plan.splits["conv2"] = Split(c=2)  # a channel split beside spatial ones: not executed together yet
-    with pytest.raises(PlanError, match=r"layer 'conv1' n=1 h=2 w=1 c=1: cct train executes"):
+    plan.splits["conv2"] = Split(c=2)  # a channel split beside spatial ones, and OWT's tail: all executed
+    for name in ("ip1", "ip2"):
+        plan.splits[name] = Split(c=2)
+    assert sample_groups_of(plan, priced, tail) == 1
+    plan.splits["pool2"] = Split(c=2)  # only convolutions take a channel split
+    with pytest.raises(PlanError, match=r"layer 'pool2' n=1 h=1 w=1 c=2: cct train executes"):
         sample_groups_of(plan, priced, tail)
-    owt = tail_plan(priced, tail, 1)
-    owt.splits["conv1"] = Split(h=2)
-    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*h\*w=2 \(one of the two\) with the tail"):
-        sample_groups_of(owt, priced, tail)
+    plan.splits["pool2"], plan.splits["ip2"] = Split(n=2), Split(n=2)  # the tail takes one split
+    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*which takes one n=a c=2/a"):
+        sample_groups_of(plan, priced, tail)
+
+
+@needs_mpi()
+def test_spatial_channel_and_tail_splits_together_equal_caffe(case):
+    """One plan, three kinds of split (cct.parallel_plan.combined): conv1 and pool1 by height, conv2 by
+    output channel, the fully-connected tail by output channel (OWT): 2 ranks at batch 2 end with real
+    Caffe's batch-4 weights after 10 SGD iterations (snapshot files gathered as usual)."""
+    nodes = {"mnist": "n=2", "conv1": "h=2", "pool1": "h=2", "conv2": "c=2", "pool2": "n=2", "ip1": "c=2",
+             "ip2": "c=2", "loss": "n=2"}
+    (case / "mixed.plan").write_text("workers: 2\n" + "".join(f"{k}: {v}\n" for k, v in nodes.items()))
+    p = _train(case, 2, 2, 10, "mixed.caffemodel", "--init", "init.caffemodel", "--parallel", str(case / "mixed.plan"))
+    assert ("Per-layer splits on 2 MPI ranks: conv1 h=2 w=1, pool1 h=2 w=1, conv2 c=2, the fully-connected tail "
+            "n=1 c=2; every other layer by sample") in p.stderr
+    dp._compare(case / "mixed.caffemodel", case / "final.caffemodel", 1e-5)
+    got = json.loads((case / "mixed.caffemodel.json").read_text())
+    want = json.loads((case / "losses.json").read_text())["losses"]
+    assert np.allclose(got["losses"], want, rtol=1e-5)
+    # only conv1's gradients are all-reduced (split by height, every rank holds its whole filters)
+    assert got["stats"]["bytes"] == 4 * (20 * 25 + 20)

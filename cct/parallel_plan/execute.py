@@ -1,15 +1,15 @@
 """Which plans ``cct train`` executes, and setting a distributed solver up for one (``--parallel``).
 
-The executed family: every layer below the fully-connected tail split by sample over all N ranks (data
-parallelism), the tail's InnerProduct layers (with the element-wise layers between them) all split
-``n=a, c=N/a`` (:func:`~.owt.enable_owt` with ``a`` sample groups; ``a = N`` is data parallelism,
-``a = 1`` OWT), the layers above the tail (the loss) by sample; or, with the tail by sample, some
-convolutions split ``c=N`` by output channel (:mod:`.convsplit`; plan files only), or some convolutions
-and poolings split ``h=a w=N/a`` by height and width (:mod:`.spatial`; plan files only). ``auto`` prices
-every member of the family (not the convolution splits yet) with the cost model, logs the cheapest
-next to DeePa's unrestricted optimum, then measures every member on the ranks (:mod:`.measured`) and
-runs data parallelism unless another member is measured faster by a margin (so ``auto`` is never
-meaningfully slower than data parallelism); a plan file outside the family is refused, naming the
+The executed family: every layer split by sample over all N ranks (data parallelism) except, in any
+combination (:mod:`.combined`): the fully-connected tail's InnerProduct layers (with the element-wise
+layers between them) all split ``n=a, c=N/a`` (:func:`~.owt.enable_owt` with ``a`` sample groups; ``a =
+1`` is OWT), convolutions split ``c=N`` by output channel (:mod:`.convsplit`), convolutions and poolings
+split ``h=a w=N/a`` by height and width (:mod:`.spatial`). A plan file may use any member. ``auto``
+prices the tail's splits with the cost model, logs the cheapest next to DeePa's unrestricted optimum,
+then measures them on the ranks (:mod:`.measured`) with the optimum's convolution channel splits and
+spatial splits, if it has any, as candidates of their own (every other layer by sample), and runs data
+parallelism unless another candidate is measured faster by a margin (so ``auto`` is never meaningfully
+slower than data parallelism); a plan file outside the family is refused, naming the
 first layer that cannot be executed yet.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from .. import blas
 from .cluster import Cluster
+from .combined import enable_splits
 from .compute import ScaledCompute, compute_cache, reference_rates
 from .convsplit import ConvChannelSplitExecutor, enable_conv_split
 from .costs import PricedGraph, price
@@ -61,21 +62,17 @@ def spatial_split_layers(plan: Plan, priced: PricedGraph) -> dict[str, Split]:
 
 def sample_groups_of(plan: Plan, priced: PricedGraph, tail: set[str]) -> int:
     """The tail's sample groups of ``plan`` if it is in the executed family; else a :class:`PlanError`.
-    The family: every layer ``n=N`` except the tail's ``n=a c=N/a`` (one for all its layers), or,
-    with the tail by sample, convolutions ``c=N`` (:mod:`.convsplit`), or convolutions and poolings
-    ``h=a w=N/a`` (:mod:`.spatial`; not with channel splits yet)."""
+    The family: every layer ``n=N`` except the tail's ``n=a c=N/a`` (one for all its layers), convolutions
+    ``c=N`` (:mod:`.convsplit`) and convolutions and poolings ``h=a w=N/a`` (:mod:`.spatial`), in any
+    combination (:mod:`.combined`)."""
     plan.assignment(priced)  # every node configured, each configuration possible
     n = priced.workers
     groups = {plan.splits[name].n for name in tail}
-    convs = set(channel_split_convs(plan, priced))
-    spatial = set(spatial_split_layers(plan, priced))
-    below = convs | spatial
+    below = set(channel_split_convs(plan, priced)) | set(spatial_split_layers(plan, priced))
     for node in priced.graph.nodes:
         s = plan.splits[node.name]
         if node.name in tail:
-            ok = s.h == s.w == 1 and s.workers == n and len(groups) == 1 and (not below or s == Split(n=n))
-        elif convs and spatial:
-            ok = s == Split(n=n)  # channel and spatial splits are not combined yet
+            ok = s.h == s.w == 1 and s.workers == n and len(groups) == 1
         else:
             ok = s == Split(n=n) or node.name in below
         if not ok:
@@ -83,8 +80,7 @@ def sample_groups_of(plan: Plan, priced: PricedGraph, tail: set[str]) -> int:
             where = f"{plan.source}: line {line}: " if plan.source and line else ""
             raise PlanError(f"{where}layer '{node.name}' {s}: cct train executes plans whose layers are split n={n} "
                             f"except the fully-connected tail ({', '.join(sorted(tail))}), which takes one n=a c={n}/a "
-                            f"for all its layers, or convolutions split c={n} or convolutions and poolings h*w={n} "
-                            f"(one of the two) with the tail n={n}; "
+                            f"for all its layers, convolutions split c={n} and convolutions and poolings h*w={n}; "
                             f"'cct plan --parallel FILE' prices any plan")
     return groups.pop()
 
@@ -118,7 +114,9 @@ def setup_parallel(solver, parallel: str) -> None:
     if plan is None:  # auto: the model's pick is checked against the measured candidates
         run_measured(solver, convs, spatial)
         return
-    if convs:
+    if bool(convs) + bool(spatial) + (groups != n) > 1:
+        enable_splits(solver, groups, convs, spatial)
+    elif convs:
         enable_conv_split(solver, convs)
     elif spatial:
         enable_spatial_split(solver, spatial)
