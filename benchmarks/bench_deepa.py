@@ -91,9 +91,11 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
     import numpy as np
 
     from cct.distributed import abort_on_error
+    from cct.parallel_plan.combined import enable_splits
     from cct.parallel_plan.execute import setup_parallel
     from cct.parallel_plan.links import measure_links
     from cct.parallel_plan.owt import enable_owt
+    from cct.parallel_plan.split import Split
     from cct.proto import caffe_pb2
     from cct.solver import get_solver
 
@@ -108,6 +110,12 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
         if mode == "auto":
             setup_parallel(solver, "auto")  # the model's pick checked by measuring the candidates on the ranks
             ex = solver.net.executor
+        elif mode == "spatial":  # LeNet: conv1, pool1, conv2 by height
+            ex = enable_splits(solver, n, [], {name: Split(h=n) for name in ("conv1", "pool1", "conv2")})
+        elif mode == "conv":  # LeNet: conv1, conv2 by output channel
+            ex = enable_splits(solver, n, ["conv1", "conv2"], {})
+        elif mode == "mixed":  # LeNet: conv1, pool1 by height, conv2 by channel, the tail OWT
+            ex = enable_splits(solver, 1, ["conv2"], {name: Split(h=n) for name in ("conv1", "pool1")})
         else:
             ex = enable_owt(solver) if mode == "owt" else None
         setup_s = time.perf_counter() - t
@@ -123,7 +131,8 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
         owt = (ex.bytes_moved / done) if ex is not None else 0.0
         per_rank = comm.allgather_obj(ring + owt)
     if comm.is_root:
-        ran = "data" if ex is None else "owt" if ex.sample_groups == 1 else f"tail n={ex.sample_groups}"
+        groups = getattr(ex, "sample_groups", None)
+        ran = "data" if ex is None else mode if groups is None else "owt" if groups == 1 else f"tail n={groups}"
         Path(out).write_text(json.dumps({"step_s": float(np.median(runs)), "runs": runs, "ran": ran,
                                          "setup_s": setup_s, "bytes_per_step": float(sum(per_rank)),
                                          "links": links}))
@@ -213,7 +222,9 @@ def main() -> int:
     ap.add_argument("--search_runs", type=int, default=3, help="timed searches per point (median reported)")
     ap.add_argument("--quick", action="store_true", help="CaffeNet only, W = 2, 16")
     ap.add_argument("--measure", action="store_true", help="also train on MPI ranks of this machine (see above)")
-    ap.add_argument("--measure_modes", default="data,owt", help="--measure under these (data, owt, auto)")
+    ap.add_argument("--measure_modes", default="data,owt", help="--measure under these (data, owt, auto; "
+                    "LeNet only: spatial = conv1/pool1/conv2 by height, conv = conv1/conv2 by channel, mixed = "
+                    "conv1/pool1 by height, conv2 by channel, the tail OWT)")
     ap.add_argument("--measure_models", default="lenet,caffenet", help="--measure these nets")
     ap.add_argument("--measure_only", action="store_true", help="--measure without the cost-model table")
     ap.add_argument("--out", default=None, help="result file name under results/ (default bench_deepa.json)")
