@@ -43,7 +43,8 @@ from cct.parallel_plan.cluster import Cluster, parse_rate  # noqa: E402
 from cct.parallel_plan.compute import ScaledCompute, compute_cache, reference_rates  # noqa: E402
 from cct.parallel_plan.graph import graph_from_net, planning_net  # noqa: E402
 from cct.parallel_plan.planner import plan_net  # noqa: E402
-from cct.parallel_plan.plans import optimal  # noqa: E402
+from cct.parallel_plan.plans import Plan, optimal  # noqa: E402
+from cct.parallel_plan.split import Split  # noqa: E402
 from cct.paths import shared_path  # noqa: E402
 
 MODELS = {
@@ -95,7 +96,6 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
     from cct.parallel_plan.execute import setup_parallel
     from cct.parallel_plan.links import measure_links
     from cct.parallel_plan.owt import enable_owt
-    from cct.parallel_plan.split import Split
     from cct.proto import caffe_pb2
     from cct.solver import get_solver
 
@@ -147,8 +147,17 @@ def predicted(model: str, ranks: int, batch: int, links: dict) -> dict:
     cl = Cluster(1, ranks, bw, bw, min(1.0, (os.cpu_count() or 1) / ranks))
     with blas.blas_threads(1):
         rates = reference_rates(net, graph_from_net(net, ranks * batch), batch, compute_cache())
-    res = plan_net(net, cl, ScaledCompute(rates, cl.speed), "auto", ranks * batch)
-    return {k: res.estimates[k].totals() for k in ("data", "owt", "auto")}
+    compute = ScaledCompute(rates, cl.speed)
+    res = plan_net(net, cl, compute, "auto", ranks * batch)
+    out = {k: res.estimates[k].totals() for k in ("data", "owt", "auto")}
+    if model == "lenet":  # the executed conv-layer splits of rank_run
+        h, c = Split(h=ranks), Split(c=ranks)
+        modes = {"spatial": {"conv1": h, "pool1": h, "conv2": h}, "conv": {"conv1": c, "conv2": c},
+                 "mixed": {"conv1": h, "pool1": h, "conv2": c, "ip1": c, "ip2": c}}
+        for mode, splits in modes.items():
+            plan = Plan(ranks, {node.name: splits.get(node.name, Split(n=ranks)) for node in res.priced.graph.nodes})
+            out[mode] = plan_net(net, cl, compute, plan, ranks * batch).chosen.totals()
+    return out
 
 
 def measure(args) -> dict:
