@@ -122,9 +122,20 @@ def enable_splits(solver, groups: int, convs: Sequence[str], spatial: Mapping[st
         return None
     attach(solver, ex)
     if par.is_root:
-        what = [f"{name} h={s.h} w={s.w}" for name, s in spatial.items()]
-        what += [f"{name} c={par.size}" for name in convs]
-        if groups != par.size:
-            what.append(f"the fully-connected tail n={groups} c={par.size // groups}")
-        log.info("Per-layer splits on %d MPI ranks: %s; every other layer by sample", par.size, ", ".join(what))
+        log.info("Per-layer splits on %d MPI ranks: %s; every other layer by sample", par.size, describe(ex))
     return ex
+
+
+def describe(ex) -> str:
+    """What a split executor (or a :class:`CombinedExecutor`) splits, for the log."""
+    parts = ex.parts if isinstance(ex, CombinedExecutor) else [ex]
+    what: list[str] = []
+    for part in parts:
+        net = part.net
+        if isinstance(part, SpatialSplitExecutor):
+            what += [f"{name} h={s.h} w={s.w}" for name, s in part.splits.items()]
+        elif isinstance(part, ConvChannelSplitExecutor):
+            what += [f"{net.layer_names[i]} c={part.size}" for i in part.splits]
+        else:
+            what.append(f"the fully-connected tail n={part.sample_groups} c={part.size}")
+    return ", ".join(what)

@@ -15,18 +15,17 @@ first layer that cannot be executed yet.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from .. import blas
 from .cluster import Cluster
-from .combined import enable_splits
+from .combined import build_splits, describe, enable_splits
 from .compute import ScaledCompute, compute_cache, reference_rates
 from .convsplit import ConvChannelSplitExecutor, enable_conv_split
 from .costs import PricedGraph, price
 from .graph import graph_from_net
 from .links import cluster_of_ranks, measure_links
 from .measured import Candidate, measured_choice
-from .owt import ChannelSplitExecutor, enable_owt, tail_layers
+from .owt import ChannelSplitExecutor, attach, enable_owt, tail_layers
 from .planfile import read_plan
 from .plans import Plan, optimal
 from .report import comparison, plan_table
@@ -112,7 +111,7 @@ def setup_parallel(solver, parallel: str) -> None:
             log.info("--parallel auto: the train net has its own executor (--devices); data parallelism")
         return
     if plan is None:  # auto: the model's pick is checked against the measured candidates
-        run_measured(solver, convs, spatial)
+        run_measured(solver, convs, spatial, groups)
         return
     if bool(convs) + bool(spatial) + (groups != n) > 1:
         enable_splits(solver, groups, convs, spatial)
@@ -124,45 +123,65 @@ def setup_parallel(solver, parallel: str) -> None:
         enable_owt(solver, groups)
 
 
-def measured_candidates(solver, convs: list[str], spatial: dict[str, Split]) -> dict[str, Candidate]:
-    """``auto``'s candidates (name -> the executor it runs): data parallelism (``data``), the tail splits
-    (``owt``, ``tail n=a``), and where DeePa's optimum uses them, its convolutions split by channel
+def measured_candidates(solver, convs: list[str], spatial: dict[str, Split],
+                        groups: int | None = None) -> dict[str, Candidate]:
+    """``auto``'s candidates (name -> makes the executor it runs): data parallelism (``data``), the tail
+    splits (``owt``, ``tail n=a``), and where DeePa's optimum uses them, its convolutions split by channel
     (``conv c=N``) and its convolutions and poolings split by height and width (``spatial``), every other
-    layer by sample; a split the executors refuse (logged by the root) is left out."""
+    layer by sample, and all of the optimum's executable parts together with its tail split ``n=groups``
+    (``deepa``, when that is more than one part); a part the executors refuse (logged by the root) is
+    left out."""
     par, net = solver.parallel, solver.net
     comm, n = par.comm, par.size
+    groups = n if groups is None else groups
     out: dict[str, Candidate] = {}
     for a in sorted(divisors(n), reverse=True):
         out["data" if a == n else "owt" if a == 1 else f"tail n={a}"] = \
             (lambda: None) if a == n else (lambda a=a: ChannelSplitExecutor(net, comm, a))
-    extra: list[tuple[str, Callable[[], object]]] = []
-    if convs:
-        extra.append((f"conv c={n}", lambda: ConvChannelSplitExecutor(net, comm, convs)))
-    if spatial:
-        extra.append(("spatial", lambda: SpatialSplitExecutor(net, comm, spatial)))
-    for name, make in extra:
+    parts = {f"conv c={n}": (lambda: ConvChannelSplitExecutor(net, comm, convs)) if convs else None,
+             "spatial": (lambda: SpatialSplitExecutor(net, comm, spatial)) if spatial else None}
+    for name, make in parts.items():
+        if make is None:
+            continue
         try:
-            ex = make()  # local: the same answer on every rank
+            make()  # local (no communication): the same answer on every rank
         except PlanError as e:
             if comm.is_root:
                 log.info("--parallel auto: candidate '%s' of DeePa's optimum left out: %s", name, e)
             continue
-        out[name] = lambda ex=ex: ex
+        out[name] = make
+    ok = [name for name in parts if name in out]
+    if len(ok) + (groups != n) > 1:
+        use_convs = convs if f"conv c={n}" in ok else []
+        use_spatial = spatial if "spatial" in ok else {}
+        out["deepa"] = lambda: build_splits(net, comm, groups, use_convs, use_spatial)
     return out
 
 
-def run_measured(solver, convs: list[str], spatial: dict[str, Split]) -> str:
+def run_measured(solver, convs: list[str], spatial: dict[str, Split], groups: int | None = None) -> str:
     """Measure :func:`measured_candidates` on the ranks and attach the pick (data parallelism unless another
     is faster by the margin); returns its name."""
     n = solver.parallel.size
-    choice = measured_choice(solver, measured_candidates(solver, convs, spatial), _rank_batch(solver.net))
+    candidates = measured_candidates(solver, convs, spatial, groups)
+    choice = measured_choice(solver, candidates, _rank_batch(solver.net))
     if choice == f"conv c={n}":
         enable_conv_split(solver, convs)
     elif choice == "spatial":
         enable_spatial_split(solver, spatial)
+    elif choice == "deepa":
+        ex = attach(solver, candidates["deepa"]())
+        if solver.parallel.is_root:
+            log.info("--parallel auto: running DeePa's executable parts: %s", describe(ex))
     elif choice != "data":
         enable_owt(solver, 1 if choice == "owt" else int(choice.split("=")[1]))
     return choice
+
+
+def _uniform_tail(plan: Plan, tail: set[str], n: int) -> int:
+    """The tail's sample groups ``a`` if ``plan`` splits every tail layer ``n=a c=N/a``, else ``n`` (by sample)."""
+    splits = {plan.splits[name] for name in tail}
+    s = next(iter(splits))
+    return s.n if len(splits) == 1 and s.h == s.w == 1 and s.workers == n else n
 
 
 def _rank_batch(net) -> int:
@@ -196,6 +215,7 @@ def _choose(solver, plan: Plan | None, tail: set[str],
         chosen = min(family.values(), key=lambda p: estimates[p.strategy].seconds)
         groups = chosen.splits[next(iter(tail))].n
         convs, spatial = channel_split_convs(best, priced), spatial_split_layers(best, priced)  # to measure
+        groups = _uniform_tail(best, tail, n)
     shown = dict(estimates)
     shown["DeePa"] = priced.estimate(best.assignment(priced))
     log.info("Per-layer parallelism on %s: %s (predicted by the cost model)", cluster.describe(),

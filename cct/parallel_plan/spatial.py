@@ -119,6 +119,8 @@ class SpatialSplitExecutor:
             if s.n != 1 or s.c != 1 or s.workers != self.size:
                 raise PlanError(f"spatial split: layer '{name}' {s}: expected n=1 c=1 and h*w = {self.size} "
                                 f"(the ranks)")
+        #: the split layers' configurations (layer name -> Split)
+        self.splits = dict(splits)
         self.steps: dict[int, BandStep] = {}
         self._build({net.layer_names.index(k): v for k, v in splits.items()})
         #: bytes this rank received in the exchanges of forward and backward passes
