@@ -23,8 +23,8 @@ N ranks at batch b then train as one process at batch N*b; the bytes each rank r
 planner's transfer count (:mod:`.transfer`). Refused with a :class:`PlanError` naming the layer:
 dilated, 3-D or in-place convolutions, global pooling, pooling padded along a split axis, more parts
 than output rows (or columns), BatchNorm after a split layer (its statistics are over the batch and
-every position), a split blob read by two layers, and combining with another split executor,
-``--devices`` or unequal batch shares.
+every position), a split blob read by two layers, ``--devices`` and unequal batch shares; attaching it
+beside another split executor (use :mod:`.combined` for several kinds of split in one net).
 """
 from __future__ import annotations
 
