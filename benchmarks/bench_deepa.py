@@ -43,7 +43,8 @@ from cct.parallel_plan.cluster import Cluster, parse_rate  # noqa: E402
 from cct.parallel_plan.compute import ScaledCompute, compute_cache, reference_rates  # noqa: E402
 from cct.parallel_plan.graph import graph_from_net, planning_net  # noqa: E402
 from cct.parallel_plan.planner import plan_net  # noqa: E402
-from cct.parallel_plan.plans import optimal  # noqa: E402
+from cct.parallel_plan.plans import Plan, optimal  # noqa: E402
+from cct.parallel_plan.split import Split  # noqa: E402
 from cct.paths import shared_path  # noqa: E402
 
 MODELS = {
@@ -91,6 +92,7 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
     import numpy as np
 
     from cct.distributed import abort_on_error
+    from cct.parallel_plan.combined import enable_splits
     from cct.parallel_plan.execute import setup_parallel
     from cct.parallel_plan.links import measure_links
     from cct.parallel_plan.owt import enable_owt
@@ -108,6 +110,12 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
         if mode == "auto":
             setup_parallel(solver, "auto")  # the model's pick checked by measuring the candidates on the ranks
             ex = solver.net.executor
+        elif mode == "spatial":  # LeNet: conv1, pool1, conv2 by height
+            ex = enable_splits(solver, n, [], {name: Split(h=n) for name in ("conv1", "pool1", "conv2")})
+        elif mode == "conv":  # LeNet: conv1, conv2 by output channel
+            ex = enable_splits(solver, n, ["conv1", "conv2"], {})
+        elif mode == "mixed":  # LeNet: conv1, pool1 by height, conv2 by channel, the tail OWT
+            ex = enable_splits(solver, 1, ["conv2"], {name: Split(h=n) for name in ("conv1", "pool1")})
         else:
             ex = enable_owt(solver) if mode == "owt" else None
         setup_s = time.perf_counter() - t
@@ -123,7 +131,8 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
         owt = (ex.bytes_moved / done) if ex is not None else 0.0
         per_rank = comm.allgather_obj(ring + owt)
     if comm.is_root:
-        ran = "data" if ex is None else "owt" if ex.sample_groups == 1 else f"tail n={ex.sample_groups}"
+        groups = getattr(ex, "sample_groups", None)
+        ran = "data" if ex is None else mode if groups is None else "owt" if groups == 1 else f"tail n={groups}"
         Path(out).write_text(json.dumps({"step_s": float(np.median(runs)), "runs": runs, "ran": ran,
                                          "setup_s": setup_s, "bytes_per_step": float(sum(per_rank)),
                                          "links": links}))
@@ -138,8 +147,17 @@ def predicted(model: str, ranks: int, batch: int, links: dict) -> dict:
     cl = Cluster(1, ranks, bw, bw, min(1.0, (os.cpu_count() or 1) / ranks))
     with blas.blas_threads(1):
         rates = reference_rates(net, graph_from_net(net, ranks * batch), batch, compute_cache())
-    res = plan_net(net, cl, ScaledCompute(rates, cl.speed), "auto", ranks * batch)
-    return {k: res.estimates[k].totals() for k in ("data", "owt", "auto")}
+    compute = ScaledCompute(rates, cl.speed)
+    res = plan_net(net, cl, compute, "auto", ranks * batch)
+    out = {k: res.estimates[k].totals() for k in ("data", "owt", "auto")}
+    if model == "lenet":  # the executed conv-layer splits of rank_run
+        h, c = Split(h=ranks), Split(c=ranks)
+        modes = {"spatial": {"conv1": h, "pool1": h, "conv2": h}, "conv": {"conv1": c, "conv2": c},
+                 "mixed": {"conv1": h, "pool1": h, "conv2": c, "ip1": c, "ip2": c}}
+        for mode, splits in modes.items():
+            plan = Plan(ranks, {node.name: splits.get(node.name, Split(n=ranks)) for node in res.priced.graph.nodes})
+            out[mode] = plan_net(net, cl, compute, plan, ranks * batch).chosen.totals()
+    return out
 
 
 def measure(args) -> dict:
@@ -213,7 +231,9 @@ def main() -> int:
     ap.add_argument("--search_runs", type=int, default=3, help="timed searches per point (median reported)")
     ap.add_argument("--quick", action="store_true", help="CaffeNet only, W = 2, 16")
     ap.add_argument("--measure", action="store_true", help="also train on MPI ranks of this machine (see above)")
-    ap.add_argument("--measure_modes", default="data,owt", help="--measure under these (data, owt, auto)")
+    ap.add_argument("--measure_modes", default="data,owt", help="--measure under these (data, owt, auto; "
+                    "LeNet only: spatial = conv1/pool1/conv2 by height, conv = conv1/conv2 by channel, mixed = "
+                    "conv1/pool1 by height, conv2 by channel, the tail OWT)")
     ap.add_argument("--measure_models", default="lenet,caffenet", help="--measure these nets")
     ap.add_argument("--measure_only", action="store_true", help="--measure without the cost-model table")
     ap.add_argument("--out", default=None, help="result file name under results/ (default bench_deepa.json)")

@@ -79,21 +79,26 @@ def test_layers_that_cannot_be_split_are_refused_by_name(case, monkeypatch):
         ConvChannelSplitExecutor(net, few, ["conv1"])
 
 
-def test_plan_files_with_channel_split_convolutions_are_in_the_executed_family(case, monkeypatch):
+def flat_priced(case, monkeypatch):
+    """LeNet's plan graph priced for 2 workers at batch 8 (compute free, unit links): the executed family's
+    rules only look at the configurations."""
     monkeypatch.chdir(case)
     net = cct.Net("net.prototxt", "TRAIN")
-    priced = price(graph_from_net(net, 8), 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
+    return price(graph_from_net(net, 8), 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
         "seconds": lambda self, g, i, s: np.zeros(len(s))})())
+
+
+def test_plan_files_with_channel_split_convolutions_are_in_the_executed_family(case, monkeypatch):
+    priced = flat_priced(case, monkeypatch)
     tail = {"ip1", "ip2"}
     plan = tail_plan(priced, tail, 2)
     plan.splits["conv2"] = Split(c=2)
     assert sample_groups_of(plan, priced, tail) == 2 and channel_split_convs(plan, priced) == ["conv2"]
     plan.splits["conv1"] = Split(c=2)
     assert channel_split_convs(plan, priced) == ["conv1", "conv2"]
-    both = tail_plan(priced, tail, 1)  # OWT's tail and a conv split: not executed together yet
+    both = tail_plan(priced, tail, 1)  # OWT's tail and a conv split: executed together (cct.parallel_plan.combined)
     both.splits["conv2"] = Split(c=2)
-    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*convolutions split c=2 with the tail n=2"):
-        sample_groups_of(both, priced, tail)
+    assert sample_groups_of(both, priced, tail) == 1 and channel_split_convs(both, priced) == ["conv2"]
     pool = tail_plan(priced, tail, 2)
     pool.splits["pool1"] = Split(c=2)  # only convolutions take a channel split
     with pytest.raises(PlanError, match=r"layer 'pool1' n=1 h=1 w=1 c=2: cct train executes"):

@@ -25,6 +25,8 @@ case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 def test_the_pick_keeps_data_parallelism_unless_another_is_faster_by_the_margin(seconds, ranks, want):
     assert MARGIN == 0.10
     assert pick_measured(seconds, ranks) == want
+    named = {("data" if a == ranks else f"c{a}"): s for a, s in seconds.items()}  # keyed by name
+    assert pick_measured(named, "data") == ("data" if want == ranks else f"c{want}")
 
 
 def test_the_pick_needs_data_parallelism_measured():
@@ -54,6 +56,31 @@ def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_p
     p = run_mpi(2, args, timeout=180, env=env)
     again = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
     assert "cached" in again and again.rsplit("running ", 1)[1] == line.rsplit("running ", 1)[1]
+    # DeePa's parts as candidates (an optimum with conv2 by channel, conv1/pool1 by height and the tail
+    # OWT): each alone and all together ("deepa") measured beside data parallelism and the tail's splits;
+    # whichever runs, training is still Caffe's
+    args[4], args[5] = "10", str(case / "parts.caffemodel")
+    p = run_mpi(2, args[:-1] + ["measure:conv2|h=2:conv1,pool1|1"], timeout=180, env=env)
+    line = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
+    assert all(f"{name} " in line for name in ("data", "owt", "conv c=2", "spatial", "deepa")), line
+    ran = line.rsplit("running ", 1)[1].split(" (")[0]
+    assert ran in ("data", "owt", "conv c=2", "spatial", "deepa")
+    dp._compare(case / "parts.caffemodel", case / "final.caffemodel", 1e-4)
+    # the cached times edited so that all of DeePa's parts together are the fastest: the next run picks
+    # and trains with them (spatial, channel and tail splits in one net), still Caffe's run
+    (cache_file,) = (tmp_path / "cache").glob("deepa-pick-*.json")
+    data = json.loads(cache_file.read_text())
+    for entry in data["entries"].values():
+        if "deepa" in entry["seconds"]:
+            entry["seconds"]["deepa"] = 0.5 * entry["seconds"]["data"]
+    cache_file.write_text(json.dumps(data))
+    args[5] = str(case / "deepa.caffemodel")
+    p = run_mpi(2, args[:-1] + ["measure:conv2|h=2:conv1,pool1|1"], timeout=180, env=env)
+    line = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
+    assert "cached" in line and line.rsplit("running ", 1)[1].startswith("deepa (")
+    assert ("--parallel auto: running DeePa's executable parts: conv1 h=2 w=1, pool1 h=2 w=1, conv2 c=2, "
+            "the fully-connected tail n=1 c=2") in p.stderr
+    dp._compare(case / "deepa.caffemodel", case / "final.caffemodel", 1e-4)
     # each rank splitting its batch over two devices: no split candidate can run with that executor yet
     args[4], args[5] = "10", str(case / "devices.caffemodel")
     p = run_mpi(2, args + ["--devices", "cpu:0:threads=1,cpu:1:threads=1"], timeout=180, env=env)

@@ -137,9 +137,11 @@ def test_plans_outside_the_executed_family_are_refused_naming_the_layer(case, mo
     for groups in (1, 2):
         assert sample_groups_of(tail_plan(priced, tail, groups), priced, tail) == groups
     bad = tail_plan(priced, tail, 1)
-    bad.splits["conv2"] = Split(h=2)
-    with pytest.raises(PlanError, match=r"layer 'conv2' n=1 h=2 w=1 c=1: cct train executes"):
+    bad.splits["conv2"] = Split()  # on one of the two workers
+    with pytest.raises(PlanError, match=r"layer 'conv2' n=1 h=1 w=1 c=1: cct train executes"):
         sample_groups_of(bad, priced, tail)
+    bad.splits["conv2"] = Split(h=2)  # executed with OWT's tail (cct.parallel_plan.spatial, .combined)
+    assert sample_groups_of(bad, priced, tail) == 1
     mixed = Plan(2, dict(tail_plan(priced, tail, 1).splits, ip2=Split(n=2)))
     with pytest.raises(PlanError, match="layer 'ip1'"):
         sample_groups_of(mixed, priced, tail)

@@ -1,6 +1,6 @@
 """Per-layer parallelism (DeePa, Jia et al. 2018): each layer's output split over workers by sample,
-height, width and output channel, chosen to minimise the modelled step time; and OWT executed on MPI
-ranks.
+height, width and output channel, chosen to minimise the modelled step time; and the splits executed on
+MPI ranks.
 
 One module per job:
 
@@ -15,7 +15,12 @@ One module per job:
 - :mod:`.search`: node and edge elimination, residual enumeration, reverse recovery (section 4);
 - :mod:`.plans`, :mod:`.planfile`, :mod:`.planner`, :mod:`.report`: data / OWT / optimal plans, plan files,
   planning a net, the setup-log table; :mod:`.command`: ``cct plan``;
-- :mod:`.owt`: OWT training on MPI ranks (``cct train --parallel owt``).
+- :mod:`.owt`: OWT training on MPI ranks (``cct train --parallel owt``);
+- :mod:`.convsplit`: convolutions split by output channel on MPI ranks;
+- :mod:`.spatial`, :mod:`.boxexchange`: convolutions and poolings split by height and width on MPI ranks,
+  their halo exchanges point to point;
+- :mod:`.combined`: several of those splits in one net; :mod:`.measured`: ``auto``'s measured pick;
+  :mod:`.execute`: which plans ``cct train --parallel`` runs.
 """
 from .cluster import Cluster
 from .graph import PlanGraph, PlanNode, graph_from_net, planning_net

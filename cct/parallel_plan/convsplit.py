@@ -130,6 +130,9 @@ class ConvChannelSplitExecutor:
     def finish_backward(self) -> None:
         """Nothing is left to finish (the exchanges are synchronous)."""
 
+    def release(self) -> None:
+        """Nothing to free (the exchanges run on the ranks' own communicator)."""
+
     def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
         """All-gather the owned filter rows of the weights and of the solver ``history`` (a collective)."""
         self.gather_bytes += gather_rows(self.comm, self.net, self.splits, history)

@@ -1,15 +1,16 @@
 """``--parallel auto``'s safety net: the executable plans measured on the real ranks before training.
 
-The cost model ranks the executed family (:mod:`.execute`: the fully-connected tail split ``n=a c=N/a``
-for every divisor ``a`` of the N ranks; ``a = N`` is data parallelism, ``a = 1`` OWT) from per-layer
-measurements and calibrated links; on a small net its errors can be larger than the differences it
-ranks (LeNet on 2 loopback ranks: OWT predicted cheaper, measured 1.2x slower). So at setup every rank
-runs a few training passes (forward, backward, the gradient exchange; no update) of each candidate on
-the train net itself, the step time of a pass is the slowest rank's, and data parallelism is kept unless
-another candidate is measured faster by more than :data:`MARGIN`. The net's weights, the data layers'
-read positions and the random stream are restored afterwards, so training is exactly what it would
-have been without the measurement. The times are cached per machine, net definition, rank count and
-batch (``deepa-pick-<machine>.json`` in the cct cache dir); the root's cache decides for every rank.
+The cost model ranks the executed family (:mod:`.execute`: the fully-connected tail split ``n=a c=N/a`` for
+every divisor ``a`` of the N ranks; ``a = N`` is data parallelism, ``a = 1`` OWT; and, where DeePa's optimum
+splits convolutions by channel or convolutions and poolings by height and width, those splits with every other
+layer by sample) from per-layer measurements and calibrated links; on a small net its errors can be larger
+than the differences it ranks (LeNet on 2 loopback ranks: OWT predicted cheaper, measured 1.2x slower). So at
+setup every rank runs a few training passes (forward, backward, the gradient exchange; no update) of each
+candidate on the train net itself, the step time of a pass is the slowest rank's, and data parallelism is kept
+unless another candidate is measured faster by more than :data:`MARGIN`. The net's weights, the data layers'
+read positions and the random stream are restored afterwards, so training is exactly what it would have been
+without the measurement. The times are cached per machine, net definition, rank count and batch
+(``deepa-pick-<machine>.json`` in the cct cache dir); the root's cache decides for every rank.
 """
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ import hashlib
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from .. import blas, rng
 from ..distributed.parallel import data_layers
 from ..io.prototxt import to_text
 from ..lowering import tune
-from .owt import ChannelSplitExecutor
 from .split import PlanError
 
 log = logging.getLogger("cct")
@@ -35,17 +36,20 @@ PASSES = 5
 #: the longest the timed passes of one candidate may take (seconds, predicted from the untimed pass)
 CANDIDATE_SECONDS = 3.0
 #: bumped when the measurement changes so that cached times are measured again
-PICK_VERSION = 1
+PICK_VERSION = 2
+
+#: a candidate: makes the split executor it runs the train net with (None: data parallelism)
+Candidate = Callable[[], Any]
 
 
-def pick_measured(seconds: dict[int, float], data_groups: int, margin: float = MARGIN) -> int:
-    """The tail's sample groups to run given each candidate's measured step ``seconds`` (keyed by sample
-    groups; ``data_groups``, the rank count, is data parallelism): the fastest candidate if it beats data
-    parallelism by more than ``margin`` (a fraction), else data parallelism."""
-    if data_groups not in seconds:
-        raise ValueError(f"data parallelism ({data_groups} sample groups) was not measured")
-    best = min(seconds, key=lambda a: (seconds[a], a != data_groups))
-    return best if seconds[best] < (1.0 - margin) * seconds[data_groups] else data_groups
+def pick_measured(seconds: dict[Hashable, float], data: Hashable, margin: float = MARGIN) -> Hashable:
+    """The candidate to run given each candidate's measured step ``seconds`` (``data`` is data
+    parallelism's key): the fastest candidate if it beats data parallelism by more than ``margin`` (a
+    fraction), else data parallelism."""
+    if data not in seconds:
+        raise ValueError(f"data parallelism ({data!r}) was not measured")
+    best = min(seconds, key=lambda a: (seconds[a], a != data))
+    return best if seconds[best] < (1.0 - margin) * seconds[data] else data
 
 
 def pick_cache() -> tune.TuneCache:
@@ -53,11 +57,11 @@ def pick_cache() -> tune.TuneCache:
     return tune.TuneCache.named(f"deepa-pick-{blas.machine_key()}.json", f"deepa-pick|{PICK_VERSION}")
 
 
-def cache_key(solver, groups: Sequence[int], batch: int) -> str:
+def cache_key(solver, names: list[str], batch: int) -> str:
     """What a cached measurement is valid for: the train net's definition, the rank count, each rank's
-    ``batch`` and the candidates (not the solver's settings: they do not change a pass)."""
+    ``batch`` and the candidates' names (not the solver's settings: they do not change a pass)."""
     net_hash = hashlib.sha256(to_text(solver.net.param).encode("utf-8")).hexdigest()[:16]
-    return f"{net_hash}|ranks={solver.parallel.size}|batch={batch}|" + ",".join(map(str, groups))
+    return f"{net_hash}|ranks={solver.parallel.size}|batch={batch}|" + ",".join(names)
 
 
 class _SavedState:
@@ -94,30 +98,27 @@ def _pass(net, par) -> float:
     return par.comm.allreduce_scalar(time.perf_counter() - t, op="max")
 
 
-def measure_candidates(solver, groups: Sequence[int], passes: int = PASSES,
-                       budget: float = CANDIDATE_SECONDS) -> dict[int, float]:
-    """Each candidate's median step seconds (keyed by the tail's sample groups; the rank count is data
-    parallelism), measured collectively on the ranks of ``solver`` (every rank calls it with the same
-    ``groups``). The solver's net and data parallelism are left as they were."""
+def measure_candidates(solver, candidates: dict[str, Candidate], passes: int = PASSES,
+                       budget: float = CANDIDATE_SECONDS) -> dict[str, float]:
+    """Each candidate's median step seconds, measured collectively on the ranks of ``solver`` (every rank
+    calls it with the same candidates, in the same order). The solver's net and data parallelism are left
+    as they were."""
     net, par = solver.net, solver.parallel
     if net.executor is not None:
         raise PlanError("measuring the split candidates needs a train net without an executor (--devices)")
     saved = _SavedState(net)
-    out: dict[int, float] = {}
+    out: dict[str, float] = {}
     try:
-        for a in groups:
-            ex = None
-            if a != par.size:
-                ex = ChannelSplitExecutor(net, par.comm, a)
-                net.executor = ex
+        for name, make in candidates.items():
+            ex = make()
+            net.executor = ex
             par.keep_local(ex.owned_param_ids() if ex is not None else [])
             first = _pass(net, par)  # untimed: buffers, lowering plans
             count = max(1, min(passes, int(budget / max(first, 1e-9))))
-            out[a] = statistics.median(_pass(net, par) for _ in range(count))
+            out[name] = statistics.median(_pass(net, par) for _ in range(count))
             net.executor = None
-            if ex is not None and a > 1:
-                ex.comm.free()
-                ex.slice_comm.free()
+            if ex is not None:
+                ex.release()
     finally:
         net.executor = None
         par.keep_local([])
@@ -125,26 +126,27 @@ def measure_candidates(solver, groups: Sequence[int], passes: int = PASSES,
     return out
 
 
-def measured_choice(solver, groups: Sequence[int], names: dict[int, str], batch: int,
-                    cache: tune.TuneCache | None = None) -> int:
-    """The sample groups every rank runs: measured (or the root's ``cache``d times, default
-    :func:`pick_cache`), logged by the root with ``names[a]`` for each candidate; data parallelism unless
-    another is faster by :data:`MARGIN`. ``batch``: each rank's samples (part of the cache key)."""
+def measured_choice(solver, candidates: dict[str, Candidate], batch: int,
+                    cache: tune.TuneCache | None = None) -> str:
+    """The candidate every rank runs (its name; ``"data"`` is data parallelism): measured (or the root's
+    ``cache``d times, default :func:`pick_cache`) and logged by the root; data parallelism unless another
+    is faster by :data:`MARGIN`. ``batch``: each rank's samples (part of the cache key)."""
     par = solver.parallel
-    key = cache_key(solver, groups, batch)
+    names = list(candidates)
+    key = cache_key(solver, names, batch)
     cached = None
     if par.is_root:
         cache = cache if cache is not None else pick_cache()
         entry = cache.get(key)
-        cached = {int(a): float(s) for a, s in entry["seconds"].items()} if entry else None
+        cached = {str(a): float(s) for a, s in entry["seconds"].items()} if entry else None
     cached = par.comm.bcast_obj(cached)
-    seconds = cached if cached is not None else measure_candidates(solver, groups)
+    seconds = cached if cached is not None else measure_candidates(solver, candidates)
     if par.is_root and cached is None:
-        cache.put(key, {"seconds": {str(a): s for a, s in seconds.items()}})
-    choice = pick_measured(seconds, par.size)
+        cache.put(key, {"seconds": seconds})
+    choice = str(pick_measured(seconds, "data"))
     if par.is_root:
-        times = ", ".join(f"{names[a]} {1e3 * seconds[a]:.3g}" for a in groups)
+        times = ", ".join(f"{a} {1e3 * seconds[a]:.3g}" for a in names)
         log.info("--parallel auto: measured step ms (forward, backward, exchanges; slowest rank, median%s): %s; "
                  "running %s (data parallelism unless another is > %d%% faster)",
-                 ", cached" if cached is not None else "", times, names[choice], round(100 * MARGIN))
+                 ", cached" if cached is not None else "", times, choice, round(100 * MARGIN))
     return choice

@@ -26,7 +26,7 @@ process's (each rank draws its own), unequal batch shares, fewer outputs than ra
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -275,25 +275,39 @@ class ChannelSplitExecutor:
         return self.fcs[prev].out if prev in self.fcs else self.slices[prev]
 
     # -- the single-process copy -------------------------------------------------------------------
+    def release(self) -> None:
+        """Free the sub-communicators of the sample groups (collective; the executor is not used again)."""
+        if self.sample_groups > 1:
+            self.comm.free()
+            self.slice_comm.free()
+
     def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
         """All-gather the owned rows of the tail's weights (and of the solver ``history`` arrays of the
         same parameters) so that every rank holds the single-process values (a collective)."""
         self.gather_bytes += gather_rows(self.comm, self.net, self.fcs, history)
 
 
-def sliced_layer(layer: Layer, field: str, outputs: int, inp: Blob, out: Blob) -> Layer:
-    """A copy of ``layer`` with ``outputs`` outputs (``field``'s ``num_output``), set up on ``inp`` -> ``out``;
-    its fillers cleared (it takes its weights from the layer's slice and draws no random numbers)."""
+def layer_copy(layer: Layer, edit: Callable[[caffe_pb2.LayerParameter], None], inp: Blob, out: Blob) -> Layer:
+    """A copy of ``layer`` whose parameter ``edit`` changed (in place), set up on ``inp`` -> ``out``."""
     param = caffe_pb2.LayerParameter()
     param.CopyFrom(layer.param)
-    sub = getattr(param, field)
-    sub.num_output = outputs
-    for filler in (sub.weight_filler, sub.bias_filler):
-        filler.Clear()
+    edit(param)
     part = create_layer(param)
     part.setup([inp], [out])
     part.param_propagate_down = list(layer.param_propagate_down)
     return part
+
+
+def sliced_layer(layer: Layer, field: str, outputs: int, inp: Blob, out: Blob) -> Layer:
+    """A copy of ``layer`` with ``outputs`` outputs (``field``'s ``num_output``), set up on ``inp`` -> ``out``;
+    its fillers cleared (it takes its weights from the layer's slice and draws no random numbers)."""
+    def edit(param: caffe_pb2.LayerParameter) -> None:
+        sub = getattr(param, field)
+        sub.num_output = outputs
+        for filler in (sub.weight_filler, sub.bias_filler):
+            filler.Clear()
+
+    return layer_copy(layer, edit, inp, out)
 
 
 def exchange(comm, blocks: list[np.ndarray], widest: int, how: str) -> tuple[np.ndarray, int]:

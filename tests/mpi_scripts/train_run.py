@@ -30,7 +30,9 @@ a.add_argument("--devices", default=None, help="split each rank's batch over the
 a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (the root rank writes it)")
 a.add_argument("--test_batch", type=int, default=None, help="TEST-phase data layers read this batch (default BATCH)")
 a.add_argument("--parallel", default="data",
-               help="data, owt, owtN (the tail split n=N), conv:L1,L2 (conv layers by output channel), auto, FILE")
+               help="data, owt, owtN (the tail split n=N), conv:L1,L2 (conv layers by output channel), "
+                    "spatial:h=2:L1,L2;w=2:L3 (by height/width), measure:L1|h=2:L2,L3|A (auto's measured pick "
+                    "with these parts of DeePa's optimum, the tail n=A), auto, FILE")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -71,7 +73,7 @@ if args.die:
             raise CctError(f"injected failure at iteration {solver.iter}")
 
     solver.add_callback(on_start=die)
-owt = None
+owt, all_bytes = None, None
 if solver.comm is not None and solver.comm.size > 1:
     from cct.distributed import abort_on_error
 
@@ -84,6 +86,24 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.convsplit import enable_conv_split
 
             owt = enable_conv_split(solver, args.parallel[5:].split(","))
+        elif args.parallel.startswith("spatial:"):  # spatial:h=2:conv1,pool1[;w=2:conv2]
+            from cct.parallel_plan.spatial import enable_spatial_split
+            from cct.parallel_plan.split import Split
+
+            groups = [g.split(":") for g in args.parallel[8:].split(";")]
+            owt = enable_spatial_split(solver, {name: Split.parse(how) for how, names in groups
+                                                for name in names.split(",")})
+        elif args.parallel.startswith("measure:"):  # auto's measured pick among given DeePa parts:
+            # measure:conv2|h=2:conv1,pool1|1 (convolutions by channel | layers by height/width | tail groups)
+            from cct.parallel_plan.execute import run_measured
+            from cct.parallel_plan.split import Split
+
+            convs, bands, groups = (args.parallel[8:].split("|") + ["", ""])[:3]
+            how, _, names = bands.partition(":")
+            run_measured(solver, [c for c in convs.split(",") if c],
+                         {name: Split.parse(how) for name in names.split(",") if name}, int(groups or 0) or None)
+            split = solver.net.executor
+            owt = split if hasattr(split, "gather_owned") else None
         elif args.parallel != "data":  # auto or a plan file
             from cct.parallel_plan.execute import setup_parallel
 
@@ -93,6 +113,7 @@ if solver.comm is not None and solver.comm.size > 1:
         solver.solve(args.resume)
         if owt is not None:
             owt.gather_owned(solver.history)
+            all_bytes = solver.comm.allgather_obj(owt.bytes_moved)
 else:
     solver.solve(args.resume)
 if solver.is_root:
@@ -101,5 +122,5 @@ if solver.is_root:
         json.dump({"losses": losses, "ranks": 1 if solver.parallel is None else solver.parallel.size,
                    "shares": None if solver.parallel is None else solver.parallel.shares,
                    "stats": None if solver.parallel is None else solver.parallel.sync.stats.as_dict(),
-                   "owt_bytes": None if owt is None else owt.bytes_moved,
+                   "owt_bytes": None if owt is None else owt.bytes_moved, "split_bytes_all": all_bytes,
                    "flat_params_intact": solver.net.flat_params.intact()}, f)
