@@ -8,6 +8,11 @@ import time
 _LEVEL_CHAR = {logging.DEBUG: "I", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E", logging.CRITICAL: "F"}
 
 
+def ostream_float(x: float) -> str:
+    """A float as C++'s ostream prints it by default (6 significant digits): how Caffe's log lines show numbers."""
+    return f"{float(x):g}"
+
+
 class GlogFormatter(logging.Formatter):
     """Formats records as glog does: level char, MMDD, time with microseconds, pid, file:line]."""
 

@@ -1,5 +1,6 @@
-"""Caffe's Solver: the training loop, test nets, snapshots and MPI hooks (the six update rules are
-:mod:`.rules`, their arithmetic :mod:`.updates`).
+"""Caffe's Solver: construction and the training loop (the update is :mod:`.update_step`, the test passes
+:mod:`.evaluation`, snapshots and resume :mod:`.state`, CUDA graphs of an iteration :mod:`.graphed`; the six
+update rules are :mod:`.rules`, their arithmetic :mod:`.updates`).
 
 ``get_solver("solver.prototxt")`` builds the solver the file's ``type`` (or deprecated
 ``solver_type``) names: the train net, the test nets (sharing the train net's weights), the update
@@ -42,19 +43,22 @@ from typing import ClassVar
 import numpy as np
 
 from .. import rng
-from ..backend import get_array_module, in_device_memory
+from ..backend import in_device_memory
 from ..config import Config, current
 from ..device.losses import LossLog
 from ..errors import CctError, LayerError, SolverError
-from ..io.atomic import remove_stale_temps
 from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
+from ..log import ostream_float as _fmt
 from ..net import Net
 from ..proto import caffe_pb2
-from . import lr_policy, signals, snapshot, updates
-from .flat_update import FlatUpdate, Hyper
+from . import lr_policy, signals
+from .evaluation import Evaluation
+from .flat_update import FlatUpdate
 from .graphed import GraphedIterations, why_not_graphs
+from .state import SolverState
 from .tensorboard import TensorBoardWriter
 from .timing import PhaseTimer, data_seconds
+from .update_step import UpdateStep
 
 log = logging.getLogger("cct")
 
@@ -107,12 +111,7 @@ def get_solver(source: str | os.PathLike | caffe_pb2.SolverParameter, solver_typ
     return _SOLVERS[name](param, _source=src, **kwargs)
 
 
-def _fmt(x: float) -> str:
-    """C++ ostream formatting of a float (6 significant digits)."""
-    return f"{float(x):g}"
-
-
-class Solver:
+class Solver(UpdateStep, Evaluation, SolverState):
     """Caffe's Solver: owns the train net, the test nets and the iteration loop.
 
     Attributes: ``param`` (SolverParameter), ``net``, ``test_nets``, ``iter``, ``current_step``,
@@ -233,39 +232,6 @@ class Solver:
         on_device = any(in_device_memory(g.data) for g in flat.groups)
         self.use_flat_update(on_device)
 
-    def use_flat_update(self, on: bool = True) -> bool:
-        """Update through the fused pass over the flat buffers (:mod:`.flat_update`) or, with ``on`` False,
-        parameter by parameter (a setup-time choice; the default is the flat pass for device nets and the
-        per-parameter path on the CPU, where it measured faster: benchmarks/README.md). Solvers that
-        override a step of the update (:meth:`compute_update_value`, :meth:`normalize`, :meth:`regularize`)
-        always take the per-parameter path. Returns whether the flat pass is on."""
-        rule = self._flat_rule()
-        if not on or rule is None or self.net.flat_params is None:
-            self.flat_update = None
-            return False
-        p = self.param
-        self.flat_update = FlatUpdate(self.net.flat_params, rule, self.flat_hyper(), p.weight_decay,
-                                      self.net.params_lr, self.net.params_weight_decay, self.history_buffers)
-        return True
-
-    def _flat_rule(self) -> str | None:
-        """The ``flat_rule`` of the class that defines it, if no subclass changed a step of the update."""
-        cls = type(self)
-        owner = next((k for k in cls.__mro__ if "flat_rule" in vars(k)), None)
-        if owner is None or owner.flat_rule is None:
-            return None
-        if (cls.compute_update_value is not owner.compute_update_value or cls.normalize is not Solver.normalize
-                or cls.regularize is not Solver.regularize):
-            return None
-        return owner.flat_rule
-
-    def flat_hyper(self) -> Hyper:
-        """The rule's hyper-parameters for the flat update (``momentum``, ``momentum2``, ``delta``,
-        ``iter_size``, ``clip_gradients``, ``regularization_type``)."""
-        p = self.param
-        return Hyper(momentum=p.momentum, momentum2=p.momentum2, delta=p.delta, iter_size=p.iter_size,
-                     clip=p.clip_gradients, regularization=p.regularization_type)
-
     def _log_mode(self) -> None:
         """Caffe's solver_mode/device_id, unless the config names devices already (--devices, set_devices)."""
         from ..scheduler.config import devices_for_solver_mode
@@ -385,35 +351,7 @@ class Solver:
             nets.append(net)
         return nets
 
-    def _check_snapshot_write_permissions(self) -> None:
-        if not self.param.snapshot:
-            return
-        if not self.param.HasField("snapshot_prefix"):
-            raise SolverError(f"{self.source}: In solver params, snapshot is specified but snapshot_prefix is not")
-        probe = snapshot.snapshot_filename(self.param.snapshot_prefix, self.iter, ".tempfile")
-        error = None
-        if self.is_root:  # only the root writes snapshots
-            try:
-                self._make_snapshot_dir()
-                with open(probe, "w"):
-                    pass
-                os.remove(probe)
-                prefix = self.param.snapshot_prefix
-                for tmp in remove_stale_temps(os.path.dirname(prefix) or ".", os.path.basename(prefix)):
-                    log.info("Removed %s (a snapshot left half-written by a killed run)", tmp)
-            except OSError as e:
-                error = (f"{self.source}: Cannot write to snapshot prefix '{self.param.snapshot_prefix}'. "
-                         f"Make sure that the directory exists and is writable ({e.strerror}).")
-        if self.comm is not None and self.comm.size > 1:
-            error = self.comm.bcast_obj(error)
-        if error:
-            raise SolverError(error)
 
-    def _make_snapshot_dir(self) -> None:
-        d = os.path.dirname(self.param.snapshot_prefix)
-        if d and not os.path.isdir(d):
-            os.makedirs(d, exist_ok=True)
-            log.info("Created snapshot directory %s", d)
 
     # -- public API ----------------------------------------------------------------------------
     def add_callback(self, on_start: Callback | None = None, on_gradients_ready: Callback | None = None) -> None:
@@ -633,20 +571,6 @@ class Solver:
         phases.add("backward", clock() - t1)
         return loss
 
-    def _log_outputs(self, net: Net, what: str) -> list[tuple[str, float]]:
-        """Log every value of the net's outputs; returns them as (name, value), a blob's values as name/k."""
-        index = 0
-        values_out: list[tuple[str, float]] = []
-        for name in net.output_blob_names:
-            values = np.asarray(_to_numpy(net.blobs[name].data), dtype=np.float32).ravel()
-            w = net.blob_loss_weights.get(name, 0.0)
-            for k, v in enumerate(values):
-                extra = f" (* {_fmt(w)} = {_fmt(np.float32(w) * v)} loss)" if w else ""
-                log.info("    %s net output #%d: %s = %s%s", what, index, name, _fmt(v), extra)
-                values_out.append((name if len(values) == 1 else f"{name}/{k}", float(v)))
-                index += 1
-        return values_out
-
     def _update_smoothed_loss(self, loss, start_iter: int, average_loss: int, iteration: int | None = None) -> None:
         """Caffe's UpdateSmoothedLoss with the loss of ``iteration`` (default: the current one)."""
         loss = np.float32(loss)
@@ -684,341 +608,6 @@ class Solver:
         raise SolverError(f"Iteration {iteration}: loss is {_fmt(loss)} ({what}); training stopped{found}{wrote}. "
                           "Lower base_lr, add clip_gradients, or check the input data.")
 
-    def test_all(self) -> None:
-        """Run every test net (Caffe's TestAll). Distributed: every rank calls it (the root alone tests)."""
-        for gather in self.parallel.share_slices if self.parallel is not None else ():
-            gather()
-        for i in range(len(self.test_nets)):
-            if self.requested_early_exit:
-                break
-            self.test(i)
-
-    def test(self, test_net_id: int = 0) -> list[float]:
-        """Run test net ``test_net_id`` for its ``test_iter`` batches and log the mean outputs."""
-        log.info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
-        net = self.test_nets[test_net_id]
-        net.share_weights_with(self.net)
-        p = self.param
-        n_iter = p.test_iter[test_net_id]
-        scores: list[np.float32] = []
-        score_names: list[str] = []
-        loss = np.float32(0)
-        for i in range(n_iter):
-            # a distributed run (the root tests alone) takes signals between iterations only
-            request = self.get_requested_action() if self.parallel is None else signals.NONE
-            while request != signals.NONE:
-                if request == signals.SNAPSHOT:
-                    self.snapshot()
-                elif request == signals.STOP:
-                    self.requested_early_exit = True
-                request = self.get_requested_action()
-            if self.requested_early_exit:
-                break
-            try:
-                iter_loss = net.forward()
-            except LayerError as e:
-                raise e.in_context(f"test net #{test_net_id}, test batch {i} at iteration {self.iter}") from e
-            if p.test_compute_loss:
-                loss += np.float32(iter_loss)
-            for idx, (name, v) in enumerate(net.output_values()):
-                if i == 0:
-                    scores.append(v)
-                    score_names.append(name)
-                else:
-                    scores[idx] += v
-        if self.requested_early_exit:
-            log.info("Test interrupted.")
-            return []
-        if p.test_compute_loss:
-            loss /= np.float32(n_iter)
-            log.info("Test loss: %s", _fmt(loss))
-        means = []
-        for i, (name, s) in enumerate(zip(score_names, scores)):
-            mean = np.float32(s) / np.float32(n_iter)
-            means.append(float(mean))
-            w = net.blob_loss_weights.get(name, 0.0)
-            extra = f" (* {_fmt(w)} = {_fmt(np.float32(w) * mean)} loss)" if w else ""
-            log.info("    Test net output #%d: %s = %s%s", i, name, _fmt(mean), extra)
-        if self.tensorboard is not None:
-            self.tensorboard.test_result(self.iter, test_net_id, list(zip(score_names, means)),
-                                         float(loss) if p.test_compute_loss else None)
-        return means
-
-    # -- update ----------------------------------------------------------------------------------
-    def get_learning_rate(self) -> float:
-        """The lr policy's rate for the current iteration (advances ``current_step`` for multistep)."""
-        rate, self.current_step = lr_policy.learning_rate(self.param, self.iter, self.current_step)
-        return rate
-
-    def apply_update(self) -> None:
-        """Turn the accumulated gradients into the update and apply it (Caffe's ApplyUpdate):
-        :meth:`prepare_update` (host: rate, log, the fused pass's scalars), then :meth:`device_update`."""
-        self.prepare_update()
-        if self._graphed_iteration:
-            self.step_graphs.run_update()
-        else:
-            self.device_update()
-
-    def prepare_update(self) -> float:
-        """The host half of the update, between iterations: the lr policy's rate (logged at display
-        iterations) written with the other scalars into the fused pass's scalar arrays. Returns the rate."""
-        rate = self.get_learning_rate()
-        self.lr = rate
-        p = self.param
-        if p.display and self.iter % p.display == 0:
-            log.info("Iteration %d, lr = %s", self.iter, _fmt(rate))
-            if self.tensorboard is not None:
-                self.tensorboard.learning_rate(self.iter, rate)
-        if self.flat_update is not None:
-            self.flat_update.write_scalars(rate, self.iter)
-        return rate
-
-    def device_update(self) -> None:
-        """The update itself (after :meth:`prepare_update`): with the flat buffers intact one fused pass
-        (no host read on device nets, unless :attr:`defer_host_reads` is False and clipping is on: then the
-        clip line is logged at once), else parameter by parameter."""
-        fu = self.flat_update
-        if fu is not None and self.net.flat_params.intact():
-            if not fu.on_device:
-                updates.clip_gradients([b.diff for b in self.net.learnable_params], self.param.clip_gradients)
-            debug = self.net.debug_info
-            fu.run(apply=not debug)
-            if not self.defer_host_reads:
-                self.flush_update_log()
-            if debug:
-                self.net.update_debug_info()
-                self.net.update()
-            return
-        self._update_per_param(self.lr)
-
-    def flush_update_log(self) -> None:
-        """Log what the device recorded since the last call (a host read; a boundary): Caffe's gradient
-        clipping line with the last clipped iteration's norm and scale."""
-        report = self.flat_update.clip_report() if self.flat_update is not None else None
-        if report is None:
-            return
-        norm, scale, count = report
-        log.info("Gradient clipping: scaling down gradients (L2 norm %g > %g) by scale factor %g",
-                 norm, np.float32(self.param.clip_gradients), scale)
-        if count > 1:
-            log.info("Gradient clipping: %d iterations were clipped since the last report", count)
-
-    def _update_per_param(self, rate: float) -> None:
-        """The update parameter by parameter (Caffe's loop; the numba SGD kernel where it applies)."""
-        p = self.param
-        params = self.net.learnable_params
-        updates.clip_gradients([b.diff for b in params], p.clip_gradients)
-        # the fused kernel also applies data -= diff in its pass, unless debug_info must show the
-        # diffs and data in between (as Caffe logs them before Net::Update)
-        apply = not self.net.debug_info
-        applied = set()
-        for pid in range(len(params)):
-            self.normalize(pid)
-            if self.fused_update(pid, rate, apply_data=apply):
-                if apply:
-                    applied.add(pid)
-            else:
-                self.regularize(pid)
-                self.compute_update_value(pid, rate)
-        if self.net.debug_info:
-            self.net.update_debug_info()
-        if not applied:
-            self.net.update()
-        else:
-            for pid, blob in enumerate(params):
-                if pid not in applied:
-                    blob.data -= blob.diff
-
-    def normalize(self, param_id: int) -> None:
-        """Divide the accumulated gradient by ``iter_size``."""
-        updates.normalize(self.net.learnable_params[param_id].diff, self.param.iter_size)
-
-    def regularize(self, param_id: int) -> None:
-        """Add ``weight_decay * decay_mult`` times the L2 (w) or L1 (sign w) term to the gradient."""
-        blob = self.net.learnable_params[param_id]
-        dt = blob.diff.dtype.type
-        local_decay = dt(self.param.weight_decay) * dt(self.net.params_weight_decay[param_id])
-        updates.regularize(blob.data, blob.diff, local_decay, self.param.regularization_type)
-
-    def local_rate(self, param_id: int, rate: float):
-        """``rate * lr_mult`` in the parameter's dtype."""
-        dt = self.net.learnable_params[param_id].diff.dtype.type
-        return dt(rate) * dt(self.net.params_lr[param_id])
-
-    def compute_update_value(self, param_id: int, rate: float) -> None:
-        """Replace the param's diff by the update to subtract (the solver's rule)."""
-        raise NotImplementedError
-
-    def fused_update(self, param_id: int, rate: float, apply_data: bool = False) -> bool:
-        """Do :meth:`regularize` + :meth:`compute_update_value` in one compiled pass if this solver
-        has one for the parameter (same result bits); False to take the two steps. With
-        ``apply_data`` the pass also does the parameter's ``data -= diff``."""
-        return False
-
-    # -- snapshots -------------------------------------------------------------------------------
-    def snapshot_filename(self, extension: str) -> str:
-        """``<snapshot_prefix>_iter_<iter><extension>``."""
-        return snapshot.snapshot_filename(self.param.snapshot_prefix, self.iter, extension)
-
-    def snapshot(self) -> str:
-        """Write the weights, the solver state and cct's ``.cctstate``; returns the weights' path.
-
-        Distributed: a collective (every rank's read position goes into the ``.cctstate``); the root
-        alone writes the files."""
-        p = self.param
-        hdf5 = p.snapshot_format == caffe_pb2.SolverParameter.HDF5
-        for gather in self.parallel.share_slices if self.parallel is not None else ():
-            gather()
-        extra = self._cct_state()
-        if not self.is_root:
-            self._last_snapshot_iter = self.iter
-            return self.snapshot_filename(".caffemodel.h5" if hdf5 else ".caffemodel")
-        self._make_snapshot_dir()
-        if hdf5:
-            model = self.snapshot_filename(".caffemodel.h5")
-            log.info("Snapshotting to HDF5 file %s", model)
-            self.net.save_hdf5(model, write_diff=p.snapshot_diff)
-            state_file = self.snapshot_filename(".solverstate.h5")
-            log.info("Snapshotting solver state to HDF5 file %s", state_file)
-        else:
-            model = self.snapshot_filename(".caffemodel")
-            log.info("Snapshotting to binary proto file %s", model)
-            self.net.save(model, write_diff=p.snapshot_diff)
-            state_file = self.snapshot_filename(".solverstate")
-            log.info("Snapshotting solver state to binary proto file %s", state_file)
-        snapshot.write_solverstate(state_file, self.iter, model, self.current_step, self.history, hdf5=hdf5)
-        snapshot.write_cctstate(snapshot.cctstate_path(state_file), extra)
-        self._last_snapshot_iter = self.iter
-        return model
-
-    def _cct_state(self) -> dict:
-        def read_states(net: Net) -> dict:
-            out = {}
-            for name, layer in zip(net.layer_names, net.layers):
-                getter = getattr(layer, "get_read_state", None)
-                if getter is not None:
-                    s = getter()
-                    if s is not None:
-                        out[name] = s
-            return out
-
-        train = read_states(self.net)
-        state = {
-            "iter": self.iter,
-            "solver_type": self.type,
-            "rng": rng.get_state(),
-            "train_net": train,
-            "test_nets": [read_states(n) for n in self.test_nets],
-            # the device random streams (Dropout, stochastic pooling): key and position per layer
-            "random_streams": {"train_net": self.net.random.state(),
-                               "test_nets": [n.random.state() for n in self.test_nets]},
-        }
-        if self.parallel is not None:  # every rank's read position and random stream, on the root
-            state["ranks"] = self.parallel.size
-            state["train_net_ranks"] = self.parallel.gather_read_states(train)
-            state["rng_ranks"] = self.parallel.gather_rng_states()
-            state["random_streams_ranks"] = self.parallel.comm.gather_obj(self.net.random.state(), root=0)
-            if self.parallel.shares is not None:
-                state["shares"] = self.parallel.shares
-        return state
-
-    def restore(self, state_file: str | os.PathLike) -> None:
-        """Resume from a ``.solverstate`` / ``.solverstate.h5`` (plus its ``.cctstate`` if present)."""
-        path = os.fspath(state_file)
-        state = snapshot.read_solverstate(path)
-        self.iter = state["iter"]
-        learned = state["learned_net"]
-        if learned:
-            if not os.path.exists(learned):
-                beside = os.path.join(os.path.dirname(path), os.path.basename(learned))
-                if os.path.exists(beside):
-                    learned = beside
-            self.net.copy_from(learned)
-        self.current_step = state["current_step"]
-        history = state["history"]
-        if len(history) != len(self.history):
-            raise SolverError(f"{path}: Incorrect length of history blobs: the file has {len(history)}, "
-                              f"the {self.type} solver for this net needs {len(self.history)}")
-        log.info("%sSolver: restoring history", self.type)
-        for i, (h, arr) in enumerate(zip(self.history, history)):
-            if h.size != arr.size:
-                raise SolverError(f"{path}: history blob {i} holds {arr.size} values, the parameter has {h.size}")
-            h[...] = get_array_module(h).asarray(arr.reshape(h.shape), dtype=h.dtype)
-        extra = snapshot.cctstate_path(path)
-        if os.path.exists(extra):
-            self._restore_cct_state(extra)
-        else:
-            log.info("No %s beside %s: the RNG and data-layer read positions start afresh (as in Caffe).",
-                     os.path.basename(extra), path)
-
-    def _restore_cct_state(self, path: str) -> None:
-        state = snapshot.read_cctstate(path)
-        saved_ranks = int(state.get("ranks", 1))
-        ranks = 1 if self.parallel is None else self.parallel.size
-        rank = 0 if self.parallel is None else self.parallel.rank
-        train_states = state.get("train_net", {})
-        if self.parallel is not None and state.get("shares") != self.parallel.shares:
-            saved_ranks = -1  # other batch shares: the ranks' positions do not carry over
-        if saved_ranks == ranks and ranks > 1:
-            train_states = state["train_net_ranks"][rank]
-            if "rng_ranks" in state:
-                rng.set_state(state["rng_ranks"][rank])
-        elif "rng" in state:
-            rng.set_state(state["rng"])
-        self._restore_random_streams(state, path, saved_ranks == ranks, rank)
-
-        def set_states(net: Net, states: dict, what: str) -> None:
-            for name, s in states.items():
-                if not net.has_layer(name):
-                    log.warning("%s: layer '%s' of the %s is not in the net; its read state is ignored",
-                                path, name, what)
-                    continue
-                setter = getattr(net.layer_by_name(name), "set_read_state", None)
-                if setter is None:
-                    log.warning("%s: layer '%s' cannot restore a read state; ignored", path, name)
-                    continue
-                setter(s)
-
-        if saved_ranks != ranks:
-            from ..distributed.parallel import shared_counter_states
-
-            shared = shared_counter_states(state.get("train_net_ranks") or [train_states])
-            counters = ", ".join(f"{n} at record {int(s.get('offset', 0))}" for n, s in sorted(shared.items()))
-            if self.is_root:
-                before = f"{saved_ranks} rank(s)" if saved_ranks > 0 else "other batch shares"
-                log.info("%s was written by %s, this run has %d: the data read positions restart from "
-                         "the shared record counter (%s)", path, before, ranks, counters or "no data layers")
-            if self.parallel is not None:
-                self.parallel._seed_rank_streams()
-                self.parallel.shard_data(shared)
-            else:
-                set_states(self.net, shared, "train net")
-        else:
-            set_states(self.net, train_states, "train net")
-        for i, (net, states) in enumerate(zip(self.test_nets, state.get("test_nets", []))):
-            set_states(net, states, f"test net #{i}")
-        log.info("Restored RNG state and data read positions from %s", path)
-
-    def _restore_random_streams(self, state: dict, path: str, same_ranks: bool, rank: int) -> None:
-        """The nets' device random streams continue where the snapshot left them (keys too, unless the
-        rank count changed: then each rank keeps its own key and takes the saved positions)."""
-        saved = state.get("random_streams")
-        if saved is None:
-            return
-        train = saved.get("train_net", {})
-        if same_ranks and "random_streams_ranks" in state:
-            train = state["random_streams_ranks"][rank]
-        nets = [(self.net, train, "train net")]
-        nets += [(n, s, f"test net #{i}") for i, (n, s) in enumerate(zip(self.test_nets, saved.get("test_nets", [])))]
-        for net, states, what in nets:
-            try:
-                unknown = net.random.set_state(states, keys=same_ranks)
-            except CctError as e:
-                raise SolverError(f"{path}: {what}: {e}") from e
-            for name in unknown:
-                log.warning("%s: layer '%s' of the %s draws no random numbers in this net; its random stream "
-                            "state is ignored", path, name, what)
-
     def __repr__(self) -> str:
         return f"<cct {self.type}Solver iter={self.iter} net='{self.net.name}'>"
 
@@ -1035,9 +624,3 @@ def _resolve_comm(comm):
     from ..distributed import world
 
     return world()
-
-
-def _to_numpy(a):
-    from ..backend import to_numpy
-
-    return to_numpy(a)
