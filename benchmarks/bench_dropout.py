@@ -7,7 +7,7 @@ float32 draw from the global numpy generator, compared, converted and scaled, th
 the mask buffer), ``stream-numpy`` the same layer with ``CCT_KERNELS=numpy`` (the array-module path a GPU
 runs). Reports the medians over rounds of each round's median.
 
-    flock /tmp/cct-timing.lock python benchmarks/bench_dropout.py --rounds 5
+    python benchmarks/bench_dropout.py --rounds 5
 
 Writes benchmarks/results/bench_dropout.json (``--out`` to change).
 """
