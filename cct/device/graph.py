@@ -90,25 +90,41 @@ class StepGraphs:
                     fn()
                     self.warm.add(name)
                     return
-                # relaxed: the pool may still call cudaMalloc, and other threads (data prefetch) are not stopped
-                self.stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
-                try:
-                    fn()
-                except Exception as e:
-                    try:
-                        self.stream.end_capture()
-                    except Exception:  # the failed operation invalidated the capture: nothing to keep
-                        pass
-                    self.eager[name] = f"{type(e).__name__}: {e}"
+                graph, failure = self._capture(fn)
+                if graph is None:
+                    self.eager[name] = failure
                     log.warning("CUDA graph of the %s's %s not used (capture failed: %s); it runs eagerly",
-                                self.what, name, self.eager[name])
-                    fn()
+                                self.what, name, failure)
+                    fn()  # nothing of the abandoned capture ran
                     return
-                graph = self.stream.end_capture()
             self.graphs[name] = graph
             log.info("CUDA graph of the %s's %s captured (%d nodes); replayed from now on", self.what, name,
                      graph_nodes(graph))
             graph.launch(self.stream)
+
+    def _capture(self, fn: Callable[[], None]) -> tuple[Any, str | None]:
+        """(graph, None) for ``fn``'s kernels captured on the stream, or (None, why) when CUDA or ``fn`` refused
+        (the capture is always ended: the stream is usable afterwards)."""
+        cupy = self.cupy
+        # relaxed: the pool may still call cudaMalloc, and other threads (data prefetch) are not stopped
+        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+        try:
+            if mode is None:
+                self.stream.begin_capture()
+            else:
+                self.stream.begin_capture(mode)
+        except Exception as e:
+            return None, f"{type(e).__name__}: {e}"
+        failure = None
+        try:
+            fn()
+        except Exception as e:
+            failure = f"{type(e).__name__}: {e}"
+        try:
+            graph = self.stream.end_capture()
+        except Exception as e:  # a refused operation invalidated the capture
+            return None, failure or f"{type(e).__name__}: {e}"
+        return (None, failure) if failure else (graph, None)
 
     def forget(self) -> None:
         """Drop the captured graphs (a shape change): the next calls warm up and capture again."""
