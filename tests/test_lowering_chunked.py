@@ -245,3 +245,46 @@ def test_partition_reduction_is_priced_once_a_call():
     assert reduction_ops(get_strategy("type1"), g, 2) == [("zero", 2 * w), ("add", w), ("add", w)]
     assert reduction_ops(get_strategy("direct"), g, 1) == []
     assert reduction_ops(get_strategy("direct"), g, 2) == [("zero", 2 * w), ("add", 2 * w)]
+
+
+@pytest.mark.parametrize("partitions", [1, "model"])
+def test_a_conv_layer_settles_its_chunking_at_setup_and_passes_only_execute(partitions):
+    """Issue 29: nothing plans in forward/backward. A hand-built wrapper with ``b_p="auto"`` (priced by the cost
+    model) is settled when it is set and on every reshape; the passes then never consult the cost model."""
+    param = parse_text('name: "conv" type: "Convolution" convolution_param { num_output: 4 kernel_size: 3 '
+                       'weight_filler { type: "gaussian" std: 0.5 } }', caffe_pb2.LayerParameter())
+    layer = create_layer(param)
+    rng = np.random.default_rng(2)
+    bottom = [make_blob(rng.standard_normal((6, 3, 9, 9)).astype(np.float32))]
+    top = [make_blob(np.zeros(1, np.float32))]
+    layer.setup(bottom, top)
+    priced = []
+
+    def machine_for(threads):
+        priced.append(threads)
+        return cm.nominal_machine()
+
+    lowering = BatchedLowering(get_strategy("type1"), batch_partition="auto", partitions=partitions, threads=2,
+                               machine_for=machine_for)
+    layer.lowering = lowering
+    assert priced, "setting the lowering on a set-up layer prices its chunking there"
+    settled = len(priced)
+
+    def run():
+        layer.forward(bottom, top)
+        top[0].diff[...] = 1.0
+        layer.backward(top, [True], bottom)
+        return top[0].data.copy(), bottom[0].diff.copy()
+
+    y, dx = run()
+    run()
+    assert len(priced) == settled, "a pass priced the chunking"
+    np.testing.assert_allclose(y, ref_forward(bottom[0].data, layer.blobs[0].data, layer.blobs[1].data, layer.geom),
+                               **TOL)
+    bottom[0].reshape((3, 3, 9, 9))  # a new shape: planned again by reshape, not by the pass after it
+    bottom[0].data[...] = rng.standard_normal(bottom[0].shape)
+    layer.reshape(bottom, top)
+    assert len(priced) > settled
+    settled = len(priced)
+    run()
+    assert len(priced) == settled

@@ -59,6 +59,8 @@ class _BaseConvolution(Layer):
         self._planned_for: tuple | None = None
         self.geom: ConvGeometry | None = None
         self._geom_key: tuple | None = None
+        self._itemsize = 4  # of the bottom's dtype, for the lowering's chunking (set by reshape)
+        self.num = 0  # images per pass (the axes before the channel axis), set by reshape
 
     @property
     def lowering(self) -> LoweringStrategy:
@@ -71,6 +73,8 @@ class _BaseConvolution(Layer):
     def lowering(self, strategy: LoweringStrategy | str) -> None:
         self._lowering = get_strategy(strategy) if isinstance(strategy, str) else strategy
         self._user_lowering = True
+        if self.num:
+            self.prepare_lowering()  # set after setup: settle it now
 
     @property
     def lowering_set_by_user(self) -> bool:
@@ -101,6 +105,12 @@ class _BaseConvolution(Layer):
             else:
                 self._lowering = plan_lowering(self.name, self.geom, self.num, passes=self._passes())
             self._planned_for = key
+
+    def prepare_lowering(self) -> None:
+        """Have the lowering settle its chunking and threads for the current shape, so that ``forward`` and
+        ``backward`` only execute (called by ``reshape``, and by whoever changes the lowering afterwards)."""
+        if self._device_xp is None and self.geom is not None:
+            self._lowering.prepare_for(self.geom, self.num, self._itemsize)
 
     def _passes(self) -> tuple[str, ...]:
         """The passes the plan is priced on: no gradient to the bottom when the net says it needs none
@@ -161,7 +171,9 @@ class _BaseConvolution(Layer):
         geom = self._geometry(shape)
         self.num = bottom[0].count_range(0, self.channel_axis)
         self._device_xp = bottom[0].xp if in_device_memory(bottom[0].data) else None
+        self._itemsize = bottom[0].dtype.itemsize
         self._plan_lowering()
+        self.prepare_lowering()
         spatial = geom.in_shape if self.reverse else geom.out_shape
         top_shape = tuple(shape[: self.channel_axis]) + (self.num_output,) + tuple(spatial)
         for t in top:

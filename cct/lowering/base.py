@@ -49,6 +49,11 @@ class LoweringStrategy:
         done once before the chunks with all of the caller's threads
         (:class:`~cct.lowering.partition.BatchedLowering` calls it); nothing by default."""
 
+    def prepare_for(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> None:
+        """Settle, at setup, everything the lowering decides for ``geom`` at ``batch`` images (its chunking,
+        its partition threads), so that the passes only execute; the layer calls it after each plan or
+        reshape. Nothing to settle by default."""
+
     def pass_ops(self, geom: ConvGeometry, batch: int, pass_: str) -> list[tuple]:
         """The operations one pass (``fwd``, ``bwd_data``, ``bwd_weights``) runs on a chunk of ``batch``
         images, in the vocabulary of :mod:`cct.lowering.gemm_ops`; the cost model prices them. A

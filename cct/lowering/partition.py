@@ -17,7 +17,9 @@ Two knobs, both provided by the wrapper strategy :class:`BatchedLowering`:
   lowering kernels, whose count numba keeps per calling thread). ``partitions="model"`` lets the cost
   model decide, pricing each ``p`` with the constants calibrated for ``threads // p`` BLAS threads (the
   calling thread runs partition 0 itself). The wrapper never measures: the engine's ``partitions="auto"``
-  measures the candidates when the layer is planned (:func:`cct.lowering.tune.measure_partitions`).
+  measures the candidates when the layer is planned (:func:`cct.lowering.tune.measure_partitions`), and the
+  layer calls :meth:`BatchedLowering.prepare_for` at setup, so even a wrapper built by hand with ``"auto"``
+  prices its chunking there, not in the first pass.
 
 Thread limits, as measured (see benchmarks/README.md): numpy's OpenBLAS is a pthreads build
 whose thread count is *process-wide* (threadpoolctl, ``openblas_set_num_threads``; its
@@ -165,6 +167,13 @@ class BatchedLowering(IntoLowering):
                "predicted_s": predicted}
         self._plans[key] = out
         return out
+
+    def prepare_for(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> None:
+        """Resolve the chunking for ``geom`` at ``batch`` (``"auto"``/``"budget"``/``"model"`` priced now, not in
+        the first pass) and start the partition threads it needs; the passes then look the plan up."""
+        plan = self.plan(geom, batch, itemsize)
+        if plan["p"] > 1:
+            self._executor(plan["p"] - 1)
 
     def _executor(self, p: int) -> ThreadPoolExecutor:
         with self._lock:

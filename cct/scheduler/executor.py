@@ -494,3 +494,4 @@ def _pin_lowering(layer: Layer, shadow: Layer) -> None:
     lowering = shadow.lowering
     if getattr(lowering, "partitions", 1) != 1:
         lowering.partitions = 1
+        shadow.prepare_lowering()
