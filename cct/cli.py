@@ -17,11 +17,14 @@ format; errors exit with status 1 and a one-line message (no traceback).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import __version__
 from .commands.mpi import mpi_world
 from .errors import CctError
 from .flags import FlagParser
@@ -41,8 +44,6 @@ class Command:
 
     def load(self) -> tuple[Callable[[], FlagParser], Callable[[argparse.Namespace], int]]:
         """The parser builder and the run function (imports the module)."""
-        import importlib
-
         try:
             mod = importlib.import_module(self.module)
         except ImportError as e:
@@ -122,8 +123,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(usage()) if argv else sys.stderr.write(usage())
         return 0 if argv else 1
     if argv[0] in ("--version", "-version", "version"):
-        from . import __version__
-
         print(f"cct {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
@@ -152,7 +151,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as e:
         if comm is None or isinstance(e, SystemExit) and not e.code:
             raise
-        import traceback
 
         traceback.print_exc()
         return _abort_job(cmd, comm, f"{type(e).__name__}: {e}", 1)

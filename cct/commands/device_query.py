@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import platform
 import sys
 
+import numpy as np
+
+from .. import blas
+from ..backend import cupy_available
 from ..errors import CctError
 from ..flags import FlagParser, command_parser
 from ..runsetup import select_gpus
+from ..scheduler import device_query, format_device_query
 from .mpi import mpi_world
 
 
@@ -25,8 +32,6 @@ def run(args: argparse.Namespace) -> int:
     comm = mpi_world()
     if comm is None:
         return report(args, sys.stdout)
-    import io
-    import platform
 
     buf = io.StringIO()
     try:
@@ -44,12 +49,6 @@ def run(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace, out) -> int:
     """Write this process's report to ``out``; the exit status (1 when ``--gpu`` names GPUs that are not there)."""
-    import platform
-
-    import numpy as np
-
-    from .. import blas
-
     try:
         cpu = blas._cpu_model()
     except Exception:  # pragma: no cover - informational only
@@ -67,11 +66,9 @@ def report(args: argparse.Namespace, out) -> int:
         print(f"BLAS threads: {blas.get_num_threads()}", file=out)
     except Exception:  # pragma: no cover - informational only
         pass
-    from ..scheduler import device_query, format_device_query
 
     print("Devices (measured SGEMM rate, cached):", file=out)
     print(format_device_query(device_query()), file=out)
-    from ..backend import cupy_available
 
     if not cupy_available():
         if args.gpu:

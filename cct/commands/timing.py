@@ -7,6 +7,7 @@ import logging
 import time
 
 from ..flags import FlagParser, command_parser
+from ..net.overhead import gemm_overhead, log_gemm_overhead
 from ..progress import Progress
 from ..runsetup import add_common_arguments, add_device_arguments, wants_progress
 from .model import model_net
@@ -79,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
         if report:
             log.info("Plan %s; measured %g ms", report, (fwd[i] + bwd[i]) * 1e3 / n)
     log.info("*** Benchmark ends ***")
-    from ..net.overhead import gemm_overhead, log_gemm_overhead
 
     log_gemm_overhead(gemm_overhead(net, fwd_samples, repeats=max(20, n)))
     return 0

@@ -7,7 +7,10 @@ import logging
 
 from ..errors import CctError
 from ..flags import FlagParser, command_parser
+from ..omnivore.train import omnivore_train
+from ..parallel_plan.execute import setup_parallel
 from ..progress import Progress
+from ..proto import caffe_pb2
 from ..runsetup import (
     add_common_arguments,
     add_device_arguments,
@@ -17,6 +20,7 @@ from ..runsetup import (
     stages,
     wants_progress,
 )
+from ..solver import get_solver, read_solver_param, signals
 from .mpi import mpi_world
 
 log = logging.getLogger("cct")
@@ -82,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
         raise CctError("Need a solver definition to train (cct train --solver=solver.prototxt).")
     if args.snapshot and args.weights:
         raise CctError("Give a snapshot to resume training or weights to finetune but not both.")
-    from ..solver import signals
 
     signals.check_effect(args.sigint_effect)
     signals.check_effect(args.sighup_effect)
@@ -91,8 +94,6 @@ def run(args: argparse.Namespace) -> int:
     init_logging(args.quiet or not root)
     engine = engine_config(args, calibrate=True)
 
-    from ..proto import caffe_pb2
-    from ..solver import get_solver, read_solver_param
 
     param = read_solver_param(solver_path)
     param.train_state.level = args.level
@@ -116,8 +117,6 @@ def run(args: argparse.Namespace) -> int:
         raise CctError(f"--parallel {args.parallel} cannot be combined with Omnivore's --groups (both split the net "
                        "across ranks)")
     if args.groups is not None:
-        from ..omnivore.train import omnivore_train
-
         if args.tensorboard:
             raise CctError("--tensorboard is not supported in Omnivore mode (--groups); use parse_log --tensorboard "
                            "on its log")
@@ -132,8 +131,6 @@ def run(args: argparse.Namespace) -> int:
                         tensorboard_histograms=args.tensorboard_histograms)
     solver.set_action_function(handler.get_action_function())
     if args.parallel != "data":
-        from ..parallel_plan.execute import setup_parallel
-
         setup_parallel(solver, args.parallel)
     with handler:
         if args.snapshot:

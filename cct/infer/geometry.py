@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import CctError, LayerError
+from ..io.prototxt import read_net_prototxt
+from ..lowering.geometry import conv_spatial_params
 from ..proto import caffe_pb2
 
 _PP = caffe_pb2.PoolingParameter
@@ -121,8 +123,6 @@ class NetGeometry:
 
 
 def _conv_op(i: int, lp: caffe_pb2.LayerParameter, nd: int) -> SpatialOp:
-    from ..lowering.geometry import conv_spatial_params
-
     p = lp.convolution_param
     if p.axis != 1:
         raise NotDensifiableError(lp.name, lp.type, f"convolution axis {p.axis} (dense inference needs axis 1)")
@@ -213,8 +213,6 @@ def analyze(net) -> NetGeometry:
 
 def field_of_view(prototxt: str) -> tuple[int, ...]:
     """The field of view of a deploy prototxt with one Input layer, read without building the net."""
-    from ..io.prototxt import read_net_prototxt
-
     param = read_net_prototxt(prototxt)
     inputs = [lp for lp in param.layer if lp.type == "Input"]
     if len(inputs) != 1 or not inputs[0].input_param.shape:

@@ -5,8 +5,12 @@ import os
 
 import numpy as np
 
+from ..blob import MAX_BLOB_AXES
 from ..errors import CctError
+from ..membudget import INT_MAX
 from ..proto import caffe_pb2
+from .atomic import atomic_write_bytes
+from .binary import read_binary_message
 
 
 def blobproto_shape(proto: caffe_pb2.BlobProto) -> tuple[int, ...]:
@@ -23,9 +27,6 @@ def check_blobproto(proto: caffe_pb2.BlobProto) -> tuple[int, ...]:
     """Caffe's Blob::FromProto checks; returns the shape. At most 32 axes, no negative dimension, at
     most INT_MAX elements; ``double_data`` (else ``data``) holds exactly one value per element, and so
     does ``double_diff`` (else ``diff``) when present."""
-    from ..blob import MAX_BLOB_AXES
-    from ..membudget import INT_MAX
-
     shape = blobproto_shape(proto)
     if len(shape) > MAX_BLOB_AXES:
         raise CctError(f"BlobProto has {len(shape)} axes, more than a blob's {MAX_BLOB_AXES}")
@@ -99,13 +100,9 @@ def array_to_blobproto(arr, diff=None, legacy_4d: bool = False) -> caffe_pb2.Blo
 
 def read_binaryproto(path: str | os.PathLike) -> caffe_pb2.BlobProto:
     """Read a ``.binaryproto`` file (e.g. a mean file) as a BlobProto."""
-    from .binary import read_binary_message
-
     return read_binary_message(path, caffe_pb2.BlobProto(), "binaryproto")
 
 
 def write_binaryproto(path: str | os.PathLike, proto: caffe_pb2.BlobProto) -> None:
     """Write a BlobProto to ``path`` atomically."""
-    from .atomic import atomic_write_bytes
-
     atomic_write_bytes(path, proto.SerializeToString())

@@ -8,8 +8,11 @@ import numpy as np
 
 from ..errors import CctError
 from ..proto import caffe_pb2
+from .atomic import atomic_write_bytes
 from .binary import read_binary_message
 from .blobproto import blobproto_to_array
+from .hdf5 import read_hdf5_weights
+from .upgrade import upgrade_net
 
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
@@ -33,16 +36,12 @@ def is_hdf5(path: str | os.PathLike) -> bool:
 
 def read_caffemodel(path: str | os.PathLike) -> caffe_pb2.NetParameter:
     """Read a binary ``.caffemodel`` and upgrade legacy (V0/V1, input fields) definitions as Caffe does."""
-    from .upgrade import upgrade_net
-
     net = read_binary_message(path, caffe_pb2.NetParameter(), "binary NetParameter (.caffemodel)")
     return upgrade_net(net, source=os.fspath(path))
 
 
 def write_caffemodel(path: str | os.PathLike, net_param: caffe_pb2.NetParameter) -> None:
     """Write ``net_param`` as a binary ``.caffemodel`` atomically (readers see the old or the new file)."""
-    from .atomic import atomic_write_bytes
-
     atomic_write_bytes(path, net_param.SerializeToString())
 
 
@@ -76,8 +75,6 @@ def read_weights(path: str | os.PathLike, format: str | None = None) -> OrderedD
     if format == "hdf5" and os.path.isfile(source) and not is_hdf5(source):
         raise CctError(f"{source}: not an HDF5 file (HDF5 weights were asked for)")
     if format == "hdf5" or (format is None and is_hdf5(source)):
-        from .hdf5 import read_hdf5_weights
-
         return read_hdf5_weights(source)
     net = read_caffemodel(source)
     try:

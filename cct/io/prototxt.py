@@ -8,6 +8,9 @@ from google.protobuf.message import Message
 
 from ..errors import CctError, ProtoParseError
 from ..proto import caffe_pb2
+from .atomic import atomic_write_bytes
+from .fork_fields import explain_unknown_field
+from .upgrade import upgrade_net, upgrade_solver
 
 
 def parse_text(text: str, message: Message, source: str = "<string>") -> Message:
@@ -21,7 +24,6 @@ def parse_text(text: str, message: Message, source: str = "<string>") -> Message
         if " : " in msg:
             msg = msg.split(" : ", 1)[1]
         where = f"{source}:{line}:{col}" if line else source
-        from .fork_fields import explain_unknown_field
 
         msg = explain_unknown_field(text, line, col, msg) or msg
         raise ProtoParseError(f"{where}: {msg}") from None
@@ -53,16 +55,12 @@ def decode_text(raw: bytes, source: str = "<bytes>") -> str:
 
 def read_net_prototxt(path: str | os.PathLike) -> caffe_pb2.NetParameter:
     """Read a net prototxt and upgrade legacy (V0/V1, input_dim) definitions to the current format."""
-    from .upgrade import upgrade_net
-
     net = read_text_file(path, caffe_pb2.NetParameter())
     return upgrade_net(net, source=os.fspath(path))
 
 
 def read_solver_prototxt(path: str | os.PathLike) -> caffe_pb2.SolverParameter:
     """Read a solver prototxt (and upgrade the deprecated ``solver_type`` enum to ``type``)."""
-    from .upgrade import upgrade_solver
-
     solver = read_text_file(path, caffe_pb2.SolverParameter())
     return upgrade_solver(solver, source=os.fspath(path))
 
@@ -73,6 +71,4 @@ def to_text(message: Message) -> str:
 
 
 def write_text_file(path: str | os.PathLike, message: Message) -> None:
-    from .atomic import atomic_write_bytes
-
     atomic_write_bytes(path, to_text(message).encode("utf-8"))

@@ -45,6 +45,7 @@ import numpy as np
 
 from ..distributed import Comm, LocalComm, MPIComm, world
 from ..errors import CctError, SolverError
+from ..solver import updates
 from .he_model import group_sizes
 from .mapping import NetSplit, split_of
 
@@ -192,8 +193,6 @@ class OmnivoreServer:
         s.param.momentum = mu
         try:
             if s.param.clip_gradients > 0:
-                from ..solver import updates
-
                 updates.clip_gradients([params[i].diff for i in pids], s.param.clip_gradients)
             for pid in pids:
                 s.normalize(pid)

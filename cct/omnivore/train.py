@@ -16,8 +16,11 @@ import math
 import os
 import socket
 
-from ..distributed import Comm
+import numpy as np
+
+from ..distributed import Comm, LocalComm
 from ..errors import CctError
+from ..solver import get_solver
 from .he_model import HEModel
 from .momentum import compensate_momentum
 from .mpi_exec import ConvWorker, OmnivoreServer, PhaseResult, check_finite, groups_of, omnivore_comm
@@ -99,7 +102,6 @@ def measure_he(runner: MPITrialRunner, iters: int = 6) -> HEModel:
         res = srv.run_phase(srv.n_conv, 0.0, 0.0, max(iters, srv.n_conv * 2))
     finally:
         srv.restore(state)
-    import numpy as np
 
     t_fc = float(np.median(res.t_fc)) if res.t_fc else 0.0
     t_conv = float(np.median(res.t_conv)) if res.t_conv else 0.0
@@ -136,9 +138,6 @@ def omnivore_train(param, source: str, config, groups: str, epoch_iters: int | N
 
 
 def _worker(param, source: str, config, comm: Comm) -> None:
-    from ..distributed import LocalComm
-    from ..solver import get_solver
-
     p = type(param)()
     p.CopyFrom(param)
     p.ClearField("test_net")
@@ -153,9 +152,6 @@ def _worker(param, source: str, config, comm: Comm) -> None:
 
 def _rank0(param, source: str, config, groups: str, epoch_iters: int | None, resume: str | None, fail_rank: int,
            comm: Comm, fail_kill: bool = False) -> None:
-    from ..distributed import LocalComm
-    from ..solver import get_solver
-
     solver = get_solver(param, _source=source, config=config, comm=LocalComm())  # not cct's data parallelism
     server = OmnivoreServer(solver, comm)
     try:

@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from ..data.db import open_writer
-from ..data.transformer import encode_image, image_to_datum, read_image, read_image_list
+from ..data.transformer import decode_image, encode_image, image_to_datum, read_image, read_image_list
 from ..errors import CctError
 from ..flags import FlagParser
 from ..progress import Progress
@@ -88,8 +88,6 @@ def convert_imageset(root_folder: str, list_file: str, db_name: str, resize_heig
                 continue
             if check_size:
                 if datum.encoded:
-                    from ..data.transformer import decode_image
-
                     size = int(np.prod(decode_image(datum.data, "native").shape))
                 else:
                     size = len(datum.data)

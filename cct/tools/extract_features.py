@@ -22,6 +22,7 @@ from ..backend import to_numpy
 from ..data.db import open_writer
 from ..errors import CctError
 from ..flags import FlagParser
+from ..net import Net
 from ..progress import Progress
 from ..proto import caffe_pb2
 from ..runsetup import (
@@ -126,8 +127,6 @@ def _rest(words: list[str]) -> tuple[str, str | None]:
 
 def run(a: argparse.Namespace) -> int:
     """``cct extract_features`` on parsed arguments."""
-    from ..net import Net
-
     backend, gpu = _rest(a.rest)
     if gpu is not None:
         if a.gpu not in (None, gpu):
