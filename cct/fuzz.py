@@ -38,11 +38,16 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import Config
 from .errors import CctError
 from .fuzz_data import DATA_KINDS
 from .fuzz_data import make as make_data_case
 from .fuzz_data import run as run_data_case
+from .io.prototxt import parse_text
+from .io.upgrade import upgrade_net
+from .net import Net
 from .paths import repo_root, shared_dir
+from .proto import caffe_pb2
 
 KINDS = ("prototxt", "caffemodel", "hdf5") + DATA_KINDS
 EXTREME_NUMBERS = ("0", "1", "-1", "2", "3", "7", "65536", "100000", "2147483647", "2147483648", "4294967295",
@@ -139,8 +144,6 @@ class BaseWeights:
         """The weights in format ``fmt`` (``"caffemodel"`` or ``"hdf5"``)."""
         with self._lock:
             if fmt not in self._bytes:
-                from .net import Net
-                from .proto import caffe_pb2
 
                 net = Net(_net_param(WEIGHT_NET), caffe_pb2.TEST)
                 values = np.random.default_rng(0)  # fixed weights: a case is the same in every process (replays)
@@ -158,9 +161,6 @@ class BaseWeights:
 
 
 def _net_param(text: str):
-    from .io.prototxt import parse_text
-    from .io.upgrade import upgrade_net
-    from .proto import caffe_pb2
 
     return upgrade_net(parse_text(text, caffe_pb2.NetParameter()), source="<fuzz>")
 
@@ -289,8 +289,6 @@ def _mutate_blob(blob, rng: random.Random) -> str:
 
 def mutate_caffemodel(data: bytes, rng: random.Random) -> tuple[bytes, str]:
     """A structural (parsed) or byte-level mutation of a serialized caffemodel."""
-    from .proto import caffe_pb2
-
     if rng.random() < 0.35:
         return mutate_bytes(data, rng)
     net = caffe_pb2.NetParameter()
@@ -407,8 +405,6 @@ def _fill_inputs(net) -> None:
 
 
 def _run_prototxt(path: str, config) -> None:
-    from .net import Net
-    from .proto import caffe_pb2
 
     net = Net(path, caffe_pb2.TEST, config=config)
     total = sum(b.count for b in net.blobs.values()) + sum(b.count for layer in net.layers for b in layer.blobs)
@@ -419,8 +415,6 @@ def _run_prototxt(path: str, config) -> None:
 
 
 def _run_weights(path: str, config) -> None:
-    from .net import Net
-    from .proto import caffe_pb2
 
     net = Net(_net_param(WEIGHT_NET), caffe_pb2.TEST, config=config)
     net.copy_from(path)
@@ -441,8 +435,6 @@ def run_in(case: Case, directory: str, config) -> None:
 def run_case(case: Case, timeout: float = 20.0, workdir: str | None = None) -> str:
     """Run one case; the outcome class (see module docstring). Exceptions other than cct's are
     reported, never raised (``CaseTimeout`` too)."""
-    from .config import Config
-
     config = Config(python_layers=False, memory_budget=FUZZ_MEMORY_BUDGET)
     with tempfile.TemporaryDirectory(prefix="cct-fuzz-", dir=workdir) as d:
         cct_log = logging.getLogger("cct")

@@ -20,6 +20,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .io.blobproto import array_to_blobproto
+from .io.prototxt import parse_text
+from .net import Net
+from .proto import caffe_pb2
+
 DATA_KINDS = ("datum", "mean", "imagelist")
 _N, _C, _H, _W = 4, 3, 6, 6  # records per database, their shape
 
@@ -71,8 +76,6 @@ def _images(rng: random.Random) -> list[np.ndarray]:
 
 
 def _datums(rng: random.Random, style: str) -> list:
-    from .proto import caffe_pb2
-
     out = []
     for i, img in enumerate(_images(rng)):
         d = caffe_pb2.Datum(label=i)
@@ -150,8 +153,6 @@ def _datum_case(rng: random.Random, mutate_bytes: Callable) -> tuple[dict[str, b
 
 
 def _mean_case(rng: random.Random, mutate_bytes: Callable) -> tuple[dict[str, bytes], str]:
-    from .io.blobproto import array_to_blobproto
-
     records = {f"db/{i:08d}": d.SerializeToString() for i, d in enumerate(_datums(rng, "raw"))}
     shape = [1, _C, _H, _W]
     op = rng.choice(("channels", "height", "ndim", "length", "bytes", "garbage", "ok", "with_value"))
@@ -227,8 +228,6 @@ def run(data: bytes, workdir: str, config) -> None:
     """Write the case's files under ``workdir`` (records into an LMDB) and run its data layer forward 3 times."""
     import lmdb
 
-    from .net import Net
-    from .proto import caffe_pb2
 
     files = unpack(data)
     layer = files.pop("@layer").decode().replace("@DIR@", workdir)
@@ -254,7 +253,5 @@ def run(data: bytes, workdir: str, config) -> None:
 
 
 def _net_param(layer: str):
-    from .io.prototxt import parse_text
-    from .proto import caffe_pb2
 
     return parse_text(f'name: "fuzz_data"\n{layer}\n', caffe_pb2.NetParameter(), source="<fuzz data layer>")

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from . import mode
+
 log = logging.getLogger("cct")
 
 _GEOMETRY = ("int32 h, int32 w, int32 oh, int32 ow, int32 kh, int32 kw, int32 sh, int32 sw, "
@@ -79,8 +81,6 @@ def _kernels() -> tuple[Any, Any]:
 
 def usable(*arrays: Any) -> bool:
     """True for 4-D, C-contiguous float32/float64 CuPy arrays of one dtype (and the kernels enabled)."""
-    from . import mode
-
     if mode() == "numpy" or not arrays:
         return False
     try:
