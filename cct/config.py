@@ -125,20 +125,23 @@ class GpuConfig:
 
 class PlanningCaches:
     """What planning convolutions learns once and reuses, owned by a :class:`Config` (not by a module): the
-    calibrated machines by cache name (``machines``), the measured-pick caches (``tunings``) and the
-    strategy instances the cost model prices (``priced``). A config and its :meth:`Config.replace` copies
-    share one; a new ``Config()`` starts empty (it reads the on-disk caches again)."""
+    calibrated machines by cache name (``machines``), the measured-pick caches (``tunings``), the
+    strategy instances the cost model prices (``priced``) and the BLAS library ``auto`` resolved to
+    (``blas_auto``). A config and its :meth:`Config.replace` copies share one; a new ``Config()`` starts empty
+    (it reads the on-disk caches again)."""
 
     def __init__(self) -> None:
         self.machines: dict[str, Any] = {}
         self.tunings: dict[tuple, Any] = {}
         self.priced: dict[str, tuple] = {}
+        self.blas_auto: str | None = None
 
     def clear(self) -> None:
         """Forget everything (as a new process would)."""
         self.machines.clear()
         self.tunings.clear()
         self.priced.clear()
+        self.blas_auto = None
 
 
 def python_layers_from_env() -> bool:

@@ -1,5 +1,7 @@
 """cct.blas: backend selection, GEMM correctness on both backends, caching, thread control."""
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 
 from cct import blas, config
-from cct.blas import choice, mkl, openblas, product
+from cct.blas import choice, openblas, product
 from cct.errors import CctError
 
 BACKENDS = ["openblas"] + (["mkl"] if blas.mkl_available() else [])
@@ -16,10 +18,9 @@ BACKENDS = ["openblas"] + (["mkl"] if blas.mkl_available() else [])
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("CCT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(choice, "_resolved_auto", None)
     monkeypatch.delenv("CCT_BLAS", raising=False)
     saved = config.default()
-    config.update_default(blas=config.BlasConfig())
+    config.set_default(config.Config())  # fresh caches: 'auto' not resolved yet
     yield
     config.set_default(saved)  # set_backend changes the process default
 
@@ -59,7 +60,7 @@ def test_gemm_strided_operands_and_output(backend):
 
 def test_sgemm_uses_selected_backend(monkeypatch):
     calls = []
-    monkeypatch.setattr(product, "_mkl_gemm", lambda *a: calls.append(1) or a[2])
+    monkeypatch.setattr(product, "mkl_gemm", lambda *a: calls.append(1) or a[2])
     blas.set_backend("openblas")
     x = np.ones((2, 3), np.float32)
     np.testing.assert_allclose(blas.sgemm(x, x, trans_b=True), np.full((2, 2), 3.0))
@@ -90,26 +91,29 @@ def test_auto_benchmarks_once_and_caches(monkeypatch, tmp_path):
         seen.append(name)
         return speeds[name]
 
-    monkeypatch.setattr(choice, "_time_backend", fake)
+    monkeypatch.setattr(choice, "time_backend", fake)
     monkeypatch.setattr(choice, "mkl_available", lambda: True)
     monkeypatch.setenv("CCT_BLAS", "auto")
     assert blas.choose_backend() == "mkl"
     files = list(tmp_path.glob("blas-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["best"] == "mkl"
     n = len(seen)
-    monkeypatch.setattr(choice, "_resolved_auto", None)
+    config.current().caches.blas_auto = None  # as a new process: read from the disk cache
     assert blas.choose_backend() == "mkl" and len(seen) == n  # from the cache, no re-measurement
     speeds["openblas"] = 900.0
     assert blas.calibrate(force=True)["best"] == "openblas" and len(seen) > n
 
 
-def test_missing_mkl_gives_clean_error(monkeypatch):
-    monkeypatch.setattr(mkl, "_mkl", None)
-    monkeypatch.setattr(mkl, "_mkl_error", None)
-    monkeypatch.setattr(mkl, "find_mkl_rt", lambda: None)
-    with pytest.raises(blas.BlasUnavailable, match="pip install mkl"):
-        blas.set_backend("mkl")
-    assert not blas.mkl_available()
+def test_missing_mkl_gives_clean_error():
+    # a fresh process (the library is looked for once per process) in which libmkl_rt cannot be found
+    code = ("import cct.blas as blas\n"
+            "import cct.blas.mkl as mkl\n"
+            "mkl.find_mkl_rt = lambda: None\n"
+            "try:\n    blas.set_backend('mkl')\nexcept blas.BlasUnavailable as e:\n    print('refused:', e)\n"
+            "print('available:', blas.mkl_available())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "refused:" in out and "pip install mkl" in out
+    assert out.strip().endswith("available: False")
 
 
 def test_openblas_thread_limit_is_scoped():
@@ -175,7 +179,7 @@ def test_scoped_backend_wins_over_default_and_environment_and_is_per_thread(monk
     blas.set_backend("openblas")
     seen = []
     with config.using_config(blas={"backend": "auto"}):
-        monkeypatch.setattr(choice, "_resolved_auto", "mkl")  # what 'auto' measured
+        config.current().caches.blas_auto = "mkl"  # what 'auto' measured
         assert blas.get_backend() == "mkl"
         t = threading.Thread(target=lambda: seen.append(blas.get_backend()))
         t.start()

@@ -86,8 +86,8 @@ def test_each_net_runs_its_gemms_on_its_own_blas_backend(monkeypatch):
     from cct.blas import product
 
     calls = []
-    real = product._mkl_gemm
-    monkeypatch.setattr(product, "_mkl_gemm", lambda *a: calls.append(1) or real(*a))
+    real = product.mkl_gemm
+    monkeypatch.setattr(product, "mkl_gemm", lambda *a: calls.append(1) or real(*a))
     on_mkl = cct.Net(net_param(), cct.TEST, config=Config(blas=BlasConfig("mkl")))
     on_openblas = cct.Net(net_param(), cct.TEST, config=Config(blas=BlasConfig("openblas")))
     calls.clear()

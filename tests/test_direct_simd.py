@@ -55,7 +55,7 @@ def test_every_pass_matches_type1(name, dtype):
         np.testing.assert_allclose(a, r, rtol=tol, atol=tol * np.abs(r).max())
     if dl.plan_layout(g, dl.priced_lanes()) is not None:  # the forward ran its width's driver (or the generic one)
         width = g.kernel[-1] if g.kernel[-1] in kernels.get("conv_simd").UNROLLED_WIDTHS else 0
-        assert width in {kw for _, kw in kernels.get("conv_simd")._FORWARD}
+        assert width in {kw for _, kw in kernels.get("conv_simd").FORWARD_DRIVERS}
 
 
 def test_layouts_and_blocks():
@@ -168,18 +168,18 @@ def test_forward_driver_made_once_under_concurrent_first_use(monkeypatch):
     import threading
 
     km = kernels.get("conv_simd")
-    monkeypatch.setattr(km, "_FORWARD", {})
+    monkeypatch.setattr(km, "FORWARD_DRIVERS", {})
     jb = next(iter(km.FORWARD_ROWS))
     got, start = [], threading.Barrier(4)
 
     def first_use():
         start.wait()
-        got.append(km._forward_driver(jb, 9))
+        got.append(km.forward_driver(jb, 9))
 
     threads = [threading.Thread(target=first_use) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(got) == 4 and all(d is got[0] for d in got) and list(km._FORWARD) == [(jb, 9)]
-    assert km._forward_driver(jb, 13) is km._FORWARD[(jb, 0)]  # wider than UNROLLED_WIDTHS: the generic loop
+    assert len(got) == 4 and all(d is got[0] for d in got) and list(km.FORWARD_DRIVERS) == [(jb, 9)]
+    assert km.forward_driver(jb, 13) is km.FORWARD_DRIVERS[(jb, 0)]  # wider than UNROLLED_WIDTHS: the generic loop

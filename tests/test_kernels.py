@@ -98,7 +98,7 @@ def generic_f64(monkeypatch):
 
     def apply(dtype):
         if dtype == np.float64:
-            monkeypatch.setattr(kernels.get("pooling"), "_FIXED", {})
+            monkeypatch.setattr(kernels.get("pooling"), "FIXED_GEOMETRIES", {})
 
     return apply
 

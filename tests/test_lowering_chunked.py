@@ -222,7 +222,7 @@ def test_limit_openblas_spin_keeps_gemms_right():
 @pytest.mark.parametrize("trans_a,alpha", [(True, 1.0), (False, 0.5)])
 def test_accumulating_gemm_in_row_blocks(monkeypatch, trans_a, alpha):
     """``beta = 1`` into a big output (the InnerProduct weight gradient) runs in cache-sized row blocks."""
-    monkeypatch.setattr(blas.product, "_ACC_BLOCK_BYTES", 4 * 40 * 3)  # 3 rows of 40 per block, last block short
+    monkeypatch.setattr(blas.product, "ACC_BLOCK_BYTES", 4 * 40 * 3)  # 3 rows of 40 per block, last block short
     rng = np.random.default_rng(2)
     a = rng.standard_normal((6, 17) if trans_a else (17, 6)).astype(np.float32)
     b = rng.standard_normal((6, 40)).astype(np.float32)

@@ -28,17 +28,13 @@ def test_switched_off_by_cct_malloc_tune_or_user_malloc_env():
     assert _run(MALLOC_MMAP_THRESHOLD_="1048576").split() == ["False", "False"]
 
 
-def test_a_net_applies_it(monkeypatch):
-    import cct.malloc as m
-    from cct.net import Net
-    from cct.proto import caffe_pb2
-
-    monkeypatch.setattr(m, "_done", False)
-    calls = []
-    real = m.tune_malloc
-    monkeypatch.setattr("cct.net.net.tune_malloc", lambda: calls.append(1) or real())
-    p = caffe_pb2.NetParameter()
-    layer = p.layer.add(name="in", type="Input", top=["x"])
-    layer.input_param.shape.add().dim.extend([1, 2])
-    Net(p, phase="TEST")
-    assert calls == [1] and m._done
+@glibc
+def test_a_net_applies_it():
+    # a fresh process: building a net applies the settings, so a later call finds them applied
+    code = ("from cct.net import Net\nfrom cct.proto import caffe_pb2\nfrom cct.malloc import tune_malloc\n"
+            "p = caffe_pb2.NetParameter()\nlayer = p.layer.add(name='in', type='Input', top=['x'])\n"
+            "layer.input_param.shape.add().dim.extend([1, 2])\nNet(p, phase='TEST')\nprint(tune_malloc())\n")
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "CCT_MALLOC"))}
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
+    assert _run().split() == ["True", "False"]  # without a net, the first call applies them

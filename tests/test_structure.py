@@ -130,7 +130,7 @@ def test_every_module_is_read(package):
 
 # -- process-wide state: a ratchet (issue 29 removes these; none may be added) ---------------------------
 GLOBAL_STATEMENTS = {  # file -> `global` statements allowed there today
-    "cct/blas/choice.py": 1, "cct/blas/mkl.py": 1, "cct/blas/openblas.py": 3, "cct/blas/spin.py": 1,
+    "cct/blas/mkl.py": 1, "cct/blas/openblas.py": 3, "cct/blas/spin.py": 1,
     "cct/config.py": 3, "cct/distributed/comm.py": 1, "cct/malloc.py": 1, "cct/rng.py": 1,
 }
 
@@ -152,7 +152,7 @@ MODULE_STATE = {
     "_STRATEGIES": "the lowering-strategy registry (cct.lowering.base), filled as the strategies are imported",
     "_SOLVERS": "the solver registry, filled as the solver types are imported",
     "_thread": "each thread's BLAS backend (cct.blas.choice): a threading.local, one value per thread",
-    "_FORWARD": "numba-compiled conv forward drivers (cct.kernels.conv_simd): compiled code lives in the process",
+    "FORWARD_DRIVERS": "numba-compiled conv forward drivers (cct.kernels.conv_simd): compiled code lives in a process",
     "_fixed": "numba-compiled pooling variants (cct.kernels.pooling): compiled code lives in the process",
 }
 _CONTAINERS = ("dict", "list", "set", "defaultdict", "OrderedDict", "deque", "threading.local",
@@ -251,3 +251,35 @@ def test_env_reads_values_when_called(monkeypatch):
     assert not env.is_off("CCT_PROGRESS")  # unset is not off
     with pytest.raises(KeyError, match="CCT_NOPE is not one of cct's environment variables"):
         env.text("CCT_NOPE")
+
+
+def patched_privates(tree: ast.Module) -> list[str]:
+    """The private names (``_x``, not dunders) a test file's ``monkeypatch.setattr``/``setitem`` calls replace."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("setattr", "delattr") and ast.unparse(node.func.value) == "monkeypatch"):
+            continue
+        args = node.args
+        if args and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str):
+            name = args[0].value.rsplit(".", 1)[-1]  # monkeypatch.setattr("pkg.mod.name", value)
+        elif len(args) > 1 and isinstance(args[1], ast.Constant) and isinstance(args[1].value, str):
+            name = args[1].value
+        else:
+            continue
+        if name.startswith("_") and not name.startswith("__"):
+            found.append(f"line {node.lineno}: {name}")
+    return found
+
+
+def test_no_test_monkeypatches_a_private():
+    found = {f"{path.name}: {hit}" for path in sorted((ROOT / "tests").glob("*.py"))
+             for hit in patched_privates(ast.parse(path.read_text()))}
+    assert not found, f"tests replacing another module's privates (give it a public seam instead): {found}"
+
+
+def test_the_private_patch_check_finds_them():
+    tree = ast.parse("def t(monkeypatch):\n    monkeypatch.setattr(mod, '_x', 1)\n"
+                     "    monkeypatch.setattr('a.b._y', 2)\n    monkeypatch.setattr(mod, 'z', 3)\n"
+                     "    monkeypatch.setattr(mod, '__doc__', 'd')\n")
+    assert patched_privates(tree) == ["line 2: _x", "line 3: _y"]

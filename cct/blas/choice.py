@@ -24,7 +24,6 @@ _VALID_REQUESTS = BACKENDS + ("auto",)
 
 _lock = threading.Lock()
 _thread = threading.local()  # per-thread backend of a device's worker thread (set_thread_backend)
-_resolved_auto: str | None = None  # result of choose_backend(): a fact about this machine, memoised
 
 # Convolution-shaped GEMMs (M, N, K) = (out channels, batch*pixels, C*k*k) used by the
 # backend micro-benchmark: CaffeNet conv1/conv2/conv5 at a small batch.
@@ -73,7 +72,7 @@ def get_backend() -> str:
     return req
 
 
-def _time_backend(name: str) -> float:
+def time_backend(name: str) -> float:
     """GFLOPS of ``name`` on the micro-benchmark shapes."""
     return gemm_gflops(_BENCH_SHAPES, repeats=3, backend=name)
 
@@ -93,7 +92,7 @@ def calibrate(force: bool = False) -> dict:
     for name in BACKENDS:
         if name == "mkl" and not mkl_available():
             continue
-        results[name] = _time_backend(name)
+        results[name] = time_backend(name)
     best = max(results, key=results.get)
     info = {"key": key, "gflops": results, "best": best, "measured_at": time.time(),
             "shapes": [list(s) for s in _BENCH_SHAPES]}
@@ -105,11 +104,12 @@ def calibrate(force: bool = False) -> dict:
 
 
 def choose_backend(force: bool = False) -> str:
-    """The faster backend on this machine (one-time micro-benchmark, cached on disk)."""
-    global _resolved_auto
-    if _resolved_auto is not None and not force:
-        return _resolved_auto
+    """The faster backend on this machine (one-time micro-benchmark, cached on disk; the answer is kept
+    in the current configuration's :class:`~cct.config.PlanningCaches`)."""
+    caches = _config.current().caches
+    if caches.blas_auto is not None and not force:
+        return caches.blas_auto
     with _lock:
-        if _resolved_auto is None or force:
-            _resolved_auto = calibrate(force=force)["best"]
-        return _resolved_auto
+        if caches.blas_auto is None or force:
+            caches.blas_auto = calibrate(force=force)["best"]
+        return caches.blas_auto

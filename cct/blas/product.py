@@ -22,7 +22,7 @@ _ROW_MAJOR = 101
 _NO_TRANS = 111
 _TRANS = 112
 
-_ACC_BLOCK_BYTES = 512 << 10  # row-block size of accumulating (beta = 1) GEMMs into big outputs
+ACC_BLOCK_BYTES = 512 << 10  # row-block size of accumulating (beta = 1) GEMMs into big outputs
 #: GEMMs of at most this many multiply-adds (M*N*K) run on the calling thread alone (MKL): ~25-50 us of
 #: work, where waking and joining a thread team costs as much as it saves on a quiet machine and many
 #: times more on a busy one (LeNet's ip2, 64x500x10: 0.02 ms single-threaded, 2-15 ms as a 2-thread
@@ -79,7 +79,9 @@ def _cblas_gemm(fn: Any, a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray
     return out
 
 
-def _mkl_gemm(a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:
+def mkl_gemm(a, b, out, trans_a, trans_b, alpha, beta) -> np.ndarray:
+    """``out = alpha * op(a) @ op(b) + beta * out`` on MKL (float32/float64 host arrays; the tiniest products
+    through numpy): the GEMM :func:`gemm_on` runs for the ``mkl`` backend."""
     lib = load_mkl()
     fn = lib.sgemm if a.dtype == np.float32 else lib.dgemm
     k = a.shape[0] if trans_a else a.shape[1]
@@ -128,7 +130,7 @@ def gemm_on(backend: str | None, a: Any, b: Any, out: Any = None, trans_a: bool 
     if xp is np and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
         use_mkl = backend == "mkl"
     if use_mkl:
-        return _mkl_gemm(a, b, out, trans_a, trans_b, float(alpha), float(beta))
+        return mkl_gemm(a, b, out, trans_a, trans_b, float(alpha), float(beta))
     if beta != 0 and xp is np and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
         ob = load_openblas()  # accumulate inside the GEMM: no temporary, no extra sweep over out
         if ob is not None:
@@ -138,10 +140,10 @@ def gemm_on(backend: str | None, a: Any, b: Any, out: Any = None, trans_a: bool 
         xp.matmul(opa, opb, out=out)
         if alpha != 1:
             out *= alpha
-    elif xp is np and beta == 1 and out.nbytes > _ACC_BLOCK_BYTES and shape[1] > 0:
+    elif xp is np and beta == 1 and out.nbytes > ACC_BLOCK_BYTES and shape[1] > 0:
         # out += alpha * op(a) @ op(b) in row blocks whose product stays in cache: a big accumulated
         # result (an InnerProduct's weight gradient) then makes 2 trips through DRAM instead of 4.
-        rows = max(1, _ACC_BLOCK_BYTES // (shape[1] * out.itemsize))
+        rows = max(1, ACC_BLOCK_BYTES // (shape[1] * out.itemsize))
         tmp = np.empty((min(rows, shape[0]), shape[1]), dtype=out.dtype)
         for s0 in range(0, shape[0], rows):
             s1 = min(shape[0], s0 + rows)

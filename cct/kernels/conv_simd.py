@@ -214,21 +214,21 @@ def _forward_template(piece, pieces, xf, wf, yf, bf, n_img, group, cg, mg, jb, k
 
 #: kernel widths with their own forward drivers (taps unrolled); other widths take the generic ones
 UNROLLED_WIDTHS = tuple(range(1, 12))
-_FORWARD: dict[tuple[int, int], Any] = {}
+FORWARD_DRIVERS: dict[tuple[int, int], Any] = {}  # (channels per tile, width or 0) -> compiled driver
 _FORWARD_LOCK = threading.Lock()
 
 
-def _forward_driver(jb: int, kw: int):
+def forward_driver(jb: int, kw: int):
     """The forward driver for tiles of ``jb`` channels and kernels ``kw`` wide, made on first use (once,
     when a net's batch partitions ask for it at the same time)."""
     key = (jb, kw if kw in UNROLLED_WIDTHS else 0)
-    fn = _FORWARD.get(key)
+    fn = FORWARD_DRIVERS.get(key)
     if fn is None:
         with _FORWARD_LOCK:
-            fn = _FORWARD.get(key)
+            fn = FORWARD_DRIVERS.get(key)
             if fn is None:
                 rows = FORWARD_ROWS[jb]
-                fn = _FORWARD[key] = _variant(_forward_template, f"forward_j{jb}_k{key[1]}",
+                fn = FORWARD_DRIVERS[key] = _variant(_forward_template, f"forward_j{jb}_k{key[1]}",
                                               _tile_full=_conv_tile(jb, rows, key[1]),
                                               _tile_one=_conv_tile(jb, 1, key[1]), _tile_rows=rows)
     return fn
@@ -252,7 +252,7 @@ def forward(xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh,
     (conv1's phases: 85 -> 98 GFLOPS on a 2-core Zen 3; on small inputs that order is up to 13% slower)."""
     image = cg * xcs * xf.itemsize
     blocks_inner = image > BAND_BYTES and cg * xcs > mg * cg * kd * kh * kw
-    launch(_forward_driver(jb, kw), xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs,
+    launch(forward_driver(jb, kw), xf, wf, yf, bf, n_img, group, cg, mg, jb, kd, kh, kw, xcs, xkd, xkh, xkw, xozs,
            xrs, od, nrow, ncol, vl, yms, yozs, yrs, blocks_inner)
 
 

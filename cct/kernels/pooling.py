@@ -12,7 +12,7 @@ path bitwise:
 * Backward passes scatter into each input position in increasing window offset, the order in
   which the numpy path accumulates: output windows visited in reverse row-major order.
 
-Speed: comparisons are branch-free selects; the common window/stride geometries (``_FIXED``)
+Speed: comparisons are branch-free selects; the common window/stride geometries (``FIXED_GEOMETRIES``)
 get forward kernels with those sizes as compile-time constants, whose interior windows LLVM
 vectorizes across outputs; MAX backward uses a window-offset table (no division per output).
 """
@@ -180,13 +180,13 @@ def _make_ave_fwd_fixed(KH: int, KW: int, SH: int, SW: int):  # noqa: N803 (comp
 
 # The common pooling geometries (MAX: LeNet 2x2/2; MAX and AVE: cifar10, CaffeNet, AlexNet, GoogLeNet
 # 3x3/2); each one costs a compilation (~1 s, cached) on first use.
-_FIXED = {"max": ((2, 2, 2, 2), (3, 3, 2, 2)), "ave": ((3, 3, 2, 2),)}
+FIXED_GEOMETRIES = {"max": ((2, 2, 2, 2), (3, 3, 2, 2)), "ave": ((3, 3, 2, 2),)}
 _fixed: dict[tuple, object] = {}
 
 
 def _fixed_for(method: str, kh: int, kw: int, sh: int, sw: int):
     """The specialized forward (``"max"``/``"ave"``) for a common window/stride (built on first use), else None."""
-    if (kh, kw, sh, sw) not in _FIXED.get(method, ()):
+    if (kh, kw, sh, sw) not in FIXED_GEOMETRIES.get(method, ()):
         return None
     key = (method, kh, kw, sh, sw)
     fn = _fixed.get(key)
