@@ -117,7 +117,9 @@ class Solver(UpdateStep, Evaluation, SolverState):
     Attributes: ``param`` (SolverParameter), ``net``, ``test_nets``, ``iter``, ``current_step``,
     ``lr`` (the rate used by the last update), ``history`` (the update-history arrays Caffe
     snapshots), ``config`` (the :class:`cct.config.Config` it gives its nets; default
-    :func:`cct.config.current`), ``comm`` (the :class:`cct.distributed.Comm` of a data-parallel run;
+    :func:`cct.config.current`), ``random_source`` (the :class:`cct.random_source.RandomSource` its nets
+    draw from and its snapshots save: its own, seeded with ``random_seed`` when that is >= 0, else its
+    config's), ``comm`` (the :class:`cct.distributed.Comm` of a data-parallel run;
     default: every rank of the job under ``mpiexec``, else none; ``shares=``: per-rank batch sizes or
     ``"auto"``, see :class:`~cct.distributed.parallel.DataParallel`) and ``parallel`` (its
     :class:`cct.distributed.parallel.DataParallel`, None in a single process). Subclasses implement
