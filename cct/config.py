@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import env
 from .errors import CctError
 from .membudget import default_budget
+from .random_source import RandomSource
 
 if TYPE_CHECKING:
     from .scheduler.config import DeviceConfig
@@ -160,7 +161,10 @@ class Config:
     Python layer imports and runs code named by the prototxt; default ``$CCT_PYTHON_LAYERS``, on);
     ``memory_budget``: bytes a blob's data and diff may take (None: no limit; default
     ``$CCT_MEMORY_BUDGET``, else the physical memory; see :mod:`cct.membudget`); ``gpu``: CUDA graphs and
-    TF32 for nets on a GPU (:class:`GpuConfig`).
+    TF32 for nets on a GPU (:class:`GpuConfig`); ``random``: the host random source of the nets built with
+    this config (:class:`cct.random_source.RandomSource`; the process default's is what
+    :func:`cct.set_random_seed` reseeds). Like ``caches``, :meth:`replace` copies share it and a new
+    ``Config()`` starts a fresh, unseeded one.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -170,6 +174,7 @@ class Config:
     memory_budget: int | None = field(default_factory=default_budget)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     caches: PlanningCaches = field(default_factory=PlanningCaches, compare=False, repr=False)
+    random: RandomSource = field(default_factory=RandomSource, compare=False, repr=False)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes``; a mapping for ``engine`` or ``blas`` changes only those fields

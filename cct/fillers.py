@@ -1,4 +1,5 @@
-"""Caffe's weight fillers, all drawing from cct's one seedable RNG (``cct.rng``)."""
+"""Caffe's weight fillers, drawing from the generator they are given (a layer's: its net's random source,
+:mod:`cct.random_source`)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,6 @@ import numpy as np
 from .blob import Blob
 from .errors import CctError
 from .proto import caffe_pb2
-from .rng import get_rng
 
 FILLER_TYPES = ("constant", "uniform", "gaussian", "positive_unitball", "xavier", "msra", "bilinear")
 
@@ -24,9 +24,8 @@ def _fan_n(shape: tuple[int, ...], variance_norm: int) -> float:
     return fan_in
 
 
-def filler_values(param: caffe_pb2.FillerParameter, shape: tuple[int, ...]) -> np.ndarray:
-    """Draw an array of ``shape`` (float64) as Caffe's filler ``param.type`` would."""
-    rng = get_rng()
+def filler_values(param: caffe_pb2.FillerParameter, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Draw an array of ``shape`` (float64) from ``rng`` as Caffe's filler ``param.type`` would."""
     kind = param.type
     shape = tuple(int(d) for d in shape)
     if kind == "constant":
@@ -66,12 +65,12 @@ def filler_values(param: caffe_pb2.FillerParameter, shape: tuple[int, ...]) -> n
     raise CctError(f"unknown filler type '{kind}' (known: {', '.join(FILLER_TYPES)})")
 
 
-def fill(blob: Blob, param: caffe_pb2.FillerParameter | None) -> None:
-    """Fill ``blob.data`` in place; ``None`` means Caffe's default constant 0 filler."""
+def fill(blob: Blob, param: caffe_pb2.FillerParameter | None, rng: np.random.Generator) -> None:
+    """Fill ``blob.data`` in place, drawing from ``rng``; ``None`` means Caffe's default constant 0 filler."""
     if param is None:
         param = caffe_pb2.FillerParameter()
     if param.type == "constant":  # no float64 temporary (VGG-sized fc layers: ~0.5 GiB each)
         blob.data[...] = blob.dtype.type(param.value)
         return
-    values = filler_values(param, blob.shape)
+    values = filler_values(param, blob.shape, rng)
     blob.data[...] = blob.xp.asarray(values.astype(blob.dtype))

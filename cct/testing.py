@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from . import rng
 from .blob import Blob
 from .layers.base import Layer
 
@@ -26,9 +25,9 @@ def make_blob(arr: np.ndarray, name: str = "", xp: Any = np) -> Blob:
 
 
 def _objective(layer: Layer, bottom, top, weights, seed, random_state: dict | None = None) -> float:
-    """The projection of the tops after one forward, every random draw repeated: the host stream reseeded,
-    the layer's own stream (Dropout's mask) rewound to ``random_state``."""
-    rng.set_random_seed(seed)
+    """The projection of the tops after one forward, every random draw repeated: the layer's host random
+    source reseeded, the layer's own stream (Dropout's mask) rewound to ``random_state``."""
+    layer.host_random().seed(seed)
     if random_state is not None:
         layer.random.set_state(random_state)
     layer.reshape(bottom, top)
@@ -58,7 +57,7 @@ def check_gradient(
     module (numpy, or cupy for the GPU path).
     """
     if setup:
-        rng.set_random_seed(seed)
+        layer.host_random().seed(seed)
         layer.setup(bottom, top)
     wrng = np.random.default_rng(seed + 1)
     random_state = layer.random.state() if layer.random is not None else None

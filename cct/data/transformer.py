@@ -15,8 +15,9 @@ Transform of one image (Caffe's order, per element):
 * ``scale`` multiplies after the mean subtraction.
 
 The random draws happen in Caffe's order (mirror coin, then h_off, then w_off) from the
-transformer's generator: the one passed in (data layers give each prefetch thread its own,
-seeded from :func:`cct.rng.get_rng` so runs are reproducible) or ``cct.rng.get_rng()``.
+transformer's generator: the one passed in (data layers give each prefetch thread its own, seeded from
+their net's random source so runs are reproducible), else the current configuration's
+(:func:`cct.config.current`).
 
 Images are numpy arrays in OpenCV's layout: HxWxC uint8 in **BGR** order (gray: HxWx1).
 Encoded Datums (JPEG/PNG) are decoded with Pillow to that layout, as ``cv::imdecode`` would.
@@ -30,10 +31,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..config import current
 from ..errors import CctError
 from ..membudget import INT_MAX
 from ..proto import caffe_pb2
-from ..rng import get_rng
 
 log = logging.getLogger("cct")
 
@@ -323,7 +324,7 @@ class DataTransformer:
         return self.mirror or (self.phase == caffe_pb2.TRAIN and self.crop_size > 0)
 
     def _gen(self) -> np.random.Generator:
-        return self.rng if self.rng is not None else get_rng()
+        return self.rng if self.rng is not None else current().random.generator
 
     # -- sources ---------------------------------------------------------------
     def datum_array(self, datum: caffe_pb2.Datum) -> np.ndarray:

@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import rng
 from ..backend import get_array_module, to_numpy
 from ..device.random import key_from_host
 from ..io.prototxt import to_text
@@ -133,9 +132,10 @@ class DataParallel:
         """Ranks > 0 draw dropout masks etc. from streams of their own (rank 0 keeps the shared ones): the host
         generator and the train net's device random streams (a key of the rank's own)."""
         if self.rank > 0:
-            seed = int(rng.get_rng().integers(0, 2**63 - 1))
+            source = self.solver.random_source
+            seed = int(source.generator.integers(0, 2**63 - 1))
             own = np.random.default_rng([seed, self.rank])
-            rng.set_state(own.bit_generator.state)
+            source.restore(own.bit_generator.state)
             self.solver.net.random.rekey(key_from_host(own))
 
     def shard_data(self, states: dict | None = None) -> None:
@@ -227,7 +227,7 @@ class DataParallel:
         return self.comm.gather_obj(states, root=0)
 
     def gather_rng_states(self) -> list[dict] | None:
-        return self.comm.gather_obj(rng.get_state(), root=0)
+        return self.comm.gather_obj(self.solver.random_source.state(), root=0)
 
 
 def proportional_shares(rates: Sequence[float], total: int) -> list[int]:

@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from ..blob import Blob
+from ..config import current
 from ..device.random import CounterRandom, key_from_host
 from ..errors import LayerError
 from ..fillers import fill
 from ..proto import caffe_pb2
-from ..rng import get_rng
 
 if TYPE_CHECKING:
     from ..device.deferred import DeviceChecks
+    from ..random_source import RandomSource
 
 log = logging.getLogger("cct")
 
@@ -105,6 +106,9 @@ class Layer:
     # The net's checks on device data (label ranges): set by the Net before setup; None (a layer run
     # on its own) checks immediately, as a numpy net does.
     checks: DeviceChecks | None = None
+    # The net's host random source (fillers, shuffles, crops): set by the Net before setup; None (a layer
+    # set up on its own) draws from the current configuration's (see host_random).
+    random_source: RandomSource | None = None
 
     def __init__(self, param: caffe_pb2.LayerParameter):
         self.param = param
@@ -160,8 +164,9 @@ class Layer:
         dtype = like.dtype if like is not None else np.float32
         xp = like.xp if like is not None else np
         blob = Blob(shape, dtype=dtype, xp=xp, name=self.name)
+        # a new blob is zeros already: Caffe's default constant-0 filler is a no-op
         if filler is not None and not (filler.type == "constant" and filler.value == 0):
-            fill(blob, filler)  # a new blob is zeros already: Caffe's default constant-0 filler is a no-op
+            fill(blob, filler, self.host_random().generator)
         return blob
 
     def params_given(self, expected: int) -> bool:
@@ -177,11 +182,16 @@ class Layer:
         the layer its own stream as ``self.random`` before setup."""
         return False
 
+    def host_random(self) -> RandomSource:
+        """The host random source this layer draws from: its net's, else (a layer set up on its own) the
+        current configuration's (:func:`cct.config.current`)."""
+        return self.random_source if self.random_source is not None else current().random
+
     def random_stream(self, xp) -> CounterRandom:
         """The layer's random stream: the one its net handed it, else (a layer set up on its own) a new
-        one (stream 0) keyed from cct's seeded host generator."""
+        one (stream 0) keyed from the layer's host random source."""
         if self.random is None:
-            self.random = CounterRandom(key_from_host(get_rng()), 0, xp)
+            self.random = CounterRandom(key_from_host(self.host_random().generator), 0, xp)
         return self.random
 
     # -- the contract ------------------------------------------------------------

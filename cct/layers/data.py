@@ -9,7 +9,8 @@ reading is their loader's (:mod:`cct.data.db_loader`, :mod:`cct.data.image_list_
 
 Randomness (crops, mirrors, shuffles, ``rand_skip``) comes from two generators private to the
 layer (one for the transforms, one for the record order, like Caffe's transformer and prefetch
-RNGs), seeded by one draw of :func:`cct.rng.get_rng` at setup (only when the layer needs any), so
+RNGs), seeded by one draw of the layer's host random source at setup (its net's, :mod:`cct.random_source`;
+only when the layer needs any), so
 a run with a fixed ``random_seed`` is reproducible whatever the thread timing. As in Caffe,
 ``mirror: true`` flips at random in the TEST phase too; only the crop is centred in TEST.
 
@@ -48,7 +49,6 @@ from ..data.prefetch import Prefetcher
 from ..data.transformer import DataTransformer, read_numbered_image_list
 from ..errors import CctError
 from ..proto import caffe_pb2
-from ..rng import get_rng
 from .base import Layer, register
 
 log = logging.getLogger("cct")
@@ -65,15 +65,17 @@ def _copy_to_blob(blob: Blob, arr: np.ndarray) -> None:
         np.copyto(blob.data, arr, casting="unsafe")
 
 
-def child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Generator | None]:
-    """(transform generator, order generator) for a layer, seeded by one draw of cct's global rng.
+def child_rngs(parent: np.random.Generator,
+               needed: bool) -> tuple[np.random.Generator | None, np.random.Generator | None]:
+    """(transform generator, order generator) for a layer, seeded by one draw of ``parent`` (the layer's
+    host generator).
 
     Two streams, as Caffe's transformer RNG and prefetch (shuffle) RNG: the record order does not
     depend on how many draws the transforms make. No draw at all when the layer needs none.
     """
     if not needed:
         return None, None
-    ss = np.random.SeedSequence(int(get_rng().integers(0, 2**63 - 1)))
+    ss = np.random.SeedSequence(int(parent.integers(0, 2**63 - 1)))
     a, b = ss.spawn(2)
     return np.random.default_rng(a), np.random.default_rng(b)
 
@@ -245,7 +247,7 @@ class Data(PrefetchingDataLayer):
         if tp.force_color and tp.force_gray:
             raise self.error("cannot set both force_color and force_gray")
         needs_rng = bool(dp.rand_skip) or tp.mirror or (self.phase == caffe_pb2.TRAIN and tp.crop_size > 0)
-        t_rng, rng = child_rngs(needs_rng)
+        t_rng, rng = child_rngs(self.host_random().generator, needs_rng)
         try:
             transformer = DataTransformer(tp, self.phase, rng=t_rng)
             db = open_db(dp.source, dp.backend)
@@ -295,7 +297,7 @@ class ImageData(PrefetchingDataLayer):
         tp = self._transform_param(ip, "image_data_param")
         needs_rng = ip.shuffle or bool(ip.rand_skip) or tp.mirror or \
             (self.phase == caffe_pb2.TRAIN and tp.crop_size > 0)
-        t_rng, rng = child_rngs(needs_rng)
+        t_rng, rng = child_rngs(self.host_random().generator, needs_rng)
         try:
             transformer = DataTransformer(tp, self.phase, rng=t_rng)
             log.info("Opening file %s", ip.source)
@@ -346,7 +348,7 @@ class HDF5Data(PrefetchingDataLayer):
         names = list(self.param.top)
         if len(names) != len(top):
             names = [b.name for b in top]
-        rng = child_rngs(hp.shuffle)[1]
+        rng = child_rngs(self.host_random().generator, hp.shuffle)[1]
         try:
             log.info("Loading list of HDF5 filenames from: %s", hp.source)
             files = read_hdf5_list(hp.source)

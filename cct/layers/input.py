@@ -114,7 +114,7 @@ class DummyDataLayer(Layer):
             k = i if len(self.fillers) > 1 else 0
             if self.refill[k] != constant:
                 try:
-                    fill(t, self.fillers[k])
+                    fill(t, self.fillers[k], self.host_random().generator)
                 except CctError as e:
                     raise self.error(str(e)) from None
 

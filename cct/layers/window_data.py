@@ -26,7 +26,7 @@ region being warped to its share of the crop (mirrored padding when flipped). Pi
 ``(batch_size, channels, crop_size, crop_size)`` (channels as the window file gives for its last
 image, which must be 3), label ``(batch_size,)``.
 
-Randomness comes from the layer's own generator (seeded from cct's rng at setup), drawn in
+Randomness comes from the layer's own generator (seeded from its net's random source at setup), drawn in
 Caffe's order; batches are prefetched like every data layer's.
 """
 from __future__ import annotations
@@ -322,7 +322,7 @@ class WindowData(PrefetchingDataLayer):
             if len(mv) not in (1, self.channels):
                 raise self.error(f"Specify either 1 mean_value or as many as channels: {self.channels}")
             self.mean_values = np.array(mv * self.channels if len(mv) == 1 else mv, dtype=np.float64)
-        _, rng = child_rngs(True)
+        _, rng = child_rngs(self.host_random().generator, True)
         try:
             loader = _WindowLoader(self, images, fg, bg, rng, top[0].dtype)
         except CctError as e:

@@ -20,7 +20,7 @@ from ..layers.base import Layer
 from ..malloc import tune_malloc
 from ..membudget import INT_MAX
 from ..proto import caffe_pb2
-from ..rng import get_rng
+from ..random_source import RandomSource
 from .flat_params import FlatParams
 from .graph import filter_net, insert_splits
 
@@ -60,6 +60,9 @@ class Net:
     ``config`` (a :class:`cct.config.Config`; default :func:`cct.config.current`) is kept as
     ``net.config``: its engine settings plan the convolutions, its devices split the batches, its
     BLAS choice runs the GEMMs, also when the net runs later outside any ``using_config`` block.
+    ``random`` (a :class:`cct.random_source.RandomSource`; default the config's, ``config.random``) is kept
+    as ``net.random_source`` and handed to every layer before its setup: the fillers, the data layers'
+    shuffles and crops and the key of the net's device random streams (``net.random``) draw from it.
 
     ``backward_hooks``: functions called as ``hook(i)`` right after layer ``i``'s backward (its
     parameter diffs are then final for this pass) and ``hook(None)`` when the whole backward is done;
@@ -81,6 +84,7 @@ class Net:
         stages: Iterable[str] | None = None,
         dtype=np.float32,
         config: Config | None = None,
+        random: RandomSource | None = None,
     ):
         if isinstance(net, caffe_pb2.NetParameter):
             from ..io.upgrade import upgrade_net
@@ -101,6 +105,7 @@ class Net:
             param.state.stage.extend(stages)
         self.dtype = np.dtype(dtype)
         self.config = config if config is not None else current()
+        self.random_source = random if random is not None else self.config.random
         tune_malloc()  # once per process: freed work arrays stay in the heap (see cct.malloc)
         # Runs each layer's forward/backward; the device scheduler replaces it to split batches.
         self.executor = None
@@ -145,7 +150,7 @@ class Net:
         self.blob_loss_weights: dict[str, float] = {}
         self.input_blob_names: list[str] = []
         # the net's random streams (Dropout, stochastic pooling): one key per net, one stream per such layer
-        self.random = NetRandom(get_rng(), self.xp)
+        self.random = NetRandom(self.random_source.generator, self.xp)
         # parameters
         # every layer param blob, shared ones repeated (Caffe's params_); ``params`` is pycaffe's dict
         self._all_params: list[Blob] = []
@@ -183,6 +188,7 @@ class Net:
                     raise
                 raise failure from e
             layer.checks = self.checks
+            layer.random_source = self.random_source
             self.layers.append(layer)
             self.layer_names.append(lp.name)
             bottoms, bottom_need = [], []

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from .. import blas, rng
+from .. import blas
 from ..distributed.parallel import data_layers
 from ..io.prototxt import to_text
 from ..lowering import tune
@@ -71,7 +71,7 @@ class _SavedState:
         self.net = net
         self.blobs = [blob.data.copy() for layer in net.layers for blob in layer.blobs]
         self.reads = {name: layer.get_read_state() for name, layer in data_layers(net)}
-        self.rng = rng.get_state()
+        self.host_random = net.random_source.state()
         self.random = net.random.state()
 
     def restore(self) -> None:
@@ -83,7 +83,7 @@ class _SavedState:
         net.clear_param_diffs()
         for name, layer in data_layers(net):
             layer.set_read_state(self.reads[name])
-        rng.set_state(self.rng)
+        net.random_source.restore(self.host_random)
         net.random.set_state(self.random)
 
 

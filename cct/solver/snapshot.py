@@ -8,11 +8,12 @@ For iteration N and ``snapshot_prefix`` P Caffe writes
 * HDF5: ``P_iter_N.caffemodel.h5`` and ``P_iter_N.solverstate.h5`` (same content).
 
 Both are readable by BVLC Caffe and by cct. cct also writes ``P_iter_N.cctstate`` (JSON): the state
-of cct's random generator (``cct.rng``) and the read position of every data layer that offers
-``get_read_state()`` (train net and test nets). Restoring a solverstate also restores the
-``.cctstate`` found beside it, so that N iterations + snapshot + resume + M iterations give the same
-weights, bit for bit, as N + M iterations in one run (Caffe itself restarts its databases from the
-beginning on resume). Without a ``.cctstate`` (e.g. a Caffe snapshot) resuming works as in Caffe.
+of the solver's host random source (``solver.random_source``, :mod:`cct.random_source`) and the read
+position of every data layer that offers ``get_read_state()`` (train net and test nets). Restoring a
+solverstate also restores the ``.cctstate`` found beside it, so that N iterations + snapshot + resume
++ M iterations give the same weights, bit for bit, as N + M iterations in one run (Caffe itself
+restarts its databases from the beginning on resume). Without a ``.cctstate`` (e.g. a Caffe snapshot)
+resuming works as in Caffe.
 
 Every file is written to a temporary name and renamed (``cct.io.atomic``), so an interrupted
 snapshot never leaves a torn file behind.

@@ -42,7 +42,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from .. import rng
 from ..backend import in_device_memory
 from ..config import Config, current
 from ..device.losses import LossLog
@@ -51,6 +50,7 @@ from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
 from ..log import ostream_float as _fmt
 from ..net import Net
 from ..proto import caffe_pb2
+from ..random_source import RandomSource
 from . import lr_policy, signals
 from .evaluation import Evaluation
 from .flat_update import FlatUpdate
@@ -117,7 +117,9 @@ class Solver(UpdateStep, Evaluation, SolverState):
     Attributes: ``param`` (SolverParameter), ``net``, ``test_nets``, ``iter``, ``current_step``,
     ``lr`` (the rate used by the last update), ``history`` (the update-history arrays Caffe
     snapshots), ``config`` (the :class:`cct.config.Config` it gives its nets; default
-    :func:`cct.config.current`), ``comm`` (the :class:`cct.distributed.Comm` of a data-parallel run;
+    :func:`cct.config.current`), ``random_source`` (the :class:`cct.random_source.RandomSource` its nets
+    draw from and its snapshots save: its own, seeded with ``random_seed`` when that is >= 0, else its
+    config's), ``comm`` (the :class:`cct.distributed.Comm` of a data-parallel run;
     default: every rank of the job under ``mpiexec``, else none; ``shares=``: per-rank batch sizes or
     ``"auto"``, see :class:`~cct.distributed.parallel.DataParallel`) and ``parallel`` (its
     :class:`cct.distributed.parallel.DataParallel`, None in a single process). Subclasses implement
@@ -163,8 +165,10 @@ class Solver(UpdateStep, Evaluation, SolverState):
         self.iter = 0
         self.current_step = 0
         self._check_snapshot_write_permissions()
-        if param.random_seed >= 0:
-            rng.set_random_seed(param.random_seed)
+        # The host random source of its nets and snapshots: with random_seed >= 0 the solver's own, seeded
+        # before the nets are built (Caffe seeds its process RNG there; two seeded solvers in one process
+        # do not disturb each other), else its config's (Caffe's process RNG, cct.set_random_seed's).
+        self.random_source = RandomSource(param.random_seed) if param.random_seed >= 0 else self.config.random
         self._log_mode()
         self.net = self._init_train_net()
         self.test_nets = self._init_test_nets()
@@ -288,7 +292,7 @@ class Solver(UpdateStep, Evaluation, SolverState):
         state.MergeFrom(net_param.state)
         state.MergeFrom(p.train_state)
         net_param.state.CopyFrom(state)
-        net = Net(net_param, config=self.config)
+        net = Net(net_param, config=self.config, random=self.random_source)
         self._load_weights(net)
         net.flatten_params()  # before the test nets share its weights (pre_solve builds the update on it)
         return net
@@ -344,7 +348,7 @@ class Solver(UpdateStep, Evaluation, SolverState):
                 state.MergeFrom(p.test_state[i])
             q.state.CopyFrom(state)
             log.info("Creating test net (#%d) specified by %s", i, src)
-            net = Net(q, config=self.config)
+            net = Net(q, config=self.config, random=self.random_source)
             net.debug_info = p.debug_info
             self._load_weights(net)
             net.share_weights_with(self.net)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 
-from .. import rng
 from ..backend import get_array_module
 from ..errors import CctError, SolverError
 from ..io.atomic import remove_stale_temps
@@ -102,7 +101,7 @@ class SolverState:
         state = {
             "iter": self.iter,
             "solver_type": self.type,
-            "rng": rng.get_state(),
+            "rng": self.random_source.state(),
             "train_net": train,
             "test_nets": [read_states(n) for n in self.test_nets],
             # the device random streams (Dropout, stochastic pooling): key and position per layer
@@ -158,9 +157,9 @@ class SolverState:
         if saved_ranks == ranks and ranks > 1:
             train_states = state["train_net_ranks"][rank]
             if "rng_ranks" in state:
-                rng.set_state(state["rng_ranks"][rank])
+                self.random_source.restore(state["rng_ranks"][rank])
         elif "rng" in state:
-            rng.set_state(state["rng"])
+            self.random_source.restore(state["rng"])
         self._restore_random_streams(state, path, saved_ranks == ranks, rank)
 
         def set_states(net: Net, states: dict, what: str) -> None:

@@ -14,13 +14,13 @@ import os
 
 import numpy as np
 
+from ..config import current
 from ..data.db import open_writer
 from ..data.transformer import decode_image, encode_image, image_to_datum, read_image, read_image_list
 from ..errors import CctError
 from ..flags import FlagParser
 from ..progress import Progress
 from ..proto import caffe_pb2
-from ..rng import get_rng
 from . import add_bool_flag, add_flag, run_tool, tool_parser
 
 log = logging.getLogger("cct")
@@ -62,7 +62,7 @@ def convert_imageset(root_folder: str, list_file: str, db_name: str, resize_heig
     lines = read_image_list(list_file)
     if shuffle:
         log.info("Shuffling data")
-        order = get_rng().permutation(len(lines))
+        order = current().random.generator.permutation(len(lines))
         lines = [lines[i] for i in order]
     log.info("A total of %d images.", len(lines))
     if encode_type and not encoded:
