@@ -12,9 +12,8 @@ from mpirun import needs_mpi, run_mpi, script
 import cct
 from cct.parallel_plan.convsplit import ConvChannelSplitExecutor
 from cct.parallel_plan.costs import price
-from cct.parallel_plan.execute import channel_split_convs, sample_groups_of, tail_plan
 from cct.parallel_plan.graph import graph_from_net
-from cct.parallel_plan.split import PlanError, Split
+from cct.parallel_plan.split import PlanError
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
@@ -54,7 +53,7 @@ def test_conv1_and_conv2_split_by_channel_equal_caffe_and_one_process(case):
         for name in ("mnist", "conv1", "pool1", "conv2", "pool2", "ip1", "ip2", "loss")))
     three = _train(case, 3, 2, 4, "three.caffemodel", "--init", "init.caffemodel", "--parallel",
                    str(case / "convs.plan"), "--test_batch", "4")  # the same split from a plan file
-    assert "conv1 (6 of 20 filters per rank), conv2 (16 of 50 filters per rank)" in three.stderr
+    assert "Per-layer splits on 3 MPI ranks: conv1 n=1 h=1 w=1 c=3, conv2 n=1 h=1 w=1 c=3" in three.stderr
     dp._compare(case / "three.caffemodel", case / "one.caffemodel", 1e-5)
     outputs = re.compile(r"Test net output #\d+: (\w+) = ([-\d.e]+)")
     got, want = outputs.findall(three.stderr), outputs.findall(one.stderr)
@@ -86,20 +85,3 @@ def flat_priced(case, monkeypatch):
     net = cct.Net("net.prototxt", "TRAIN")
     return price(graph_from_net(net, 8), 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
         "seconds": lambda self, g, i, s: np.zeros(len(s))})())
-
-
-def test_plan_files_with_channel_split_convolutions_are_in_the_executed_family(case, monkeypatch):
-    priced = flat_priced(case, monkeypatch)
-    tail = {"ip1", "ip2"}
-    plan = tail_plan(priced, tail, 2)
-    plan.splits["conv2"] = Split(c=2)
-    assert sample_groups_of(plan, priced, tail) == 2 and channel_split_convs(plan, priced) == ["conv2"]
-    plan.splits["conv1"] = Split(c=2)
-    assert channel_split_convs(plan, priced) == ["conv1", "conv2"]
-    both = tail_plan(priced, tail, 1)  # OWT's tail and a conv split: executed together (cct.parallel_plan.combined)
-    both.splits["conv2"] = Split(c=2)
-    assert sample_groups_of(both, priced, tail) == 1 and channel_split_convs(both, priced) == ["conv2"]
-    pool = tail_plan(priced, tail, 2)
-    pool.splits["pool1"] = Split(c=2)  # only convolutions take a channel split
-    with pytest.raises(PlanError, match=r"layer 'pool1' n=1 h=1 w=1 c=2: cct train executes"):
-        sample_groups_of(pool, priced, tail)

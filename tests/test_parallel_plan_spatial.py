@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
-from test_parallel_plan_convsplit import flat_priced
 
 import cct
 from cct.io.prototxt import read_net_prototxt, write_text_file
 from cct.parallel_plan.boxexchange import intersect
-from cct.parallel_plan.execute import sample_groups_of, spatial_split_layers, tail_plan
 from cct.parallel_plan.graph import graph_from_net
 from cct.parallel_plan.spatial import SpatialSplitExecutor
 from cct.parallel_plan.split import PlanError, Split
@@ -113,7 +111,8 @@ def test_padded_uneven_and_changing_bands_on_three_ranks_equal_one_process(case,
              "ip2": "n=3", "loss": "n=3"}
     (case / "bands.plan").write_text("workers: 3\n" + "".join(f"{k}: {v}\n" for k, v in nodes.items()))
     mixed = _train(case, 3, 2, 4, "mixed.caffemodel", "--parallel", str(case / "bands.plan"))  # as cct train runs it
-    assert "Spatial split on 3 MPI ranks: conv1 h=3 w=1, pool1 h=3 w=1, conv2 h=1 w=3, pool2 h=1 w=3" in mixed.stderr
+    assert ("Per-layer splits on 3 MPI ranks: conv1 n=1 h=3 w=1 c=1, pool1 n=1 h=3 w=1 c=1, conv2 n=1 h=1 w=3 c=1, "
+            "pool2 n=1 h=1 w=3 c=1; every other layer by sample") in mixed.stderr
     dp._compare(case / "mixed.caffemodel", case / "one.caffemodel", 1e-5)
     assert "loss = " in one.stderr
     monkeypatch.chdir(case)
@@ -164,25 +163,6 @@ def test_intersections_of_boxes():
     assert intersect(a, b + np.array([[0, 0], [0, 0], [2, 2], [0, 0]])) is None
 
 
-def test_plan_files_with_spatial_splits_are_in_the_executed_family(case, monkeypatch):
-    priced = flat_priced(case, monkeypatch)
-    tail = {"ip1", "ip2"}
-    plan = tail_plan(priced, tail, 2)
-    plan.splits["conv1"], plan.splits["pool1"] = Split(h=2), Split(w=2)
-    assert sample_groups_of(plan, priced, tail) == 2
-    assert spatial_split_layers(plan, priced) == {"conv1": Split(h=2), "pool1": Split(w=2)}
-    plan.splits["conv2"] = Split(c=2)  # a channel split beside spatial ones, and OWT's tail: all executed
-    for name in ("ip1", "ip2"):
-        plan.splits[name] = Split(c=2)
-    assert sample_groups_of(plan, priced, tail) == 1
-    plan.splits["pool2"] = Split(c=2)  # only convolutions take a channel split
-    with pytest.raises(PlanError, match=r"layer 'pool2' n=1 h=1 w=1 c=2: cct train executes"):
-        sample_groups_of(plan, priced, tail)
-    plan.splits["pool2"], plan.splits["ip2"] = Split(n=2), Split(n=2)  # the tail takes one split
-    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*which takes one n=a c=2/a"):
-        sample_groups_of(plan, priced, tail)
-
-
 @needs_mpi()
 def test_spatial_channel_and_tail_splits_together_equal_caffe(case):
     """One plan, three kinds of split (cct.parallel_plan.combined): conv1 and pool1 by height, conv2 by
@@ -192,8 +172,8 @@ def test_spatial_channel_and_tail_splits_together_equal_caffe(case):
              "ip2": "c=2", "loss": "n=2"}
     (case / "mixed.plan").write_text("workers: 2\n" + "".join(f"{k}: {v}\n" for k, v in nodes.items()))
     p = _train(case, 2, 2, 10, "mixed.caffemodel", "--init", "init.caffemodel", "--parallel", str(case / "mixed.plan"))
-    assert ("Per-layer splits on 2 MPI ranks: conv1 h=2 w=1, pool1 h=2 w=1, conv2 c=2, the fully-connected tail "
-            "n=1 c=2; every other layer by sample") in p.stderr
+    assert ("Per-layer splits on 2 MPI ranks: conv1 n=1 h=2 w=1 c=1, pool1 n=1 h=2 w=1 c=1, conv2 n=1 h=1 w=1 c=2, "
+            "ip1 n=1 h=1 w=1 c=2, ip2 n=1 h=1 w=1 c=2; every other layer by sample") in p.stderr
     dp._compare(case / "mixed.caffemodel", case / "final.caffemodel", 1e-5)
     got = json.loads((case / "mixed.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
