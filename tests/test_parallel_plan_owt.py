@@ -113,7 +113,8 @@ def test_cct_train_parallel_auto_and_omnivore_refused(case):
     p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--weights", "init.caffemodel",
                     "--parallel", "auto", "--iterations", "2", "--noprogress"], cwd=str(case), timeout=180)
     assert "Per-layer parallelism on 1 machine(s) x 2 worker(s)" in p.stderr
-    assert "DeePa's optimum (" in p.stderr and "update ms" in p.stderr
+    assert "DeePa's unrestricted optimum (" in p.stderr and "update ms" in p.stderr
+    assert "--parallel auto: the optimum cct train executes ('deepa') splits " in p.stderr
     assert "--parallel auto: measured step ms" in p.stderr
     p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", "owt", "--groups",
                     "2"], cwd=str(case), timeout=60, check=False)

@@ -11,7 +11,9 @@ from mpirun import needs_mpi
 from test_parallel_plan_spatial import _predicted, _train
 
 import cct
+from cct.parallel_plan.execute import check_plan
 from cct.parallel_plan.perlayer import PerLayerExecutor
+from cct.parallel_plan.planfile import read_plan
 from cct.parallel_plan.split import PlanError, Split
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
@@ -47,9 +49,9 @@ def test_rows_to_channels_and_different_tail_splits_move_the_planned_bytes_on_tw
               "ip1": Split(c=2)}
     p, got, (step, forward) = _run_plan(case, monkeypatch, 2, 2, splits, "mixed")
     assert "conv2 n=1 h=1 w=1 c=2, pool2 n=1 h=1 w=1 c=2, ip1 n=1 h=1 w=1 c=2; every other" in p.stderr
-    # by hand, floats each of the 2 ranks receives: data -> conv1 (forward only) 2 samples x 16 of 28 rows; pool1 -> conv2 the
-    # other band (4 x 20 x 6 x 12); conv2 -> pool2 none (same channels); pool2 -> ip1 the other 25 channels
-    # (4 x 25 x 16); ip1 -> ip2 its samples' other 250 channels (2 x 250); ip2 -> loss none (by sample)
+    # by hand, floats each of the 2 ranks receives: data -> conv1 (forward only) 2 samples x 16 of 28 rows;
+    # pool1 -> conv2 the other band (4 x 20 x 6 x 12); conv2 -> pool2 none (same channels); pool2 -> ip1 the
+    # other 25 channels (4 x 25 x 16); ip1 -> ip2 its samples' other 250 channels (2 x 250); ip2 -> loss none
     by_hand = 2 * 4 * (2 * 16 * 28 + 2 * (4 * 20 * 6 * 12 + 4 * 25 * 16 + 2 * 250))
     assert step == by_hand
     assert sum(got["split_bytes_all"]) == 10 * step + forward
@@ -99,3 +101,13 @@ def test_what_cannot_run_is_refused_naming_the_layer_and_configuration(case, mon
     with pytest.raises(PlanError, match=r"layer 'pool1' n=1 h=2 w=1 c=1: pools with padding 1 along the split height"):
         PerLayerExecutor(net, two, {"pool1": Split(h=2)})
     PerLayerExecutor(net, two, {"pool1": Split(c=2)})  # padding along an unsplit axis: the copy pads itself
+
+
+def test_plan_file_lines_that_cannot_run_are_refused_naming_the_file_and_line(case, monkeypatch):
+    monkeypatch.chdir(case)
+    net = cct.Net("net.prototxt", "TRAIN")
+    plan = read_plan(_plan_file(case / "bad.plan", 2, {"conv1": Split(h=2), "conv2": Split(), "ip1": Split(c=2)}))
+    with pytest.raises(PlanError, match=r"bad.plan: line 5: layer 'conv2' n=1 h=1 w=1 c=1: uses 1 of the 2 ranks"):
+        check_plan(plan, net, 2)
+    plan.splits["conv2"] = Split(n=2)
+    check_plan(plan, net, 2)

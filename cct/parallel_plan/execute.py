@@ -14,17 +14,18 @@ parallelism).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from .. import blas
 from .cluster import Cluster
 from .compute import ScaledCompute, compute_cache, reference_rates
 from .convsplit import ConvChannelSplitExecutor
 from .costs import PricedGraph, price
-from .graph import graph_from_net
+from .graph import PlanNode, graph_from_net
 from .links import cluster_of_ranks, measure_links
 from .measured import Candidate, measured_choice
 from .owt import ChannelSplitExecutor, attach, enable_owt, tail_layers
-from .perlayer import PerLayerExecutor, build_per_layer, describe_splits, enable_per_layer
+from .perlayer import PerLayerExecutor, build_per_layer, describe_splits, enable_per_layer, refusal
 from .planfile import read_plan
 from .plans import Plan, optimal
 from .report import comparison, plan_table
@@ -136,24 +137,48 @@ def _rank_batch(net) -> int:
     return int(net.blobs[net.bottom_names[tail_layers(net)[0]][0]].shape[0])
 
 
+def executable(net, ranks: int) -> Callable[[PlanNode, Split], bool]:
+    """Whether :mod:`.perlayer` runs a node of ``net`` under a configuration (the node's first layer's
+    :func:`~.perlayer.refusal`): ``price``'s ``keep`` for the optimum ``auto`` executes."""
+    layers = dict(zip(net.layer_names, net.layers))
+    return lambda node, s: refusal(layers[node.name], s, ranks) is None
+
+
+def check_plan(plan: Plan, net, ranks: int) -> None:
+    """Refuse, naming the file, line, layer and configuration, a plan line :mod:`.perlayer` cannot run."""
+    layers = dict(zip(net.layer_names, net.layers))
+    for name, s in plan.splits.items():
+        why = refusal(layers[name], s, ranks) if name in layers else None
+        if why is not None:
+            line = plan.lines.get(name)
+            where = f"{plan.source}: line {line}: " if plan.source and line else ""
+            raise PlanError(f"{where}layer '{name}' {s}: {why}")
+
+
 def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> dict[str, Split]:
     """The layers split other than by sample (layer name -> Split) of the plan file, or of DeePa's optimum
-    (``plan`` None: ``auto`` measures it beside the family); logs the estimates."""
+    among the configurations :mod:`.perlayer` runs (``plan`` None: ``auto`` measures it beside the family);
+    logs the estimates and DeePa's unrestricted optimum."""
     net, n = solver.net, cluster.workers
     batch = _rank_batch(net)
     graph = graph_from_net(net, n * batch)
     with blas.blas_threads(1):  # each rank's share of this machine's cores
         rates = reference_rates(net, graph, batch, compute_cache())
-    priced = price(graph, n, cluster.inv_bandwidth(), ScaledCompute(rates, cluster.speed))
+    compute = ScaledCompute(rates, cluster.speed)
+    priced = price(graph, n, cluster.inv_bandwidth(), compute)
     family = {a: tail_plan(priced, tail, a) for a in divisors(n)}
     estimates = {p.strategy: priced.estimate(p.assignment(priced)) for p in family.values()}
     best, residual = optimal(priced)
     if plan is not None:
+        check_plan(plan, net, n)
         splits = plan_splits(plan, priced)
         estimates[plan.strategy] = priced.estimate(plan.assignment(priced))
         chosen = plan.strategy
     else:
-        splits = plan_splits(best, priced)
+        runnable = price(graph, n, cluster.inv_bandwidth(), compute, keep=executable(net, n))
+        run_best, _ = optimal(runnable)
+        splits = plan_splits(run_best, runnable)
+        estimates["deepa"] = runnable.estimate(run_best.assignment(runnable))
         chosen = min(family.values(), key=lambda p: estimates[p.strategy].seconds).strategy
     shown = dict(estimates)
     shown["DeePa"] = priced.estimate(best.assignment(priced))
@@ -163,10 +188,11 @@ def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> dict
         log.info("%s", line)
     for line in comparison(shown):
         log.info("%s", line)
+    log.info("DeePa's unrestricted optimum (%d nodes left after elimination) splits %s", residual,
+             ", ".join(f"{k} {v}" for k, v in best.splits.items() if v != Split(n=n)) or "nothing")
     if plan is None:
-        log.info("DeePa's optimum (%d nodes left after elimination) splits %s; --parallel auto measures it layer by "
-                 "layer beside the family", residual,
-                 ", ".join(f"{k} {v}" for k, v in splits.items()) or "nothing else")
+        log.info("--parallel auto: the optimum cct train executes ('deepa') splits %s; measured layer by layer "
+                 "beside the family", ", ".join(f"{k} {v}" for k, v in splits.items()) or "nothing")
     return splits
 
 

@@ -99,36 +99,50 @@ def _refuse(name: str, split: Split, why: str) -> PlanError:
     return PlanError(f"per-layer split: layer '{name}' {split}: {why}")
 
 
-def _windows(layer: Layer, name: str, split: Split, in_shape: Shape4) -> list[tuple[int, int, int]]:
-    """``(extent, stride, pad)`` along height and width of a Convolution or Pooling layer (a whole axis for
-    an InnerProduct and a global pooling); refuses windows that cannot be split as ``split`` asks."""
+def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
+    """Why :class:`PerLayerExecutor` cannot run ``layer`` under ``split`` on ``ranks`` ranks (None: it can;
+    the sample split ``n=ranks`` always can). The layer's own checks; its place in the net is checked when
+    the executor is built."""
+    if split == Split(n=ranks):
+        return None
+    if split.workers != ranks:
+        return f"uses {split.workers} of the {ranks} ranks; cct train executes configurations over all ranks"
+    if layer.type in SOURCES:
+        return f"a data layer is read by sample (n={ranks}) by cct train"
+    if layer.type not in SPLIT_TYPES:
+        return f"a {layer.type} layer runs by sample (n={ranks}) only; {', '.join(SPLIT_TYPES)} layers take other " \
+               "configurations"
     spatial = split.h > 1 or split.w > 1
     if layer.type == "Convolution":
-        g = layer.geom
+        g, group = layer.geom, layer.param.convolution_param.group or 1
         if g is None or len(g.in_shape) != 2:
-            raise _refuse(name, split, "only 2-D convolutions are split")
+            return "only 2-D convolutions are split"
         if spatial and any(d != 1 for d in g.dilation):
-            raise _refuse(name, split, f"dilated (dilation {list(g.dilation)}) convolutions are not split by "
-                                       "height or width")
-        if split.c > 1 and (layer.param.convolution_param.group or 1) != 1:
-            raise _refuse(name, split, f"a grouped convolution (group: {layer.param.convolution_param.group}) is "
-                                       "not split by channel")
-        return list(zip(g.kernel_extent, g.stride, g.pad))
-    if layer.type == "Pooling":
-        if layer.global_pooling:
-            if spatial:
-                raise _refuse(name, split, "a global pooling (its window is the whole input) is not split by "
-                                           "height or width")
-            return [(in_shape[2], 1, 0), (in_shape[3], 1, 0)]
-        wins = list(zip(layer.kernel, layer.stride, layer.pad))
+            return f"dilated (dilation {list(g.dilation)}) convolutions are not split by height or width"
+        if split.c > 1 and group != 1:
+            return f"a grouped convolution (group: {group}) is not split by channel"
+    elif layer.type == "Pooling":
+        if layer.global_pooling and spatial:
+            return "a global pooling (its window is the whole input) is not split by height or width"
         for a, d in ((0, split.h), (1, split.w)):
-            if d > 1 and wins[a][2]:
-                raise _refuse(name, split, f"pools with padding {wins[a][2]} along the split "
-                                           f"{'height' if a == 0 else 'width'}; not supported")
-        return wins
-    p = layer.param.inner_product_param
-    if p.transpose or p.axis != 1:
-        raise _refuse(name, split, "only InnerProduct layers on axis 1 without transpose are split")
+            if d > 1 and not layer.global_pooling and layer.pad[a]:
+                return f"pools with padding {layer.pad[a]} along the split {'height' if a == 0 else 'width'}; " \
+                       "not supported"
+    else:
+        p = layer.param.inner_product_param
+        if p.transpose or p.axis != 1:
+            return "only InnerProduct layers on axis 1 without transpose are split"
+    return None
+
+
+def _windows(layer: Layer, in_shape: Shape4) -> list[tuple[int, int, int]]:
+    """``(extent, stride, pad)`` along height and width of a Convolution or Pooling layer (a whole axis for
+    an InnerProduct and a global pooling)."""
+    if layer.type == "Convolution":
+        g = layer.geom
+        return list(zip(g.kernel_extent, g.stride, g.pad))
+    if layer.type == "Pooling" and not layer.global_pooling:
+        return list(zip(layer.kernel, layer.stride, layer.pad))
     return [(in_shape[2], 1, 0), (in_shape[3], 1, 0)]
 
 
@@ -166,14 +180,9 @@ class PerLayerExecutor:
             i = net.layer_names.index(name)
             if s == Split(n=self.size):
                 continue  # by sample: as data parallelism
-            if s.workers != self.size:
-                raise _refuse(name, s, f"uses {s.workers} of the {self.size} ranks; cct train executes "
-                                       "configurations over all ranks")
-            if net.layers[i].type in SOURCES:
-                raise _refuse(name, s, f"a data layer is read by sample (n={self.size}) by cct train")
-            if net.layers[i].type not in SPLIT_TYPES:
-                raise _refuse(name, s, f"a {net.layers[i].type} layer runs by sample (n={self.size}) only; "
-                                       f"{', '.join(SPLIT_TYPES)} layers take other configurations")
+            why = refusal(net.layers[i], s, self.size)
+            if why is not None:
+                raise _refuse(name, s, why)
             split_at[i] = s
         #: the configured layers (layer index -> Split), in net order
         self.splits = dict(sorted(split_at.items()))
@@ -228,7 +237,7 @@ class PerLayerExecutor:
             if split.degree(d) > out_shape[a]:
                 raise _refuse(name, split, f"its output has {out_shape[a]} along {d}, fewer than its "
                                            f"{split.degree(d)} parts")
-        windows = _windows(layer, name, split, in_shape)
+        windows = _windows(layer, in_shape)
         out_boxes = worker_boxes(split, out_shape)
         need = np.empty_like(out_boxes)   # what each rank reads (the planner's region, clipped to the input)
         frame = np.empty_like(out_boxes)  # the copy's input: split axes unclipped (explicit padding)
