@@ -6,8 +6,8 @@ layer by sample, each change of configuration one exchange of exactly the planne
 run is refused naming the file, the layer and its configuration. ``auto`` prices the fixed family -- the
 fully-connected tail's InnerProduct layers split ``n=a, c=N/a`` (``a = N``: data parallelism, ``a = 1``:
 OWT) -- and DeePa's optimum with the cost model, then measures them on the ranks (:mod:`.measured`): the
-family, the optimum's convolution channel splits (:mod:`.convsplit`) and height/width splits
-(:mod:`.spatial`) alone, and the optimum itself layer by layer (``deepa``); it runs data parallelism unless
+family, the optimum's convolution channel splits (``conv c=N``) and height/width splits (``spatial``)
+alone, and the optimum itself layer by layer (``deepa``), each by :mod:`.perlayer`; it runs data parallelism unless
 another candidate is measured faster by a margin (so ``auto`` is never meaningfully slower than data
 parallelism).
 """
@@ -19,7 +19,6 @@ from collections.abc import Callable
 from .. import blas
 from .cluster import Cluster
 from .compute import ScaledCompute, compute_cache, reference_rates
-from .convsplit import ConvChannelSplitExecutor
 from .costs import PricedGraph, price
 from .graph import PlanNode, graph_from_net
 from .links import cluster_of_ranks, measure_links
@@ -29,7 +28,6 @@ from .perlayer import PerLayerExecutor, build_per_layer, describe_splits, enable
 from .planfile import read_plan
 from .plans import Plan, optimal
 from .report import comparison, plan_table
-from .spatial import SpatialSplitExecutor
 from .split import PlanError, Split, divisors
 
 log = logging.getLogger("cct")
@@ -99,24 +97,19 @@ def measured_candidates(solver, best: dict[str, Split]) -> dict[str, Candidate]:
         out["data" if a == n else "owt" if a == 1 else f"tail n={a}"] = \
             (lambda: None) if a == n else (lambda a=a: ChannelSplitExecutor(net, comm, a))
     types = dict(zip(net.layer_names, (layer.type for layer in net.layers)))
-    convs = [k for k, s in best.items() if types.get(k) == "Convolution" and s == Split(c=n)]
+    convs = {k: s for k, s in best.items() if types.get(k) == "Convolution" and s == Split(c=n)}
     spatial = {k: s for k, s in best.items() if types.get(k) in ("Convolution", "Pooling") and s.n == s.c == 1
                and s.workers == n and s.h * s.w > 1}
-    parts = {f"conv c={n}": ((lambda: ConvChannelSplitExecutor(net, comm, convs)), None) if convs else None,
-             "spatial": ((lambda: SpatialSplitExecutor(net, comm, spatial)), None) if spatial else None,
-             "deepa": ((lambda: build_per_layer(net, comm, best)), lambda: PerLayerExecutor(net, comm, best))
-             if best else None}
-    for name, found in parts.items():
-        if found is None:
+    for name, splits in ((f"conv c={n}", convs), ("spatial", spatial), ("deepa", best)):
+        if not splits or (name == "deepa" and splits in (convs, spatial)):
             continue
-        make, check = found
         try:
-            (check or make)()  # local (no communication): the same answer on every rank
+            PerLayerExecutor(net, comm, splits)  # local (no communication): the same answer on every rank
         except PlanError as e:
             if comm.is_root:
                 log.info("--parallel auto: candidate '%s' of DeePa's optimum left out: %s", name, e)
             continue
-        out[name] = make
+        out[name] = lambda splits=splits: build_per_layer(net, comm, splits)
     return out
 
 
@@ -198,11 +191,6 @@ def _choose(solver, plan: Plan | None, tail: set[str], cluster: Cluster) -> dict
 
 def describe(ex) -> str:
     """What a split executor splits, for the log."""
-    net = ex.net
     if isinstance(ex, PerLayerExecutor):
         return describe_splits(ex)
-    if isinstance(ex, SpatialSplitExecutor):
-        return ", ".join(f"{name} h={s.h} w={s.w}" for name, s in ex.splits.items())
-    if isinstance(ex, ConvChannelSplitExecutor):
-        return ", ".join(f"{net.layer_names[i]} c={ex.size}" for i in ex.splits)
     return f"the fully-connected tail n={ex.sample_groups} c={ex.size}"

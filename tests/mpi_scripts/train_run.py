@@ -82,17 +82,14 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.owt import enable_owt
 
             owt = enable_owt(solver, int(args.parallel[3:] or 1))
-        elif args.parallel.startswith("conv:"):
-            from cct.parallel_plan.convsplit import enable_conv_split
-
-            owt = enable_conv_split(solver, args.parallel[5:].split(","))
-        elif args.parallel.startswith("spatial:"):  # spatial:h=2:conv1,pool1[;w=2:conv2]
-            from cct.parallel_plan.spatial import enable_spatial_split
+        elif args.parallel.startswith(("conv:", "spatial:")):  # conv:L1,L2 (c=N); spatial:h=2:L1,L2[;w=2:L3]
+            from cct.parallel_plan.perlayer import enable_per_layer
             from cct.parallel_plan.split import Split
 
-            groups = [g.split(":") for g in args.parallel[8:].split(";")]
-            owt = enable_spatial_split(solver, {name: Split.parse(how) for how, names in groups
-                                                for name in names.split(",")})
+            kind, _, rest = args.parallel.partition(":")
+            groups = [(f"c={solver.comm.size}", rest)] if kind == "conv" else [g.split(":") for g in rest.split(";")]
+            owt = enable_per_layer(solver, {name: Split.parse(how) for how, names in groups
+                                            for name in names.split(",")})
         elif args.parallel.startswith("measure:"):  # auto's measured pick with this optimum:
             # measure:conv1=h=2;pool1=h=2;conv2=c=2 (layer=configuration; the other layers by sample)
             from cct.parallel_plan.execute import run_measured
