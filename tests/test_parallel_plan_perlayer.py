@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import test_distributed_train as dp
 from mpirun import needs_mpi
-from test_parallel_plan_spatial import _predicted, _train
+from test_parallel_plan_spatial import _predicted, _Rank, _train
 
 import cct
 from cct.parallel_plan.execute import check_plan
@@ -69,11 +69,6 @@ def test_mixed_factorisations_on_four_ranks_equal_caffe_with_the_planned_bytes(c
     _p, got, (step, forward) = _run_plan(case, monkeypatch, 4, 1, splits, "four")
     assert sum(got["split_bytes_all"]) == 10 * step + forward
     assert got["stats"]["bytes"] == 4 * (20 * 25 + 20)  # only conv1's filters are whole on every rank
-
-
-class _Rank:
-    def __init__(self, size, rank=0):
-        self.size, self.rank = size, rank
 
 
 def test_what_cannot_run_is_refused_naming_the_layer_and_configuration(case, monkeypatch):
