@@ -11,7 +11,8 @@ from mpirun import needs_mpi
 from test_parallel_plan_spatial import _predicted, _Rank, _train
 
 import cct
-from cct.parallel_plan.execute import check_plan
+from cct.parallel_plan.execute import check_plan, executable
+from cct.parallel_plan.graph import graph_from_net
 from cct.parallel_plan.perlayer import PerLayerExecutor
 from cct.parallel_plan.planfile import read_plan
 from cct.parallel_plan.split import PlanError, Split
@@ -104,3 +105,25 @@ def test_plan_file_lines_that_cannot_run_are_refused_naming_the_file_and_line(ca
         check_plan(plan, net, 2)
     plan.splits["conv2"] = Split(n=2)
     check_plan(plan, net, 2)
+
+
+BATCHNORM_NET = """name: "bn"
+layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 dim: 1 dim: 8 dim: 8 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv" convolution_param { num_output: 4 kernel_size: 3 } }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "conv" }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip" inner_product_param { num_output: 3 } }
+"""
+
+
+def test_auto_searches_only_what_runs_batchnorm_after_a_split_is_refused(tmp_path):
+    """The optimum auto executes is searched among the configurations the executor runs (price's keep):
+    a convolution followed by BatchNorm keeps n=N, an InnerProduct may take c=N."""
+    (tmp_path / "bn.prototxt").write_text(BATCHNORM_NET)
+    net = cct.Net(str(tmp_path / "bn.prototxt"), "TRAIN")
+    runs = executable(net, 2)
+    conv, ip = (node for node in graph_from_net(net).nodes if node.name in ("conv", "ip"))
+    assert conv.layers == ["conv", "bn"]
+    assert runs(conv, Split(n=2)) and not runs(conv, Split(c=2)) and not runs(conv, Split(h=2))
+    assert runs(ip, Split(c=2)) and not runs(ip, Split(n=1, c=1))
+    with pytest.raises(PlanError, match=r"layer 'bn' n=1 h=1 w=1 c=2: a BatchNorm .* \(it follows layer 'conv'\)"):
+        PerLayerExecutor(net, _Rank(2), {"conv": Split(c=2)})

@@ -24,7 +24,7 @@ from .graph import PlanNode, graph_from_net
 from .links import cluster_of_ranks, measure_links
 from .measured import Candidate, measured_choice
 from .owt import ChannelSplitExecutor, attach, enable_owt, tail_layers
-from .perlayer import PerLayerExecutor, build_per_layer, describe_splits, enable_per_layer, refusal
+from .perlayer import PerLayerExecutor, build_per_layer, describe_splits, enable_per_layer, follower_refusal, refusal
 from .planfile import read_plan
 from .plans import Plan, optimal
 from .report import comparison, plan_table
@@ -131,10 +131,17 @@ def _rank_batch(net) -> int:
 
 
 def executable(net, ranks: int) -> Callable[[PlanNode, Split], bool]:
-    """Whether :mod:`.perlayer` runs a node of ``net`` under a configuration (the node's first layer's
-    :func:`~.perlayer.refusal`): ``price``'s ``keep`` for the optimum ``auto`` executes."""
+    """Whether :mod:`.perlayer` runs a node of ``net`` under a configuration (:func:`~.perlayer.refusal` of its
+    first layer, :func:`~.perlayer.follower_refusal` of the others): ``price``'s ``keep`` for the optimum
+    ``auto`` executes."""
     layers = dict(zip(net.layer_names, net.layers))
-    return lambda node, s: refusal(layers[node.name], s, ranks) is None
+
+    def runs(node: PlanNode, s: Split) -> bool:
+        if refusal(layers[node.name], s, ranks) is not None:
+            return False
+        return s == Split(n=ranks) or all(follower_refusal(layers[m], s) is None for m in node.layers[1:])
+
+    return runs
 
 
 def check_plan(plan: Plan, net, ranks: int) -> None:

@@ -135,6 +135,15 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
     return None
 
 
+def follower_refusal(layer: Layer, split: Split) -> str | None:
+    """Why an element-wise ``layer`` cannot run on the boxes of a layer split ``split`` (None: it can)."""
+    if layer.type == "BatchNorm":
+        return "a BatchNorm layer (its statistics need every sample and position) does not run on a split layer's box"
+    if layer.blobs and split.c > 1:
+        return f"a {layer.type} layer with parameters does not run on a channel-split box"
+    return None
+
+
 def _windows(layer: Layer, in_shape: Shape4) -> list[tuple[int, int, int]]:
     """``(extent, stride, pad)`` along height and width of a Convolution or Pooling layer (a whole axis for
     an InnerProduct and a global pooling)."""
@@ -274,9 +283,9 @@ class PerLayerExecutor:
         net, layer = self.net, self.net.layers[i]
         bottom, top = net.bottom_names[i][0], net.top_names[i][0]
         writer = self.steps[placed[bottom].writer]
-        if layer.type == "BatchNorm" or (layer.blobs and writer.split.c > 1):
-            raise _refuse(name, writer.split, f"a {layer.type} layer with parameters or batch statistics follows "
-                                              f"layer '{net.layer_names[writer.index]}'; not supported")
+        why = follower_refusal(layer, writer.split)
+        if why is not None:
+            raise _refuse(name, writer.split, f"{why} (it follows layer '{net.layer_names[writer.index]}')")
         if bottom == top:
             source = placed[bottom]
             self.steps[i] = Step(i, writer.split, None, source.blob, source.blob, None, source)
