@@ -140,7 +140,7 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
             runs.append(comm.allreduce_scalar((time.perf_counter() - t) / iters, op="max"))
         done = 2 + 3 * iters
         ring = 2.0 * (n - 1) / n * solver.parallel.sync.stats.bytes
-        owt = (ex.bytes_moved / done) if ex is not None else 0.0
+        owt = ((ex.bytes_moved + getattr(ex, "update_bytes", 0)) / done) if ex is not None else 0.0  # + slice sums
         per_rank = comm.allgather_obj(ring + owt)
     if comm.is_root:
         groups = getattr(ex, "sample_groups", None)
