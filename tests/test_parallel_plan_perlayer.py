@@ -72,12 +72,25 @@ def test_mixed_factorisations_on_four_ranks_equal_caffe_with_the_planned_bytes(c
     assert got["stats"]["bytes"] == 4 * (20 * 25 + 20)  # only conv1's filters are whole on every rank
 
 
+@needs_mpi()
+def test_configurations_on_fewer_ranks_equal_caffe_with_the_planned_bytes(case, monkeypatch):
+    """Layers on 2 or 1 of 4 ranks (the others idle for them: they send their part of the input, compute
+    nothing): conv1 h=2, pool1 w=4, conv2 c=2, pool2 n=2, ip1 whole on rank 0, ip2 c=2 (its slices broadcast
+    to the idle ranks before the snapshot): 4 ranks at batch 1 equal Caffe's batch-4 run with the planner's
+    bytes; all-reduced: conv1's and ip1's whole filters."""
+    splits = {"conv1": Split(h=2), "pool1": Split(w=4), "conv2": Split(c=2), "pool2": Split(n=2), "ip1": Split(),
+              "ip2": Split(c=2)}
+    _p, got, (step, forward) = _run_plan(case, monkeypatch, 4, 1, splits, "fewer")
+    assert sum(got["split_bytes_all"]) == 10 * step + forward
+    assert got["stats"]["bytes"] == 4 * (20 * 25 + 20 + 800 * 500 + 500)
+
+
 def test_what_cannot_run_is_refused_naming_the_layer_and_configuration(case, monkeypatch):
     monkeypatch.chdir(case)
     net = cct.Net("net.prototxt", "TRAIN")
     two = _Rank(2)
     for splits, message in [
-        ({"conv2": Split()}, r"layer 'conv2' n=1 h=1 w=1 c=1: uses 1 of the 2 ranks"),
+        ({"conv2": Split(c=3)}, r"layer 'conv2' n=1 h=1 w=1 c=3: uses 3 workers, which does not divide the 2"),
         ({"mnist": Split(h=2)}, r"layer 'mnist' n=1 h=2 w=1 c=1: a data layer is read by sample \(n=2\)"),
         ({"loss": Split(c=2)}, r"layer 'loss' n=1 h=1 w=1 c=2: a SoftmaxWithLoss layer runs by sample"),
         ({"conv9": Split(c=2)}, r"no layer 'conv9'"),
@@ -100,11 +113,11 @@ def test_what_cannot_run_is_refused_naming_the_layer_and_configuration(case, mon
 def test_plan_file_lines_that_cannot_run_are_refused_naming_the_file_and_line(case, monkeypatch):
     monkeypatch.chdir(case)
     net = cct.Net("net.prototxt", "TRAIN")
-    plan = read_plan(_plan_file(case / "bad.plan", 2, {"conv1": Split(h=2), "conv2": Split(), "ip1": Split(c=2)}))
-    with pytest.raises(PlanError, match=r"bad.plan: line 5: layer 'conv2' n=1 h=1 w=1 c=1: uses 1 of the 2 ranks"):
+    plan = read_plan(_plan_file(case / "bad.plan", 2, {"conv1": Split(h=2), "conv2": Split(), "loss": Split(c=2)}))
+    with pytest.raises(PlanError, match=r"bad.plan: line 9: layer 'loss' n=1 h=1 w=1 c=2: a SoftmaxWithLoss layer"):
         check_plan(plan, net, 2)
-    plan.splits["conv2"] = Split(n=2)
-    check_plan(plan, net, 2)
+    plan.splits["loss"] = Split(n=2)
+    check_plan(plan, net, 2)  # conv2 on one of the two ranks runs
 
 
 BATCHNORM_NET = """name: "bn"
@@ -124,6 +137,6 @@ def test_auto_searches_only_what_runs_batchnorm_after_a_split_is_refused(tmp_pat
     conv, ip = (node for node in graph_from_net(net).nodes if node.name in ("conv", "ip"))
     assert conv.layers == ["conv", "bn"]
     assert runs(conv, Split(n=2)) and not runs(conv, Split(c=2)) and not runs(conv, Split(h=2))
-    assert runs(ip, Split(c=2)) and not runs(ip, Split(n=1, c=1))
+    assert runs(ip, Split(c=2)) and runs(ip, Split())  # on one of the two ranks too
     with pytest.raises(PlanError, match=r"layer 'bn' n=1 h=1 w=1 c=2: a BatchNorm .* \(it follows layer 'conv'\)"):
         PerLayerExecutor(net, _Rank(2), {"conv": Split(c=2)})

@@ -57,7 +57,7 @@ def build_parser() -> FlagParser:
                         "the fully-connected tail by sample, its InnerProduct layers by output channel), auto (the "
                         "tail splits n=a c=N/a and DeePa's optimum, layer by layer, measured on the ranks: data "
                         "unless another is >10%% faster; the cost model's pick logged), or a plan file "
-                        "('cct plan --out': any per-layer mix over all ranks); the update stays exact "
+                        "('cct plan --out': any per-layer mix); the update stays exact "
                         "(docs/distributed.md)")
     add_common_arguments(p)
     add_device_arguments(p)

@@ -1,13 +1,14 @@
 """Any per-layer mix of DeePa's configurations on MPI ranks: each Convolution, Pooling and InnerProduct layer
-split ``n=.. h=.. w=.. c=..`` over all N ranks, every layer between two configurations moved by one
-point-to-point exchange of exactly the regions each rank needs.
+split ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of them, every layer between two configurations
+moved by one point-to-point exchange of exactly the regions each rank needs.
 
 :class:`PerLayerExecutor` runs a data-parallel solver's train net (each rank reads its ``b`` samples of the
-global batch ``N*b``; the layers not configured run on them as under data parallelism). A configured layer
-with :class:`~.split.Split` ``s`` (``s.workers == N``, rank r is worker r of :func:`~.split.worker_boxes`)
-computes rank r's box of its global output -- samples, output channels, rows and columns -- with a copy of
-the layer resized to the box (``num_output`` the channel slice, the padding of a split height or width
-made explicit as zero rows and columns of its input frame) fed the channel slice of the weights:
+global batch ``N*b``; the layers not configured run on them as under data parallelism). A configured layer with
+:class:`~.split.Split` ``s`` (``s.workers`` dividing N; rank r is worker r of :func:`~.split.worker_boxes`,
+ranks from ``s.workers`` on are idle for the layer: they send their part of its input and compute nothing)
+computes rank r's box of its global output -- samples, output channels, rows and columns -- with a copy of the
+layer resized to the box (``num_output`` the channel slice, the padding of a split height or width made explicit
+as zero rows and columns of its input frame) fed the channel slice of the weights:
 
 * forward: the input frame is filled by a :class:`~.boxexchange.BoxExchange` from wherever the producer's
   output lives -- the net's blob by sample, or the producer's boxes under its own configuration, whatever
@@ -21,12 +22,13 @@ made explicit as zero rows and columns of its input frame) fed the channel slice
   layer's and all-reduced with every other parameter by data parallelism; a layer split ``c>1`` owns its
   slice of output channels: the slice's gradient, scaled by 1/N (Caffe's multi-solver rule), is summed
   only among the ``n*h*w`` ranks holding the same slice (a sub-communicator), and the slices are
-  all-gathered among the ``c`` ranks of one box of the other axes before snapshots and tests.
+  all-gathered among the ``c`` ranks of one box of the other axes before snapshots and tests (and broadcast
+  from rank 0 to the ranks idle for the layer).
 
 N ranks at batch b then train as one process at batch N*b, and the bytes each rank receives in the
 exchanges equal the planner's transfer count (:mod:`.transfer`; the reductions of slices are the update's).
-Refused with a :class:`PlanError` naming the layer and its configuration: a configuration on fewer than
-all ranks, a data layer not split by sample, a configured layer of another type (LRN, Concat, Eltwise,
+Refused with a :class:`PlanError` naming the layer and its configuration: a worker count not dividing the
+ranks, a data layer not split by sample, a configured layer of another type (LRN, Concat, Eltwise,
 Softmax, a loss), grouped convolutions split by channel, dilated or 3-D convolutions and global or padded
 poolings split by height or width, InnerProduct layers with ``transpose`` or an axis other than 1,
 BatchNorm or a layer with parameters following a channel-split layer, a configured layer's output read by
@@ -68,6 +70,14 @@ def global_shape(shape: tuple[int, ...], ranks: int, what: str) -> Shape4:
     return full + (1,) * (4 - len(full))  # type: ignore[return-value]
 
 
+def rank_boxes(split: Split, shape: Shape4, ranks: int) -> np.ndarray:
+    """``(ranks, 4, 2)``: worker r's box of ``shape`` under ``split`` for the first ``split.workers`` ranks, an
+    empty box for the others (idle for this layer)."""
+    boxes = np.zeros((ranks, 4, 2), dtype=np.int64)
+    boxes[:split.workers] = worker_boxes(split, shape)
+    return boxes
+
+
 @dataclass
 class Placed:
     """A blob held under a configuration: this rank's box (the local array) and every rank's box."""
@@ -92,6 +102,7 @@ class Step:
     lo: int = 0                     # this rank's slice [lo, hi) of the output channels (parameter rows)
     hi: int = 0
     padded: bool = False            # the frame reaches past the input (explicit zero padding)
+    idle: bool = False              # this rank holds no box of the layer (a configuration on fewer ranks)
     gather: BoxExchange | None = None  # the output box -> the net's blob by sample
 
 
@@ -105,8 +116,8 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
     the executor is built."""
     if split == Split(n=ranks):
         return None
-    if split.workers != ranks:
-        return f"uses {split.workers} of the {ranks} ranks; cct train executes configurations over all ranks"
+    if ranks % split.workers:
+        return f"uses {split.workers} workers, which does not divide the {ranks} ranks"
     if layer.type in SOURCES:
         return f"a data layer is read by sample (n={ranks}) by cct train"
     if layer.type not in SPLIT_TYPES:
@@ -247,7 +258,8 @@ class PerLayerExecutor:
                 raise _refuse(name, split, f"its output has {out_shape[a]} along {d}, fewer than its "
                                            f"{split.degree(d)} parts")
         windows = _windows(layer, in_shape)
-        out_boxes = worker_boxes(split, out_shape)
+        out_boxes = rank_boxes(split, out_shape, self.size)
+        idle = self.rank >= split.workers
         need = np.empty_like(out_boxes)   # what each rank reads (the planner's region, clipped to the input)
         frame = np.empty_like(out_boxes)  # the copy's input: split axes unclipped (explicit padding)
         need[:, 0] = frame[:, 0] = out_boxes[:, 0]
@@ -257,6 +269,7 @@ class PerLayerExecutor:
             lo = out_boxes[:, a, 0] * stride - pad
             hi = (out_boxes[:, a, 1] - 1) * stride - pad + ext
             need[:, a, 0], need[:, a, 1] = np.clip(lo, 0, in_shape[a]), np.clip(hi, 0, in_shape[a])
+            need[split.workers:] = 0  # idle ranks read nothing
             if d > 1:
                 frame[:, a, 0] = lo
                 frame[:, a, 1] = hi if layer.type == "Convolution" else np.minimum(hi, in_shape[a])
@@ -265,6 +278,12 @@ class PerLayerExecutor:
         me = self.rank
         source = self._read(i, bottoms[0], placed, readers)
         own = source.boxes if source is not None else self._sample_boxes(x, f"layer '{name}' bottom '{bottoms[0]}'")
+        if idle:  # sends its part of the others' inputs, computes nothing
+            fetch = BoxExchange(self.comm, own, need, np.zeros(4, np.int64))
+            self.steps[i] = Step(i, split, None, Blob((1,), net.dtype), Blob((1,), net.dtype), fetch, source,
+                                 idle=True)
+            placed[tops[0]] = Placed(self.steps[i].out, out_boxes, i)
+            return
         frame_shape = tuple(int(v) for v in frame[me, :, 1] - frame[me, :, 0])
         inp = Blob(frame_shape[:len(x.shape)] if layer.type == "InnerProduct" and len(x.shape) < 4 else frame_shape,
                    net.dtype, name=f"{name}_box_in")
@@ -288,11 +307,11 @@ class PerLayerExecutor:
             raise _refuse(name, writer.split, f"{why} (it follows layer '{net.layer_names[writer.index]}')")
         if bottom == top:
             source = placed[bottom]
-            self.steps[i] = Step(i, writer.split, None, source.blob, source.blob, None, source)
+            self.steps[i] = Step(i, writer.split, None, source.blob, source.blob, None, source, idle=writer.idle)
         else:
             source = self._read(i, bottom, placed, readers)
             out = Blob(source.blob.shape, net.dtype, name=f"{name}_box")
-            self.steps[i] = Step(i, writer.split, None, source.blob, out, None, source)
+            self.steps[i] = Step(i, writer.split, None, source.blob, out, None, source, idle=writer.idle)
         placed[top] = Placed(self.steps[i].out, source.boxes, i)
 
     def _gather_at(self, p: Placed, blob: str) -> None:
@@ -303,11 +322,12 @@ class PerLayerExecutor:
     def _groups(self, split: Split):
         """``(slice_comm, row_comm)`` of a channel-split configuration: the ranks holding the same slice
         (None when it is one rank) and the ``c`` ranks holding every slice of one box of the other axes
-        (collectives, made once per configuration in net order on every rank)."""
+        (None on a rank idle for it; collectives, made once per configuration in net order on every rank)."""
         if split not in self._comms:
             c, r = split.c, self.rank
-            same = self.comm.split(r % c, r // c) if split.workers // c > 1 else None
-            rows = self.comm if c == self.size else self.comm.split(r // c, r % c)
+            works = r < split.workers
+            same = self.comm.split(r % c if works else None, r // c) if split.workers // c > 1 else None
+            rows = self.comm if c == self.size else self.comm.split(r // c if works else None, r % c)
             self._comms[split] = (same, rows)
         return self._comms[split]
 
@@ -330,7 +350,11 @@ class PerLayerExecutor:
         if step is None:
             layer.forward(bottom, top)
             return
-        if step.part is None:
+        if step.idle:
+            if step.fetch is not None:
+                src = step.source.blob.data if step.source is not None else bottom[0].data
+                self.bytes_moved += step.fetch.forward(view4(src), view4(step.inp.data))
+        elif step.part is None:
             layer.reshape([step.inp], [step.out])
             layer.forward([step.inp], [step.out])
         else:
@@ -354,6 +378,11 @@ class PerLayerExecutor:
             return
         if step.gather is not None:
             self.bytes_moved += step.gather.backward(view4(top[0].diff), view4(step.out.diff))
+        if step.idle:
+            if step.fetch is not None and propagate_down[0]:
+                dst = step.source.blob.diff if step.source is not None else bottom[0].diff
+                self.bytes_moved += step.fetch.backward(view4(step.inp.diff), view4(dst))
+            return
         if step.part is None:
             layer.backward([step.out], [bool(propagate_down[0])], [step.inp])
             return
@@ -384,25 +413,40 @@ class PerLayerExecutor:
         for same, rows in self._comms.values():
             if same is not None:
                 same.free()
-            if rows is not self.comm:
+            if rows is not None and rows is not self.comm:
                 rows.free()
         self._comms.clear()
 
     def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
         """All-gather the channel slices of the weights (and of the solver ``history``) among the ranks
-        holding one box's every slice, so that every rank holds the single-process values (a collective)."""
+        holding one box's every slice, then, for a configuration on fewer ranks, broadcast them from rank 0
+        to the idle ones, so that every rank holds the single-process values (a collective)."""
+        net = self.net
         by_split: dict[Split, dict[int, ChannelSlice]] = {}
+        idle_layers = []
         for i, s in self.splits.items():
-            layer = self.net.layers[i]
+            layer = net.layers[i]
             if s.c == 1 or not layer.blobs:
                 continue
-            _same, rows = self._groups(s)
+            if s.workers < self.size:
+                idle_layers.append(i)
             step = self.steps[i]
+            if step.idle:
+                continue
             bounds = part_bounds(int(layer.blobs[0].shape[0]), s.c)
             by_split.setdefault(s, {})[i] = ChannelSlice(i, layer, step.part, bounds, step.inp, step.out,
                                                          self.rank % s.c)
-        for s, slices in by_split.items():
-            self.gather_bytes += gather_rows(self._groups(s)[1], self.net, slices, history)
+        for s in dict.fromkeys(self.splits[i] for i in self.splits):  # net order: the same on every rank
+            if s in by_split:
+                self.gather_bytes += gather_rows(self._groups(s)[1], net, by_split[s], history)
+        per = len(net.learnable_params)
+        for nid, (lid, _pid) in enumerate(net.param_layer_indices):
+            if lid in idle_layers:
+                k = net.learnable_param_ids[nid]
+                for a in [net.learnable_params[k].data] + [h for j, h in enumerate(history) if j % per == k]:
+                    self.comm.bcast(a, root=0)
+                    if self.rank:
+                        self.gather_bytes += a.nbytes
 
 
 def describe_splits(ex: PerLayerExecutor) -> str:
@@ -421,7 +465,7 @@ def build_per_layer(net, comm, splits: Mapping[str, Split]) -> PerLayerExecutor 
 
 
 def enable_per_layer(solver, splits: Mapping[str, Split]) -> PerLayerExecutor | None:
-    """Run ``solver``'s train net with each layer of ``splits`` (layer name -> Split over all ranks) on its
+    """Run ``solver``'s train net with each layer of ``splits`` (layer name -> Split) on its
     box over its data-parallel ranks (see module docstring); None when every layer runs by sample."""
     par = splittable(solver, "per-layer split")
     ex = build_per_layer(solver.net, par.comm, splits)
