@@ -86,16 +86,30 @@ def training_net(model: str, batch: int):
     return net
 
 
+def lenet_modes(ranks: int) -> dict[str, dict[str, Split]]:
+    """LeNet's per-layer plans measured beside data parallelism (layer -> Split; the others by sample):
+    ``spatial`` conv1, pool1, conv2 by height; ``conv`` conv1, conv2 by channel; ``mixed`` conv1, pool1 by
+    height, conv2 and the tail by channel; ``tailmix`` ip1 by channel, ip2 by sample (the search's optimum
+    on this machine); on 4 ranks ``factored``: two split axes per layer (n=2 h=2, n=2 c=2, ...)."""
+    h, c = Split(h=ranks), Split(c=ranks)
+    modes = {"spatial": {"conv1": h, "pool1": h, "conv2": h}, "conv": {"conv1": c, "conv2": c},
+             "mixed": {"conv1": h, "pool1": h, "conv2": c, "ip1": c, "ip2": c}, "tailmix": {"ip1": c}}
+    if ranks == 4:
+        modes["factored"] = {"conv1": Split(n=2, h=2), "pool1": Split(n=2, w=2), "conv2": Split(n=2, c=2),
+                             "pool2": Split(h=2, c=2), "ip1": Split(n=2, c=2), "ip2": c}
+    return modes
+
+
 def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
     """Under mpiexec: time ``iters`` training iterations (3 runs) of ``model`` under ``mode``; rank 0 writes
     the median per-iteration seconds of the slowest rank and the bytes per step to ``out``."""
     import numpy as np
 
     from cct.distributed import abort_on_error
-    from cct.parallel_plan.combined import enable_splits
     from cct.parallel_plan.execute import setup_parallel
     from cct.parallel_plan.links import measure_links
     from cct.parallel_plan.owt import enable_owt
+    from cct.parallel_plan.perlayer import enable_per_layer
     from cct.proto import caffe_pb2
     from cct.solver import get_solver
 
@@ -110,14 +124,12 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
         if mode == "auto":
             setup_parallel(solver, "auto")  # the model's pick checked by measuring the candidates on the ranks
             ex = solver.net.executor
-        elif mode == "spatial":  # LeNet: conv1, pool1, conv2 by height
-            ex = enable_splits(solver, n, [], {name: Split(h=n) for name in ("conv1", "pool1", "conv2")})
-        elif mode == "conv":  # LeNet: conv1, conv2 by output channel
-            ex = enable_splits(solver, n, ["conv1", "conv2"], {})
-        elif mode == "mixed":  # LeNet: conv1, pool1 by height, conv2 by channel, the tail OWT
-            ex = enable_splits(solver, 1, ["conv2"], {name: Split(h=n) for name in ("conv1", "pool1")})
-        else:
+        elif mode in lenet_modes(n):
+            ex = enable_per_layer(solver, lenet_modes(n)[mode])
+        elif mode in ("owt", "data"):
             ex = enable_owt(solver) if mode == "owt" else None
+        else:
+            raise SystemExit(f"error: mode {mode} is not defined for {model} on {n} ranks")
         setup_s = time.perf_counter() - t
         solver.step(2)
         runs = []
@@ -128,11 +140,14 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
             runs.append(comm.allreduce_scalar((time.perf_counter() - t) / iters, op="max"))
         done = 2 + 3 * iters
         ring = 2.0 * (n - 1) / n * solver.parallel.sync.stats.bytes
-        owt = (ex.bytes_moved / done) if ex is not None else 0.0
+        owt = ((ex.bytes_moved + getattr(ex, "update_bytes", 0)) / done) if ex is not None else 0.0  # + slice sums
         per_rank = comm.allgather_obj(ring + owt)
     if comm.is_root:
         groups = getattr(ex, "sample_groups", None)
-        ran = "data" if ex is None else mode if groups is None else "owt" if groups == 1 else f"tail n={groups}"
+        if ex is None or groups is not None:
+            ran = "data" if ex is None else "owt" if groups == 1 else f"tail n={groups}"
+        else:
+            ran = "deepa" if mode == "auto" else mode  # auto: the search's optimum, layer by layer
         Path(out).write_text(json.dumps({"step_s": float(np.median(runs)), "runs": runs, "ran": ran,
                                          "setup_s": setup_s, "bytes_per_step": float(sum(per_rank)),
                                          "links": links}))
@@ -150,11 +165,8 @@ def predicted(model: str, ranks: int, batch: int, links: dict) -> dict:
     compute = ScaledCompute(rates, cl.speed)
     res = plan_net(net, cl, compute, "auto", ranks * batch)
     out = {k: res.estimates[k].totals() for k in ("data", "owt", "auto")}
-    if model == "lenet":  # the executed conv-layer splits of rank_run
-        h, c = Split(h=ranks), Split(c=ranks)
-        modes = {"spatial": {"conv1": h, "pool1": h, "conv2": h}, "conv": {"conv1": c, "conv2": c},
-                 "mixed": {"conv1": h, "pool1": h, "conv2": c, "ip1": c, "ip2": c}}
-        for mode, splits in modes.items():
+    if model == "lenet":  # the per-layer plans of rank_run
+        for mode, splits in lenet_modes(ranks).items():
             plan = Plan(ranks, {node.name: splits.get(node.name, Split(n=ranks)) for node in res.priced.graph.nodes})
             out[mode] = plan_net(net, cl, compute, plan, ranks * batch).chosen.totals()
     return out
@@ -232,8 +244,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="CaffeNet only, W = 2, 16")
     ap.add_argument("--measure", action="store_true", help="also train on MPI ranks of this machine (see above)")
     ap.add_argument("--measure_modes", default="data,owt", help="--measure under these (data, owt, auto; "
-                    "LeNet only: spatial = conv1/pool1/conv2 by height, conv = conv1/conv2 by channel, mixed = "
-                    "conv1/pool1 by height, conv2 by channel, the tail OWT)")
+                    "LeNet only: spatial, conv, mixed, tailmix and on 4 ranks factored: see lenet_modes)")
     ap.add_argument("--measure_models", default="lenet,caffenet", help="--measure these nets")
     ap.add_argument("--measure_only", action="store_true", help="--measure without the cost-model table")
     ap.add_argument("--out", default=None, help="result file name under results/ (default bench_deepa.json)")

@@ -1,5 +1,5 @@
-"""Convolution layers split by output channel on MPI ranks (cct.parallel_plan.convsplit): each rank owns a
-slice of the filters, the next layer all-gathers the channels; every run equals one process at the
+"""Convolution layers split by output channel on MPI ranks (cct.parallel_plan.perlayer, c=N): each rank owns
+a slice of the filters, the next layer gathers the channels; every run equals one process at the
 global batch (real Caffe's batch-4 run for 2 ranks at batch 2)."""
 import json
 import re
@@ -10,10 +10,9 @@ import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
 
 import cct
-from cct.parallel_plan.convsplit import ConvChannelSplitExecutor
 from cct.parallel_plan.costs import price
-from cct.parallel_plan.execute import channel_split_convs, sample_groups_of, tail_plan
 from cct.parallel_plan.graph import graph_from_net
+from cct.parallel_plan.perlayer import PerLayerExecutor
 from cct.parallel_plan.split import PlanError, Split
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
@@ -29,11 +28,11 @@ def _train(case, ranks, batch, iters, out, *extra):
 def test_conv1_and_conv2_split_by_channel_equal_caffe_and_one_process(case):
     """LeNet's conv1 (20 filters) and conv2 (50) by output channel: 2 ranks at batch 2 end with real Caffe's
     batch-4 weights and losses after 10 SGD iterations (momentum, weight decay, step lr; the slices and
-    their momentum gathered for the file); 3 ranks at batch 2 (uneven slices 6/7/7 and 16/17/17, padded
-    exchanges; the split given as a plan file) end with one process's at batch 6 and log its test outputs
-    (the slices gathered before each test)."""
+    their momentum gathered for the file); 3 ranks at batch 2 (uneven slices 6/7/7 and 16/17/17; the split
+    given as a plan file) end with one process's at batch 6 and log its test outputs (the slices gathered
+    before each test)."""
     p = _train(case, 2, 2, 10, "two.caffemodel", "--init", "init.caffemodel", "--parallel", "conv:conv1,conv2")
-    assert "conv1 (10 of 20 filters per rank), conv2 (25 of 50 filters per rank)" in p.stderr
+    assert "Per-layer splits on 2 MPI ranks: conv1 n=1 h=1 w=1 c=2, conv2 n=1 h=1 w=1 c=2" in p.stderr
     dp._compare(case / "two.caffemodel", case / "final.caffemodel", 1e-5)
     got = json.loads((case / "two.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
@@ -54,7 +53,7 @@ def test_conv1_and_conv2_split_by_channel_equal_caffe_and_one_process(case):
         for name in ("mnist", "conv1", "pool1", "conv2", "pool2", "ip1", "ip2", "loss")))
     three = _train(case, 3, 2, 4, "three.caffemodel", "--init", "init.caffemodel", "--parallel",
                    str(case / "convs.plan"), "--test_batch", "4")  # the same split from a plan file
-    assert "conv1 (6 of 20 filters per rank), conv2 (16 of 50 filters per rank)" in three.stderr
+    assert "Per-layer splits on 3 MPI ranks: conv1 n=1 h=1 w=1 c=3, conv2 n=1 h=1 w=1 c=3" in three.stderr
     dp._compare(case / "three.caffemodel", case / "one.caffemodel", 1e-5)
     outputs = re.compile(r"Test net output #\d+: (\w+) = ([-\d.e]+)")
     got, want = outputs.findall(three.stderr), outputs.findall(one.stderr)
@@ -63,20 +62,14 @@ def test_conv1_and_conv2_split_by_channel_equal_caffe_and_one_process(case):
 
 
 class _OneRank:
-    size, rank = 2, 0
+    size, rank = 64, 0
 
 
-def test_layers_that_cannot_be_split_are_refused_by_name(case, monkeypatch):
+def test_more_parts_than_filters_are_refused_by_name(case, monkeypatch):
     monkeypatch.chdir(case)  # the HDF5 list names data.h5 relative to the case
     net = cct.Net("net.prototxt", "TRAIN")
-    with pytest.raises(PlanError, match="layer 'ip1' is a InnerProduct, not a Convolution"):
-        ConvChannelSplitExecutor(net, _OneRank(), ["ip1"])
-    with pytest.raises(PlanError, match="no layer 'conv9'"):
-        ConvChannelSplitExecutor(net, _OneRank(), ["conv9"])
-    few = _OneRank()
-    few.size = 64
-    with pytest.raises(PlanError, match="layer 'conv1' has 20 filters, fewer than the 64 ranks"):
-        ConvChannelSplitExecutor(net, few, ["conv1"])
+    with pytest.raises(PlanError, match="layer 'conv1' n=1 h=1 w=1 c=64: its output has 20 along c, fewer than its 64"):
+        PerLayerExecutor(net, _OneRank(), {"conv1": Split(c=64)})
 
 
 def flat_priced(case, monkeypatch):
@@ -86,20 +79,3 @@ def flat_priced(case, monkeypatch):
     net = cct.Net("net.prototxt", "TRAIN")
     return price(graph_from_net(net, 8), 2, np.ones((2, 2)) - np.eye(2), type("Flat", (), {
         "seconds": lambda self, g, i, s: np.zeros(len(s))})())
-
-
-def test_plan_files_with_channel_split_convolutions_are_in_the_executed_family(case, monkeypatch):
-    priced = flat_priced(case, monkeypatch)
-    tail = {"ip1", "ip2"}
-    plan = tail_plan(priced, tail, 2)
-    plan.splits["conv2"] = Split(c=2)
-    assert sample_groups_of(plan, priced, tail) == 2 and channel_split_convs(plan, priced) == ["conv2"]
-    plan.splits["conv1"] = Split(c=2)
-    assert channel_split_convs(plan, priced) == ["conv1", "conv2"]
-    both = tail_plan(priced, tail, 1)  # OWT's tail and a conv split: executed together (cct.parallel_plan.combined)
-    both.splits["conv2"] = Split(c=2)
-    assert sample_groups_of(both, priced, tail) == 1 and channel_split_convs(both, priced) == ["conv2"]
-    pool = tail_plan(priced, tail, 2)
-    pool.splits["pool1"] = Split(c=2)  # only convolutions take a channel split
-    with pytest.raises(PlanError, match=r"layer 'pool1' n=1 h=1 w=1 c=2: cct train executes"):
-        sample_groups_of(pool, priced, tail)

@@ -10,6 +10,8 @@ from mpirun import needs_mpi, run_mpi, script
 
 from cct.parallel_plan.measured import MARGIN, pick_measured
 
+#: auto's measured pick given this optimum (train_run.py's measure: mode)
+OPTIMUM = "measure:conv1=h=2;pool1=h=2;conv2=c=2;pool2=c=2;ip1=c=2"
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 
 
@@ -56,18 +58,18 @@ def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_p
     p = run_mpi(2, args, timeout=180, env=env)
     again = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
     assert "cached" in again and again.rsplit("running ", 1)[1] == line.rsplit("running ", 1)[1]
-    # DeePa's parts as candidates (an optimum with conv2 by channel, conv1/pool1 by height and the tail
-    # OWT): each alone and all together ("deepa") measured beside data parallelism and the tail's splits;
-    # whichever runs, training is still Caffe's
+    # DeePa's optimum as candidates (one with conv1/pool1 by height, conv2/pool2 and ip1 by channel, ip2 by
+    # sample): its channel and height splits alone and the optimum itself layer by layer ("deepa") measured
+    # beside data parallelism and the tail's splits; whichever runs, training is still Caffe's
     args[4], args[5] = "10", str(case / "parts.caffemodel")
-    p = run_mpi(2, args[:-1] + ["measure:conv2|h=2:conv1,pool1|1"], timeout=180, env=env)
+    p = run_mpi(2, args[:-1] + [OPTIMUM], timeout=180, env=env)
     line = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
     assert all(f"{name} " in line for name in ("data", "owt", "conv c=2", "spatial", "deepa")), line
     ran = line.rsplit("running ", 1)[1].split(" (")[0]
     assert ran in ("data", "owt", "conv c=2", "spatial", "deepa")
     dp._compare(case / "parts.caffemodel", case / "final.caffemodel", 1e-4)
-    # the cached times edited so that all of DeePa's parts together are the fastest: the next run picks
-    # and trains with them (spatial, channel and tail splits in one net), still Caffe's run
+    # the cached times edited so that the optimum is the fastest: the next run picks and trains with it
+    # (height, channel and sample splits layer by layer), still Caffe's run
     (cache_file,) = (tmp_path / "cache").glob("deepa-pick-*.json")
     data = json.loads(cache_file.read_text())
     for entry in data["entries"].values():
@@ -75,11 +77,11 @@ def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_p
             entry["seconds"]["deepa"] = 0.5 * entry["seconds"]["data"]
     cache_file.write_text(json.dumps(data))
     args[5] = str(case / "deepa.caffemodel")
-    p = run_mpi(2, args[:-1] + ["measure:conv2|h=2:conv1,pool1|1"], timeout=180, env=env)
+    p = run_mpi(2, args[:-1] + [OPTIMUM], timeout=180, env=env)
     line = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
     assert "cached" in line and line.rsplit("running ", 1)[1].startswith("deepa (")
-    assert ("--parallel auto: running DeePa's executable parts: conv1 h=2 w=1, pool1 h=2 w=1, conv2 c=2, "
-            "the fully-connected tail n=1 c=2") in p.stderr
+    assert ("--parallel auto: running deepa: conv1 n=1 h=2 w=1 c=1, pool1 n=1 h=2 w=1 c=1, conv2 n=1 h=1 w=1 c=2, "
+            "pool2 n=1 h=1 w=1 c=2, ip1 n=1 h=1 w=1 c=2") in p.stderr
     dp._compare(case / "deepa.caffemodel", case / "final.caffemodel", 1e-4)
     # each rank splitting its batch over two devices: no split candidate can run with that executor yet
     args[4], args[5] = "10", str(case / "devices.caffemodel")

@@ -1,4 +1,4 @@
-"""Convolution and pooling layers split by height and width on MPI ranks (cct.parallel_plan.spatial): each
+"""Convolution and pooling layers split by height and width on MPI ranks (cct.parallel_plan.perlayer, h and w): each
 rank computes a band of the output rows (or columns) for the whole batch, exchanging halos with its
 neighbours; every run equals one process at the global batch (real Caffe's batch-4 run for 2 ranks at
 batch 2) and moves exactly the bytes the planner predicts."""
@@ -8,14 +8,12 @@ import numpy as np
 import pytest
 import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
-from test_parallel_plan_convsplit import flat_priced
 
 import cct
 from cct.io.prototxt import read_net_prototxt, write_text_file
 from cct.parallel_plan.boxexchange import intersect
-from cct.parallel_plan.execute import sample_groups_of, spatial_split_layers, tail_plan
 from cct.parallel_plan.graph import graph_from_net
-from cct.parallel_plan.spatial import SpatialSplitExecutor
+from cct.parallel_plan.perlayer import PerLayerExecutor
 from cct.parallel_plan.split import PlanError, Split
 from cct.parallel_plan.transfer import edge_cost
 
@@ -51,7 +49,7 @@ def test_lenet_split_by_height_on_two_ranks_equals_caffe_with_the_predicted_byte
     forward pass that displays the last loss)."""
     p = _train(case, 2, 2, 10, "two.caffemodel", "--init", "init.caffemodel", "--parallel",
                "spatial:h=2:conv1,pool1,conv2")
-    assert "Spatial split on 2 MPI ranks: conv1 h=2 w=1, pool1 h=2 w=1, conv2 h=2 w=1" in p.stderr
+    assert "Per-layer splits on 2 MPI ranks: conv1 n=1 h=2 w=1 c=1, pool1 n=1 h=2 w=1 c=1, conv2 n=1 h=2" in p.stderr
     dp._compare(case / "two.caffemodel", case / "final.caffemodel", 1e-5)
     got = json.loads((case / "two.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
@@ -113,7 +111,8 @@ def test_padded_uneven_and_changing_bands_on_three_ranks_equal_one_process(case,
              "ip2": "n=3", "loss": "n=3"}
     (case / "bands.plan").write_text("workers: 3\n" + "".join(f"{k}: {v}\n" for k, v in nodes.items()))
     mixed = _train(case, 3, 2, 4, "mixed.caffemodel", "--parallel", str(case / "bands.plan"))  # as cct train runs it
-    assert "Spatial split on 3 MPI ranks: conv1 h=3 w=1, pool1 h=3 w=1, conv2 h=1 w=3, pool2 h=1 w=3" in mixed.stderr
+    assert ("Per-layer splits on 3 MPI ranks: conv1 n=1 h=3 w=1 c=1, pool1 n=1 h=3 w=1 c=1, conv2 n=1 h=1 w=3 c=1, "
+            "pool2 n=1 h=1 w=3 c=1; every other layer by sample") in mixed.stderr
     dp._compare(case / "mixed.caffemodel", case / "one.caffemodel", 1e-5)
     assert "loss = " in one.stderr
     monkeypatch.chdir(case)
@@ -131,19 +130,15 @@ class _Rank:
 def test_layers_that_cannot_be_split_spatially_are_refused_by_name(case, monkeypatch):
     monkeypatch.chdir(case)
     net = cct.Net("net.prototxt", "TRAIN")
-    with pytest.raises(PlanError, match="layer 'ip1' is a InnerProduct; only Convolution and Pooling"):
-        SpatialSplitExecutor(net, _Rank(2), {"ip1": Split(h=2)})
-    with pytest.raises(PlanError, match="no layer 'conv9'"):
-        SpatialSplitExecutor(net, _Rank(2), {"conv9": Split(h=2)})
-    with pytest.raises(PlanError, match="layer 'conv1' n=2 h=1 w=1 c=1: expected n=1 c=1 and h\\*w = 2"):
-        SpatialSplitExecutor(net, _Rank(2), {"conv1": Split(n=2)})
-    with pytest.raises(PlanError, match="layer 'conv2' has 8 output rows, fewer than its 16 parts"):
-        SpatialSplitExecutor(net, _Rank(16), {"conv2": Split(h=16)})
+    with pytest.raises(PlanError, match="layer 'ip1' n=1 h=2 w=1 c=1: its output has 1 along h, fewer than its 2"):
+        PerLayerExecutor(net, _Rank(2), {"ip1": Split(h=2)})
+    with pytest.raises(PlanError, match="layer 'conv2' n=1 h=16 w=1 c=1: its output has 8 along h, fewer than its 16"):
+        PerLayerExecutor(net, _Rank(16), {"conv2": Split(h=16)})
     _padded_net(case)
     net = cct.Net("net.prototxt", "TRAIN")
     # the last of 3 bands of the padded conv1's 28 rows is [18, 28): it reads rows [16, 30) of the padded
     # input (2 explicit zero rows past the end); the width keeps its padding (the copy pads it itself)
-    ex = SpatialSplitExecutor(net, _Rank(3, 2), {"conv1": Split(h=3), "pool1": Split(w=3)})
+    ex = PerLayerExecutor(net, _Rank(3, 2), {"conv1": Split(h=3), "pool1": Split(w=3)})
     step = ex.steps[net.layer_names.index("conv1")]
     assert step.inp.shape == (3 * net.blobs["data"].shape[0], 1, 14, 28) and step.out.shape[2:] == (10, 28)
     assert step.fetch.need_origin.tolist() == [0, 0, 16, 0]
@@ -153,8 +148,8 @@ def test_layers_that_cannot_be_split_spatially_are_refused_by_name(case, monkeyp
     text = (case / "net.prototxt").read_text()
     (case / "net.prototxt").write_text(text.replace("kernel_size: 3", "kernel_size: 3\n    pad: 1", 1))
     net = cct.Net("net.prototxt", "TRAIN")
-    with pytest.raises(PlanError, match="layer 'pool1' pools with padding 1 along the split height"):
-        SpatialSplitExecutor(net, _Rank(2), {"pool1": Split(h=2)})
+    with pytest.raises(PlanError, match="layer 'pool1' n=1 h=2 w=1 c=1: pools with padding 1 along the split height"):
+        PerLayerExecutor(net, _Rank(2), {"pool1": Split(h=2)})
 
 
 def test_intersections_of_boxes():
@@ -164,36 +159,17 @@ def test_intersections_of_boxes():
     assert intersect(a, b + np.array([[0, 0], [0, 0], [2, 2], [0, 0]])) is None
 
 
-def test_plan_files_with_spatial_splits_are_in_the_executed_family(case, monkeypatch):
-    priced = flat_priced(case, monkeypatch)
-    tail = {"ip1", "ip2"}
-    plan = tail_plan(priced, tail, 2)
-    plan.splits["conv1"], plan.splits["pool1"] = Split(h=2), Split(w=2)
-    assert sample_groups_of(plan, priced, tail) == 2
-    assert spatial_split_layers(plan, priced) == {"conv1": Split(h=2), "pool1": Split(w=2)}
-    plan.splits["conv2"] = Split(c=2)  # a channel split beside spatial ones, and OWT's tail: all executed
-    for name in ("ip1", "ip2"):
-        plan.splits[name] = Split(c=2)
-    assert sample_groups_of(plan, priced, tail) == 1
-    plan.splits["pool2"] = Split(c=2)  # only convolutions take a channel split
-    with pytest.raises(PlanError, match=r"layer 'pool2' n=1 h=1 w=1 c=2: cct train executes"):
-        sample_groups_of(plan, priced, tail)
-    plan.splits["pool2"], plan.splits["ip2"] = Split(n=2), Split(n=2)  # the tail takes one split
-    with pytest.raises(PlanError, match=r"layer 'ip1' n=1 h=1 w=1 c=2: .*which takes one n=a c=2/a"):
-        sample_groups_of(plan, priced, tail)
-
-
 @needs_mpi()
 def test_spatial_channel_and_tail_splits_together_equal_caffe(case):
-    """One plan, three kinds of split (cct.parallel_plan.combined): conv1 and pool1 by height, conv2 by
+    """One plan, three kinds of split (cct.parallel_plan.perlayer): conv1 and pool1 by height, conv2 by
     output channel, the fully-connected tail by output channel (OWT): 2 ranks at batch 2 end with real
     Caffe's batch-4 weights after 10 SGD iterations (snapshot files gathered as usual)."""
     nodes = {"mnist": "n=2", "conv1": "h=2", "pool1": "h=2", "conv2": "c=2", "pool2": "n=2", "ip1": "c=2",
              "ip2": "c=2", "loss": "n=2"}
     (case / "mixed.plan").write_text("workers: 2\n" + "".join(f"{k}: {v}\n" for k, v in nodes.items()))
     p = _train(case, 2, 2, 10, "mixed.caffemodel", "--init", "init.caffemodel", "--parallel", str(case / "mixed.plan"))
-    assert ("Per-layer splits on 2 MPI ranks: conv1 h=2 w=1, pool1 h=2 w=1, conv2 c=2, the fully-connected tail "
-            "n=1 c=2; every other layer by sample") in p.stderr
+    assert ("Per-layer splits on 2 MPI ranks: conv1 n=1 h=2 w=1 c=1, pool1 n=1 h=2 w=1 c=1, conv2 n=1 h=1 w=1 c=2, "
+            "ip1 n=1 h=1 w=1 c=2, ip2 n=1 h=1 w=1 c=2; every other layer by sample") in p.stderr
     dp._compare(case / "mixed.caffemodel", case / "final.caffemodel", 1e-5)
     got = json.loads((case / "mixed.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]

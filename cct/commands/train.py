@@ -59,9 +59,10 @@ def build_parser() -> FlagParser:
     p.add_argument("--parallel", default="data",
                    help="under mpiexec -n N: data (every layer by sample, Caffe's multi-GPU rule), owt (layers below "
                         "the fully-connected tail by sample, its InnerProduct layers by output channel), auto (the "
-                        "executed plans -- the tail split n=a c=N/a -- measured on the ranks: data unless another "
-                        "is >10%% faster; the cost model's pick logged), or a plan file "
-                        "('cct plan --out') of that form; the update stays exact (docs/distributed.md)")
+                        "tail splits n=a c=N/a and DeePa's optimum, layer by layer, measured on the ranks: data "
+                        "unless another is >10%% faster; the cost model's pick logged), or a plan file "
+                        "('cct plan --out': any per-layer mix); the update stays exact "
+                        "(docs/distributed.md)")
     add_common_arguments(p)
     add_device_arguments(p)
     return p

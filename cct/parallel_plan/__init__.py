@@ -16,10 +16,9 @@ One module per job:
 - :mod:`.plans`, :mod:`.planfile`, :mod:`.planner`, :mod:`.report`: data / OWT / optimal plans, plan files,
   planning a net, the setup-log table; :mod:`.command`: ``cct plan``;
 - :mod:`.owt`: OWT training on MPI ranks (``cct train --parallel owt``);
-- :mod:`.convsplit`: convolutions split by output channel on MPI ranks;
-- :mod:`.spatial`, :mod:`.boxexchange`: convolutions and poolings split by height and width on MPI ranks,
-  their halo exchanges point to point;
-- :mod:`.combined`: several of those splits in one net; :mod:`.measured`: ``auto``'s measured pick;
+- :mod:`.perlayer`, :mod:`.boxexchange`: any per-layer mix of configurations on MPI ranks, every change of
+  configuration one point-to-point exchange of exactly the planner's regions;
+- :mod:`.measured`: ``auto``'s measured pick;
   :mod:`.execute`: which plans ``cct train --parallel`` runs.
 """
 from .cluster import Cluster

@@ -2,12 +2,13 @@
 ``xfer(c_u, c_v)`` per edge, in seconds and bytes, and the step estimate of a global configuration."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from .graph import PlanGraph
+from .graph import PlanGraph, PlanNode
 from .search import CostGraph
 from .split import DIMS, Split, enumerate_splits
 from .transfer import EdgeCost, edge_cost, update_cost
@@ -101,10 +102,14 @@ class PricedGraph:
                              for i, n in enumerate(self.graph.nodes)])
 
 
-def price(graph: PlanGraph, workers: int, inv_bw: np.ndarray, compute: ComputeModel) -> PricedGraph:
-    """Every configuration of every node (:func:`~.split.enumerate_splits`; a data layer may take any) and
-    its costs on ``workers`` workers linked by ``inv_bw`` (seconds per byte between worker pairs)."""
+def price(graph: PlanGraph, workers: int, inv_bw: np.ndarray, compute: ComputeModel,
+          keep: Callable[[PlanNode, Split], bool] | None = None) -> PricedGraph:
+    """Every configuration of every node (:func:`~.split.enumerate_splits`; a data layer may take any; only
+    those ``keep`` accepts when given) and its costs on ``workers`` workers linked by ``inv_bw`` (seconds
+    per byte between worker pairs)."""
     splits = [enumerate_splits(workers, n.out_shape, DIMS if n.kind == "source" else n.dims) for n in graph.nodes]
+    if keep is not None:
+        splits = [[s for s in options if keep(n, s)] for n, options in zip(graph.nodes, splits)]
     comp = [compute.seconds(graph, i, s) for i, s in enumerate(splits)]
     upd = [update_cost(n.param_bytes, s, inv_bw) for n, s in zip(graph.nodes, splits)]
     edges = [(e, edge_cost(graph, e, splits[e[0]], splits[e[2]], inv_bw)) for e in graph.edges()]

@@ -1,11 +1,11 @@
 """``--parallel auto``'s safety net: the executable plans measured on the real ranks before training.
 
-The cost model ranks the executed family (:mod:`.execute`: the fully-connected tail split ``n=a c=N/a`` for
-every divisor ``a`` of the N ranks; ``a = N`` is data parallelism, ``a = 1`` OWT; and, where DeePa's optimum
-splits convolutions by channel or convolutions and poolings by height and width, those splits with every other
-layer by sample) from per-layer measurements and calibrated links; on a small net its errors can be larger
-than the differences it ranks (LeNet on 2 loopback ranks: OWT predicted cheaper, measured 1.2x slower). So at
-setup every rank runs a few training passes (forward, backward, the gradient exchange; no update) of each
+The cost model ranks the candidates (:mod:`.execute`: the fully-connected tail split ``n=a c=N/a`` for every
+divisor ``a`` of the N ranks; ``a = N`` is data parallelism, ``a = 1`` OWT; DeePa's optimum among the
+configurations cct train runs, layer by layer, and its convolution channel splits and height/width splits alone,
+every other layer by sample) from per-layer measurements and calibrated links; on a small net its errors can be
+larger than the differences it ranks (LeNet on 2 loopback ranks: OWT predicted cheaper, measured 1.2x slower).
+So at setup every rank runs a few training passes (forward, backward, the gradient exchange; no update) of each
 candidate on the train net itself, the step time of a pass is the slowest rank's, and data parallelism is kept
 unless another candidate is measured faster by more than :data:`MARGIN`. The net's weights, the data layers'
 read positions and the random stream are restored afterwards, so training is exactly what it would have been

@@ -31,8 +31,8 @@ a.add_argument("--tensorboard", default=None, help="TensorBoard event folder (th
 a.add_argument("--test_batch", type=int, default=None, help="TEST-phase data layers read this batch (default BATCH)")
 a.add_argument("--parallel", default="data",
                help="data, owt, owtN (the tail split n=N), conv:L1,L2 (conv layers by output channel), "
-                    "spatial:h=2:L1,L2;w=2:L3 (by height/width), measure:L1|h=2:L2,L3|A (auto's measured pick "
-                    "with these parts of DeePa's optimum, the tail n=A), auto, FILE")
+                    "spatial:h=2:L1,L2;w=2:L3 (by height/width), measure:L1=h=2;L2=c=2 (auto's measured "
+                    "pick with this optimum), auto, FILE")
 args = a.parse_args()
 init_log(logging.INFO if (launcher_rank_size() or (0, 1))[0] == 0 else logging.WARNING)  # rank 0 logs, as cct train
 if args.devices:
@@ -82,26 +82,21 @@ if solver.comm is not None and solver.comm.size > 1:
             from cct.parallel_plan.owt import enable_owt
 
             owt = enable_owt(solver, int(args.parallel[3:] or 1))
-        elif args.parallel.startswith("conv:"):
-            from cct.parallel_plan.convsplit import enable_conv_split
-
-            owt = enable_conv_split(solver, args.parallel[5:].split(","))
-        elif args.parallel.startswith("spatial:"):  # spatial:h=2:conv1,pool1[;w=2:conv2]
-            from cct.parallel_plan.spatial import enable_spatial_split
+        elif args.parallel.startswith(("conv:", "spatial:")):  # conv:L1,L2 (c=N); spatial:h=2:L1,L2[;w=2:L3]
+            from cct.parallel_plan.perlayer import enable_per_layer
             from cct.parallel_plan.split import Split
 
-            groups = [g.split(":") for g in args.parallel[8:].split(";")]
-            owt = enable_spatial_split(solver, {name: Split.parse(how) for how, names in groups
-                                                for name in names.split(",")})
-        elif args.parallel.startswith("measure:"):  # auto's measured pick among given DeePa parts:
-            # measure:conv2|h=2:conv1,pool1|1 (convolutions by channel | layers by height/width | tail groups)
+            kind, _, rest = args.parallel.partition(":")
+            groups = [(f"c={solver.comm.size}", rest)] if kind == "conv" else [g.split(":") for g in rest.split(";")]
+            owt = enable_per_layer(solver, {name: Split.parse(how) for how, names in groups
+                                            for name in names.split(",")})
+        elif args.parallel.startswith("measure:"):  # auto's measured pick with this optimum:
+            # measure:conv1=h=2;pool1=h=2;conv2=c=2 (layer=configuration; the other layers by sample)
             from cct.parallel_plan.execute import run_measured
             from cct.parallel_plan.split import Split
 
-            convs, bands, groups = (args.parallel[8:].split("|") + ["", ""])[:3]
-            how, _, names = bands.partition(":")
-            run_measured(solver, [c for c in convs.split(",") if c],
-                         {name: Split.parse(how) for name in names.split(",") if name}, int(groups or 0) or None)
+            best = {k: Split.parse(v) for k, _, v in (x.partition("=") for x in args.parallel[8:].split(";"))}
+            run_measured(solver, best)
             split = solver.net.executor
             owt = split if hasattr(split, "gather_owned") else None
         elif args.parallel != "data":  # auto or a plan file

@@ -1,0 +1,477 @@
+"""Any per-layer mix of DeePa's configurations on MPI ranks: each Convolution, Pooling and InnerProduct layer
+split ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of them, every layer between two configurations
+moved by one point-to-point exchange of exactly the regions each rank needs.
+
+:class:`PerLayerExecutor` runs a data-parallel solver's train net (each rank reads its ``b`` samples of the
+global batch ``N*b``; the layers not configured run on them as under data parallelism). A configured layer with
+:class:`~.split.Split` ``s`` (``s.workers`` dividing N; rank r is worker r of :func:`~.split.worker_boxes`,
+ranks from ``s.workers`` on are idle for the layer: they send their part of its input and compute nothing)
+computes rank r's box of its global output -- samples, output channels, rows and columns -- with a copy of the
+layer resized to the box (``num_output`` the channel slice, the padding of a split height or width made explicit
+as zero rows and columns of its input frame) fed the channel slice of the weights:
+
+* forward: the input frame is filled by a :class:`~.boxexchange.BoxExchange` from wherever the producer's
+  output lives -- the net's blob by sample, or the producer's boxes under its own configuration, whatever
+  the pair (n, h, w, c) -> (n', h', w', c'): each rank receives from every other exactly the intersection
+  of that rank's box with its region (:mod:`.regions`: halos of a window, every input channel of a
+  convolution or an InnerProduct, the same channels of a pooling); element-wise layers that follow a
+  configured layer run on its box; a box read by a layer that is not configured (the loss, ...) is
+  returned to the sample split by another exchange;
+* backward mirrors every exchange (gradients go back to their owners, overlapping halos summed);
+* parameters: a layer split ``c=1`` holds its whole filters: the box's gradients are added to the
+  layer's and all-reduced with every other parameter by data parallelism; a layer split ``c>1`` owns its
+  slice of output channels: the slice's gradient, scaled by 1/N (Caffe's multi-solver rule), is summed
+  only among the ``n*h*w`` ranks holding the same slice (a sub-communicator), and the slices are
+  all-gathered among the ``c`` ranks of one box of the other axes before snapshots and tests (and broadcast
+  from rank 0 to the ranks idle for the layer).
+
+N ranks at batch b then train as one process at batch N*b, and the bytes each rank receives in the
+exchanges equal the planner's transfer count (:mod:`.transfer`; the reductions of slices are the update's).
+Refused with a :class:`PlanError` naming the layer and its configuration: a worker count not dividing the
+ranks, a data layer not split by sample, a configured layer of another type (LRN, Concat, Eltwise,
+Softmax, a loss), grouped convolutions split by channel, dilated or 3-D convolutions and global or padded
+poolings split by height or width, InnerProduct layers with ``transpose`` or an axis other than 1,
+BatchNorm or a layer with parameters following a channel-split layer, a configured layer's output read by
+two layers, in-place configured layers, ``--devices`` and unequal batch shares.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..blob import Blob
+from ..layers.base import Layer
+from ..proto import caffe_pb2
+from .boxexchange import BoxExchange
+from .graph import ELEMENTWISE, SOURCES
+from .owt import ChannelSlice, attach, gather_rows, layer_copy, splittable
+from .split import PlanError, Split, part_bounds, worker_boxes
+
+log = logging.getLogger("cct")
+
+Shape4 = tuple[int, int, int, int]
+#: the layer types a configuration other than the sample split runs on
+SPLIT_TYPES = ("Convolution", "Pooling", "InnerProduct")
+
+
+def view4(a: np.ndarray) -> np.ndarray:
+    """``a`` as a 4-D view ``(N, C, H, W)`` (a 2-D InnerProduct output is ``(N, C, 1, 1)``)."""
+    return a.reshape(a.shape + (1,) * (4 - a.ndim))
+
+
+def global_shape(shape: tuple[int, ...], ranks: int, what: str) -> Shape4:
+    """The global ``(N, C, H, W)`` shape of a blob of one rank's ``shape`` (its samples, of N ranks')."""
+    if not 1 <= len(shape) <= 4:
+        raise PlanError(f"per-layer split: {what} has shape {list(shape)}; only blobs of up to 4 axes are split")
+    full = (int(shape[0]) * ranks,) + tuple(int(d) for d in shape[1:])
+    return full + (1,) * (4 - len(full))  # type: ignore[return-value]
+
+
+def rank_boxes(split: Split, shape: Shape4, ranks: int) -> np.ndarray:
+    """``(ranks, 4, 2)``: worker r's box of ``shape`` under ``split`` for the first ``split.workers`` ranks, an
+    empty box for the others (idle for this layer)."""
+    boxes = np.zeros((ranks, 4, 2), dtype=np.int64)
+    boxes[:split.workers] = worker_boxes(split, shape)
+    return boxes
+
+
+@dataclass
+class Placed:
+    """A blob held under a configuration: this rank's box (the local array) and every rank's box."""
+
+    blob: Blob
+    boxes: np.ndarray   # (N, 4, 2)
+    writer: int         # the layer that last wrote it
+
+
+@dataclass
+class Step:
+    """One layer run on its box: the resized copy (None for an element-wise follower, which runs itself), its
+    input frame and output box, the exchanges around it, and the channel slice of its parameters."""
+
+    index: int
+    split: Split
+    part: Layer | None
+    inp: Blob
+    out: Blob
+    fetch: BoxExchange | None       # the producer's boxes (or the samples) -> the input frame
+    source: Placed | None           # the producer's boxes, None when it runs by sample
+    lo: int = 0                     # this rank's slice [lo, hi) of the output channels (parameter rows)
+    hi: int = 0
+    padded: bool = False            # the frame reaches past the input (explicit zero padding)
+    idle: bool = False              # this rank holds no box of the layer (a configuration on fewer ranks)
+    gather: BoxExchange | None = None  # the output box -> the net's blob by sample
+
+
+def _refuse(name: str, split: Split, why: str) -> PlanError:
+    return PlanError(f"per-layer split: layer '{name}' {split}: {why}")
+
+
+def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
+    """Why :class:`PerLayerExecutor` cannot run ``layer`` under ``split`` on ``ranks`` ranks (None: it can;
+    the sample split ``n=ranks`` always can). The layer's own checks; its place in the net is checked when
+    the executor is built."""
+    if split == Split(n=ranks):
+        return None
+    if ranks % split.workers:
+        return f"uses {split.workers} workers, which does not divide the {ranks} ranks"
+    if layer.type in SOURCES:
+        return f"a data layer is read by sample (n={ranks}) by cct train"
+    if layer.type not in SPLIT_TYPES:
+        return f"a {layer.type} layer runs by sample (n={ranks}) only; {', '.join(SPLIT_TYPES)} layers take other " \
+               "configurations"
+    spatial = split.h > 1 or split.w > 1
+    if layer.type == "Convolution":
+        g, group = layer.geom, layer.param.convolution_param.group or 1
+        if g is None or len(g.in_shape) != 2:
+            return "only 2-D convolutions are split"
+        if spatial and any(d != 1 for d in g.dilation):
+            return f"dilated (dilation {list(g.dilation)}) convolutions are not split by height or width"
+        if split.c > 1 and group != 1:
+            return f"a grouped convolution (group: {group}) is not split by channel"
+    elif layer.type == "Pooling":
+        if layer.global_pooling and spatial:
+            return "a global pooling (its window is the whole input) is not split by height or width"
+        for a, d in ((0, split.h), (1, split.w)):
+            if d > 1 and not layer.global_pooling and layer.pad[a]:
+                return f"pools with padding {layer.pad[a]} along the split {'height' if a == 0 else 'width'}; " \
+                       "not supported"
+    else:
+        p = layer.param.inner_product_param
+        if p.transpose or p.axis != 1:
+            return "only InnerProduct layers on axis 1 without transpose are split"
+    return None
+
+
+def follower_refusal(layer: Layer, split: Split) -> str | None:
+    """Why an element-wise ``layer`` cannot run on the boxes of a layer split ``split`` (None: it can)."""
+    if layer.type == "BatchNorm":
+        return "a BatchNorm layer (its statistics need every sample and position) does not run on a split layer's box"
+    if layer.blobs and split.c > 1:
+        return f"a {layer.type} layer with parameters does not run on a channel-split box"
+    return None
+
+
+def _windows(layer: Layer, in_shape: Shape4) -> list[tuple[int, int, int]]:
+    """``(extent, stride, pad)`` along height and width of a Convolution or Pooling layer (a whole axis for
+    an InnerProduct and a global pooling)."""
+    if layer.type == "Convolution":
+        g = layer.geom
+        return list(zip(g.kernel_extent, g.stride, g.pad))
+    if layer.type == "Pooling" and not layer.global_pooling:
+        return list(zip(layer.kernel, layer.stride, layer.pad))
+    return [(in_shape[2], 1, 0), (in_shape[3], 1, 0)]
+
+
+def _part_copy(layer: Layer, split: Split, outputs: int, inp: Blob, out: Blob) -> Layer:
+    """A copy of ``layer`` for one box: ``outputs`` output channels (Convolution, InnerProduct), no padding
+    along a split height or width (its frame carries the zeros), fillers cleared (it takes the layer's
+    weights)."""
+    def edit(param: caffe_pb2.LayerParameter) -> None:
+        if layer.type == "InnerProduct":
+            sub = param.inner_product_param
+        else:
+            sub = param.convolution_param if layer.type == "Convolution" else param.pooling_param
+            pads = layer.geom.pad if layer.type == "Convolution" else layer.pad
+            sub.ClearField("pad")
+            sub.pad_h = 0 if split.h > 1 else int(pads[0])
+            sub.pad_w = 0 if split.w > 1 else int(pads[1])
+        if layer.type != "Pooling":
+            sub.num_output = outputs
+            for filler in (sub.weight_filler, sub.bias_filler):
+                filler.Clear()
+
+    return layer_copy(layer, edit, inp, out)
+
+
+class PerLayerExecutor:
+    """The net's executor with every configured layer run on its box (see module docstring)."""
+
+    def __init__(self, net, comm, splits: Mapping[str, Split]):
+        self.net, self.comm = net, comm
+        self.size, self.rank = comm.size, comm.rank
+        split_at: dict[int, Split] = {}
+        for name, s in splits.items():
+            if name not in net.layer_names:
+                raise PlanError(f"per-layer split: no layer '{name}' in net '{net.name}'")
+            i = net.layer_names.index(name)
+            if s == Split(n=self.size):
+                continue  # by sample: as data parallelism
+            why = refusal(net.layers[i], s, self.size)
+            if why is not None:
+                raise _refuse(name, s, why)
+            split_at[i] = s
+        #: the configured layers (layer index -> Split), in net order
+        self.splits = dict(sorted(split_at.items()))
+        self.steps: dict[int, Step] = {}
+        self._build()
+        #: bytes this rank received in the exchanges of forward and backward passes (the planner's transfers)
+        self.bytes_moved = 0
+        #: bytes this rank received summing channel slices' gradients among the ranks sharing them
+        self.update_bytes = 0
+        #: bytes this rank received gathering the slices (snapshots, tests)
+        self.gather_bytes = 0
+        self._comms: dict[Split, tuple] = {}
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def _sample_boxes(self, blob: Blob, what: str) -> np.ndarray:
+        return worker_boxes(Split(n=self.size), global_shape(blob.shape, self.size, what))
+
+    def _build(self) -> None:
+        net = self.net
+        placed: dict[str, Placed] = {}   # blob name -> its boxes (while the last writer is a step)
+        readers: dict[str, int] = {}     # blob name -> the step reading it
+        for i, layer in enumerate(net.layers):
+            name, bottoms, tops = net.layer_names[i], net.bottom_names[i], net.top_names[i]
+            if i in self.splits:
+                self._split_step(i, name, self.splits[i], placed, readers)
+            elif layer.type in ELEMENTWISE and len(bottoms) == 1 and len(tops) == 1 and bottoms[0] in placed:
+                self._follower_step(i, name, placed, readers)
+            else:
+                for b in bottoms:
+                    if b in placed:
+                        self._gather_at(placed.pop(b), b)
+        for b, p in placed.items():  # net outputs left on boxes
+            self._gather_at(p, b)
+
+    def _read(self, i: int, blob: str, placed: dict[str, Placed], readers: dict[str, int]) -> Placed | None:
+        if blob in readers:
+            raise PlanError(f"per-layer split: blob '{blob}' is read by layers '{self.net.layer_names[readers[blob]]}'"
+                            f" and '{self.net.layer_names[i]}'; a split blob may have one reader")
+        readers[blob] = i
+        return placed.pop(blob, None)
+
+    def _split_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
+                    readers: dict[str, int]) -> None:
+        net, layer = self.net, self.net.layers[i]
+        bottoms, tops = net.bottom_names[i], net.top_names[i]
+        if len(bottoms) != 1 or len(tops) != 1 or bottoms[0] == tops[0]:
+            raise _refuse(name, split, "a split layer must have one bottom and one (other) top")
+        x, y = net.blobs[bottoms[0]], net.blobs[tops[0]]
+        in_shape = global_shape(x.shape, self.size, f"layer '{name}' bottom '{bottoms[0]}'")
+        out_shape = global_shape(y.shape, self.size, f"layer '{name}' top '{tops[0]}'")
+        for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
+            if split.degree(d) > out_shape[a]:
+                raise _refuse(name, split, f"its output has {out_shape[a]} along {d}, fewer than its "
+                                           f"{split.degree(d)} parts")
+        windows = _windows(layer, in_shape)
+        out_boxes = rank_boxes(split, out_shape, self.size)
+        idle = self.rank >= split.workers
+        need = np.empty_like(out_boxes)   # what each rank reads (the planner's region, clipped to the input)
+        frame = np.empty_like(out_boxes)  # the copy's input: split axes unclipped (explicit padding)
+        need[:, 0] = frame[:, 0] = out_boxes[:, 0]
+        need[:, 1] = frame[:, 1] = out_boxes[:, 1] if layer.type == "Pooling" else (0, in_shape[1])
+        for a, d in ((2, split.h), (3, split.w)):
+            ext, stride, pad = windows[a - 2]
+            lo = out_boxes[:, a, 0] * stride - pad
+            hi = (out_boxes[:, a, 1] - 1) * stride - pad + ext
+            need[:, a, 0], need[:, a, 1] = np.clip(lo, 0, in_shape[a]), np.clip(hi, 0, in_shape[a])
+            need[split.workers:] = 0  # idle ranks read nothing
+            if d > 1:
+                frame[:, a, 0] = lo
+                frame[:, a, 1] = hi if layer.type == "Convolution" else np.minimum(hi, in_shape[a])
+            else:
+                frame[:, a] = (0, in_shape[a])
+        me = self.rank
+        source = self._read(i, bottoms[0], placed, readers)
+        own = source.boxes if source is not None else self._sample_boxes(x, f"layer '{name}' bottom '{bottoms[0]}'")
+        if idle:  # sends its part of the others' inputs, computes nothing
+            fetch = BoxExchange(self.comm, own, need, np.zeros(4, np.int64))
+            self.steps[i] = Step(i, split, None, Blob((1,), net.dtype), Blob((1,), net.dtype), fetch, source,
+                                 idle=True)
+            placed[tops[0]] = Placed(self.steps[i].out, out_boxes, i)
+            return
+        frame_shape = tuple(int(v) for v in frame[me, :, 1] - frame[me, :, 0])
+        inp = Blob(frame_shape[:len(x.shape)] if layer.type == "InnerProduct" and len(x.shape) < 4 else frame_shape,
+                   net.dtype, name=f"{name}_box_in")
+        out = Blob((1,), net.dtype, name=f"{name}_box_out")
+        lo, hi = (int(v) for v in out_boxes[me, 1])
+        part = _part_copy(layer, split, hi - lo, inp, out)
+        want = tuple(int(v) for v in out_boxes[me, :, 1] - out_boxes[me, :, 0])
+        if tuple(view4(out.data).shape) != want:
+            raise _refuse(name, split, f"the copy for a box computes {list(out.shape)}, not the box's {list(want)}")
+        padded = bool(np.any(frame[me, :, 0] < 0) or np.any(frame[me, :, 1] > np.array(in_shape)))
+        self.steps[i] = Step(i, split, part, inp, out, BoxExchange(self.comm, own, need, frame[me, :, 0]), source,
+                             lo, hi, padded)
+        placed[tops[0]] = Placed(out, out_boxes, i)
+
+    def _follower_step(self, i: int, name: str, placed: dict[str, Placed], readers: dict[str, int]) -> None:
+        net, layer = self.net, self.net.layers[i]
+        bottom, top = net.bottom_names[i][0], net.top_names[i][0]
+        writer = self.steps[placed[bottom].writer]
+        why = follower_refusal(layer, writer.split)
+        if why is not None:
+            raise _refuse(name, writer.split, f"{why} (it follows layer '{net.layer_names[writer.index]}')")
+        if bottom == top:
+            source = placed[bottom]
+            self.steps[i] = Step(i, writer.split, None, source.blob, source.blob, None, source, idle=writer.idle)
+        else:
+            source = self._read(i, bottom, placed, readers)
+            out = Blob(source.blob.shape, net.dtype, name=f"{name}_box")
+            self.steps[i] = Step(i, writer.split, None, source.blob, out, None, source, idle=writer.idle)
+        placed[top] = Placed(self.steps[i].out, source.boxes, i)
+
+    def _gather_at(self, p: Placed, blob: str) -> None:
+        """The step that last wrote ``blob`` returns it to the sample split (a layer outside reads it)."""
+        need = self._sample_boxes(self.net.blobs[blob], f"blob '{blob}'")
+        self.steps[p.writer].gather = BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0])
+
+    def _groups(self, split: Split):
+        """``(slice_comm, row_comm)`` of a channel-split configuration: the ranks holding the same slice
+        (None when it is one rank) and the ``c`` ranks holding every slice of one box of the other axes
+        (None on a rank idle for it; collectives, made once per configuration in net order on every rank)."""
+        if split not in self._comms:
+            c, r = split.c, self.rank
+            works = r < split.workers
+            same = self.comm.split(r % c if works else None, r // c) if split.workers // c > 1 else None
+            rows = self.comm if c == self.size else self.comm.split(r // c if works else None, r % c)
+            self._comms[split] = (same, rows)
+        return self._comms[split]
+
+    def setup_groups(self) -> None:
+        """Make the sub-communicators of the channel-split configurations (a collective: every rank)."""
+        for s in self.splits.values():
+            if s.c > 1:
+                self._groups(s)
+
+    def owned_param_ids(self) -> list[int]:
+        """The parameters of the layers split by channel (each rank owns a slice; reduced here)."""
+        net = self.net
+        return [net.learnable_param_ids[nid] for nid, (lid, _pid) in enumerate(net.param_layer_indices)
+                if lid in self.splits and self.splits[lid].c > 1]
+
+    # -- the executor interface --------------------------------------------------------------------
+    def forward(self, i: int, layer: Layer, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        """Run layer ``i`` (configured layers and their followers on their boxes, the others as they are)."""
+        step = self.steps.get(i)
+        if step is None:
+            layer.forward(bottom, top)
+            return
+        if step.idle:
+            if step.fetch is not None:
+                src = step.source.blob.data if step.source is not None else bottom[0].data
+                self.bytes_moved += step.fetch.forward(view4(src), view4(step.inp.data))
+        elif step.part is None:
+            layer.reshape([step.inp], [step.out])
+            layer.forward([step.inp], [step.out])
+        else:
+            src = step.source.blob.data if step.source is not None else bottom[0].data
+            if step.padded:
+                step.inp.data[...] = 0
+            self.bytes_moved += step.fetch.forward(view4(src), view4(step.inp.data))
+            for full, part in zip(layer.blobs, step.part.blobs):
+                part.data[...] = full.data[step.lo:step.hi] if step.split.c > 1 else full.data
+            step.part.reshape([step.inp], [step.out])
+            step.part.forward([step.inp], [step.out])
+        if step.gather is not None:
+            self.bytes_moved += step.gather.forward(view4(step.out.data), view4(top[0].data))
+
+    def backward(self, i: int, layer: Layer, top: Sequence[Blob], propagate_down: Sequence[bool],
+                 bottom: Sequence[Blob]) -> None:
+        """Back-propagate layer ``i`` (see module docstring)."""
+        step = self.steps.get(i)
+        if step is None:
+            layer.backward(top, propagate_down, bottom)
+            return
+        if step.gather is not None:
+            self.bytes_moved += step.gather.backward(view4(top[0].diff), view4(step.out.diff))
+        if step.idle:
+            if step.fetch is not None and propagate_down[0]:
+                dst = step.source.blob.diff if step.source is not None else bottom[0].diff
+                self.bytes_moved += step.fetch.backward(view4(step.inp.diff), view4(dst))
+            return
+        if step.part is None:
+            layer.backward([step.out], [bool(propagate_down[0])], [step.inp])
+            return
+        for blob in step.part.blobs:
+            blob.diff[...] = 0
+        step.part.backward([step.out], [bool(propagate_down[0])], [step.inp])
+        if step.split.c > 1:
+            same, _rows = self._groups(step.split)
+            scale = self.net.dtype.type(1.0 / self.size)
+            for full, part in zip(layer.blobs, step.part.blobs):
+                contrib = part.diff * scale
+                if same is not None:  # the other ranks holding this slice
+                    same.allreduce(contrib, out=contrib)
+                    self.update_bytes += int(2 * (same.size - 1) / same.size * contrib.nbytes)
+                full.diff[step.lo:step.hi] += contrib
+        else:
+            for full, part in zip(layer.blobs, step.part.blobs):
+                full.diff[...] += part.diff
+        if propagate_down[0]:
+            dst = step.source.blob.diff if step.source is not None else bottom[0].diff
+            self.bytes_moved += step.fetch.backward(view4(step.inp.diff), view4(dst))
+
+    def finish_backward(self) -> None:
+        """Nothing is left to finish (the exchanges are synchronous)."""
+
+    def release(self) -> None:
+        """Free the sub-communicators (collective; the executor is not used again)."""
+        for same, rows in self._comms.values():
+            if same is not None:
+                same.free()
+            if rows is not None and rows is not self.comm:
+                rows.free()
+        self._comms.clear()
+
+    def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
+        """All-gather the channel slices of the weights (and of the solver ``history``) among the ranks
+        holding one box's every slice, then, for a configuration on fewer ranks, broadcast them from rank 0
+        to the idle ones, so that every rank holds the single-process values (a collective)."""
+        net = self.net
+        by_split: dict[Split, dict[int, ChannelSlice]] = {}
+        idle_layers = []
+        for i, s in self.splits.items():
+            layer = net.layers[i]
+            if s.c == 1 or not layer.blobs:
+                continue
+            if s.workers < self.size:
+                idle_layers.append(i)
+            step = self.steps[i]
+            if step.idle:
+                continue
+            bounds = part_bounds(int(layer.blobs[0].shape[0]), s.c)
+            by_split.setdefault(s, {})[i] = ChannelSlice(i, layer, step.part, bounds, step.inp, step.out,
+                                                         self.rank % s.c)
+        for s in dict.fromkeys(self.splits[i] for i in self.splits):  # net order: the same on every rank
+            if s in by_split:
+                self.gather_bytes += gather_rows(self._groups(s)[1], net, by_split[s], history)
+        per = len(net.learnable_params)
+        for nid, (lid, _pid) in enumerate(net.param_layer_indices):
+            if lid in idle_layers:
+                k = net.learnable_param_ids[nid]
+                for a in [net.learnable_params[k].data] + [h for j, h in enumerate(history) if j % per == k]:
+                    self.comm.bcast(a, root=0)
+                    if self.rank:
+                        self.gather_bytes += a.nbytes
+
+
+def describe_splits(ex: PerLayerExecutor) -> str:
+    """The configured layers of ``ex``, for the log."""
+    return ", ".join(f"{ex.net.layer_names[i]} {s}" for i, s in ex.splits.items())
+
+
+def build_per_layer(net, comm, splits: Mapping[str, Split]) -> PerLayerExecutor | None:
+    """A :class:`PerLayerExecutor` of ``splits`` with its sub-communicators made (collective), or None when
+    every layer runs by sample."""
+    ex = PerLayerExecutor(net, comm, splits)
+    if not ex.splits:
+        return None
+    ex.setup_groups()
+    return ex
+
+
+def enable_per_layer(solver, splits: Mapping[str, Split]) -> PerLayerExecutor | None:
+    """Run ``solver``'s train net with each layer of ``splits`` (layer name -> Split) on its
+    box over its data-parallel ranks (see module docstring); None when every layer runs by sample."""
+    par = splittable(solver, "per-layer split")
+    ex = build_per_layer(solver.net, par.comm, splits)
+    if ex is None:
+        return None
+    attach(solver, ex)
+    if par.is_root:
+        log.info("Per-layer splits on %d MPI ranks: %s; every other layer by sample", par.size, describe_splits(ex))
+    return ex
