@@ -6,8 +6,8 @@ import argparse
 import logging
 
 from . import env
-from .backend import cupy_available
 from .config import EngineConfig, GpuConfig, python_layers_from_env, update_default
+from .device.driver import cupy_available
 from .errors import CctError
 from .flags import add_progress_flag
 from .log import init_log

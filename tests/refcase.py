@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import cct
-from cct.backend import to_numpy
 from cct.blob import Blob
+from cct.device.driver import to_host
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
 from cct.paths import shared_path
@@ -185,7 +185,7 @@ def main(names: list[str]) -> None:
 
 
 def _host_copy(arr) -> np.ndarray:
-    return np.array(to_numpy(arr))
+    return np.array(to_host(arr))
 
 
 def _run_case_layerwise(name: str, xp, built: list):

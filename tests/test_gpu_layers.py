@@ -10,8 +10,8 @@ import pytest
 from refcase import list_cases, max_rel_err, reference_available, run_case_layerwise
 
 from cct import rng
-from cct.backend import cupy_available, to_numpy
 from cct.blob import Blob
+from cct.device.driver import cupy_available, to_host
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
 from cct.proto import caffe_pb2
@@ -91,7 +91,7 @@ def test_conv_on_gpu_equals_cpu():
         rng.set_random_seed(5)
         layer.setup(bottom, top)
         layer.forward(bottom, top)
-        outs.append(to_numpy(top[0].data))
+        outs.append(to_host(top[0].data))
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-5)
 
 
@@ -121,7 +121,7 @@ def test_max_pooling_kernels_on_gpu_equal_the_array_path_bitwise(pool, dtype):
             layer.forward(bottom, top)
             top[0].diff[...] = cp.asarray(dy(top[0].shape).astype(dtype)) if not results else results[0][3]
             layer.backward(top, [True], bottom)
-            results.append((to_numpy(top[0].data), to_numpy(top[1].data), to_numpy(bottom[0].diff), top[0].diff))
+            results.append((to_host(top[0].data), to_host(top[1].data), to_host(bottom[0].diff), top[0].diff))
     (y, mask, dx, _), (y_ref, mask_ref, dx_ref, _) = results
     np.testing.assert_array_equal(y, y_ref)
     np.testing.assert_array_equal(mask, mask_ref)

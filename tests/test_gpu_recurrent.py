@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from refcase import max_rel_err, reference_available, run_case_layerwise
 
-from cct.backend import cupy_available
 from cct.blob import Blob
+from cct.device.driver import cupy_available
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
 from cct.proto import caffe_pb2

@@ -13,8 +13,8 @@ import pytest
 from naive import make_geom, random_conv_inputs, ref_backward, ref_forward
 
 from cct import blas
-from cct.backend import cupy_available, to_numpy
 from cct.config import using_config
+from cct.device.driver import cupy_available, to_host
 from cct.io.prototxt import parse_text
 from cct.layers.base import create_layer
 from cct.lowering import ConvGeometry, get_strategy, supports
@@ -87,15 +87,15 @@ def test_matches_direct_convolution(name, geom, xp_name):
         bc = None if b is None else xp.asarray(b.astype(dt))
         y = s.forward(xc, wc, bc, geom)
         assert isinstance(y, xp.ndarray) and y.shape == y_ref.shape and y.dtype == dt
-        np.testing.assert_allclose(to_numpy(y), y_ref, rtol=tol, atol=tol * 10)
+        np.testing.assert_allclose(to_host(y), y_ref, rtol=tol, atol=tol * 10)
         dx = s.backward_data(dyc, wc, geom)
         assert isinstance(dx, xp.ndarray) and dx.shape == x.shape and dx.dtype == dt
-        np.testing.assert_allclose(to_numpy(dx), dx_ref, rtol=tol, atol=tol * 10)
+        np.testing.assert_allclose(to_host(dx), dx_ref, rtol=tol, atol=tol * 10)
         dw, db = s.backward_weights(dyc, xc, geom)
         assert isinstance(dw, xp.ndarray) and dw.shape == w.shape
-        np.testing.assert_allclose(to_numpy(dw), dw_ref, rtol=tol, atol=tol * 10)
+        np.testing.assert_allclose(to_host(dw), dw_ref, rtol=tol, atol=tol * 10)
         if geom.bias_term:
-            np.testing.assert_allclose(to_numpy(db), db_ref, rtol=tol, atol=tol * 10)
+            np.testing.assert_allclose(to_host(db), db_ref, rtol=tol, atol=tol * 10)
         else:
             assert db is None
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import get_array_module
 from ..device import cublas as device_blas
+from ..device.driver import array_module
 from ..errors import CctError
 from .choice import get_backend
 from .product import gemm_on
@@ -44,7 +44,7 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     if device_blas.supports(a, b):
         return device_blas.matmul(a, b, out=out)
     if not (_cpu_float(a, b) and a.ndim >= 2 and b.ndim >= 2 and get_backend() == "mkl"):
-        return get_array_module(a, b).matmul(a, b, out=out)
+        return array_module(a, b).matmul(a, b, out=out)
     if a.ndim == 2 and b.ndim == 2:
         return gemm_on("mkl", a, b, out)
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import get_array_module
 from ..device import cublas as device_blas
+from ..device.driver import array_module
 from ..errors import CctError
 from .mkl import load_mkl
 from .openblas import load_openblas
@@ -113,7 +113,7 @@ def gemm_on(backend: str | None, a: Any, b: Any, out: Any = None, trans_a: bool 
     """
     if device_blas.supports(a, b):
         return device_blas.gemm(a, b, out, trans_a, trans_b, alpha, beta)
-    xp = get_array_module(a, b)
+    xp = array_module(a, b)
     opa = a.T if trans_a else a
     opb = b.T if trans_b else b
     if opa.shape[-1] != opb.shape[0]:

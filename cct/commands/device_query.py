@@ -71,7 +71,7 @@ def report(args: argparse.Namespace, out) -> int:
 
     print("Devices (measured SGEMM rate, cached):", file=out)
     print(format_device_query(device_query()), file=out)
-    from ..backend import cupy_available
+    from ..device.driver import cupy_available
 
     if not cupy_available():
         if args.gpu:

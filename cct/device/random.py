@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..backend import get_array_module, to_numpy
 from ..errors import CctError
+from .driver import array_module, to_host
 
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # Weyl key increments
@@ -166,13 +166,13 @@ class CounterRandom:
         another device) is drawn here and copied over."""
         if not out.flags.c_contiguous:
             raise CctError("a random draw needs a C-contiguous output array")
-        xp = get_array_module(out)
+        xp = array_module(out)
         if xp is self.xp:
             draw(out.reshape(-1))
         else:
             here = self.xp.empty(out.size, dtype=out.dtype)
             draw(here)
-            out.reshape(-1)[...] = to_numpy(here) if xp is np else xp.asarray(here)
+            out.reshape(-1)[...] = to_host(here) if xp is np else xp.asarray(here)
 
     # -- snapshots (boundary operations) --------------------------------------------------------------
     def state(self) -> dict:

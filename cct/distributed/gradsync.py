@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import get_array_module, to_numpy
+from ..device.driver import array_module, to_host
 from .comm import Comm, Request
 
 
@@ -137,7 +137,7 @@ class GradientSync:
         params = self.net.learnable_params
         for k, off in zip(b.params, b.offsets):
             d = params[k].diff
-            b.send[off:off + d.size] = to_numpy(d).reshape(-1)
+            b.send[off:off + d.size] = to_host(d).reshape(-1)
             if self.weight is not None:
                 b.send[off:off + d.size] *= b.send.dtype.type(self.weight)
         b.request = self.comm.iallreduce(b.send, out=b.recv)
@@ -162,7 +162,7 @@ class GradientSync:
                 if isinstance(d, np.ndarray):
                     np.multiply(src, scale, out=d)
                 else:
-                    d[...] = get_array_module(d).asarray(src) * scale
+                    d[...] = array_module(d).asarray(src) * scale
             b.request = None
         self.stats.unpack_s += time.perf_counter() - t1
         self.stats.iterations += 1

@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import in_device_memory
 from ..blob import Blob
 from ..data.db import open_db
 from ..data.db_loader import DBLoader
@@ -46,6 +45,7 @@ from ..data.hdf5_loader import HDF5Loader, read_hdf5_list
 from ..data.image_list_loader import ImageListLoader
 from ..data.prefetch import Prefetcher
 from ..data.transformer import DataTransformer, read_numbered_image_list
+from ..device.driver import device_of
 from ..errors import CctError
 from ..proto import caffe_pb2
 from ..rng import get_rng
@@ -59,7 +59,7 @@ _LEGACY_TRANSFORM_FIELDS = ("scale", "mean_file", "crop_size", "mirror")
 def _copy_to_blob(blob: Blob, arr: np.ndarray) -> None:
     """Reshape ``blob`` to ``arr.shape`` and copy ``arr`` into its data (numpy or cupy)."""
     blob.reshape(arr.shape)
-    if in_device_memory(blob.data):  # host -> device copy
+    if device_of(blob.data).is_gpu:  # host -> device copy
         blob.data.set(np.ascontiguousarray(arr, dtype=blob.dtype))
     else:
         np.copyto(blob.data, arr, casting="unsafe")

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import kernels
-from ..backend import get_array_module
 from ..blob import Blob
+from ..device.driver import array_module
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -28,7 +28,7 @@ _LP = caffe_pb2.LRNParameter
 
 def _box_sum(a, n: int, axes: Sequence[int]):
     """Sum over a centred window of ``n`` (odd) entries along each axis in ``axes``, zero-padded."""
-    xp = get_array_module(a)
+    xp = array_module(a)
     half = (n - 1) // 2
     out = a
     for ax in axes:

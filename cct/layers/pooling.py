@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import kernels
-from ..backend import in_device_memory
 from ..blob import Blob
+from ..device.driver import device_of
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -206,7 +206,7 @@ class PoolingLayer(Layer):
     def _gpu_kernels(*arrays):
         """:mod:`cct.kernels.gpu_pooling` when its kernels apply to these arrays (CuPy), else None
         (imported only then: importing cct loads no kernel module)."""
-        if not in_device_memory(arrays[0]):
+        if not device_of(arrays[0]).is_gpu:
             return None
         from ..kernels import gpu_pooling
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import array_address
 from ..blob import Blob
+from ..device.driver import array_address
 
 #: every parameter's segment starts on a boundary of this many bytes (a cache line: whole-vector loads)
 ALIGN = 64

@@ -416,10 +416,10 @@ class Net:
     def output_values(self) -> list[tuple[str, np.float32]]:
         """Every element of every output blob as (blob name, float32 value), in Caffe's order
         (what ``caffe test`` and the solver's test pass accumulate)."""
-        from ..backend import to_numpy
+        from ..device.driver import to_host
 
         return [(name, np.float32(v)) for name in self.output_blob_names
-                for v in np.asarray(to_numpy(self.blobs[name].data), dtype=np.float32).ravel()]
+                for v in np.asarray(to_host(self.blobs[name].data), dtype=np.float32).ravel()]
 
     @property
     def params(self) -> OrderedDict[str, list[Blob]]:
@@ -577,7 +577,7 @@ class Net:
     # -- weights ------------------------------------------------------------------------
     def to_proto(self, write_diff: bool = False) -> caffe_pb2.NetParameter:
         """The net with its weights as a NetParameter (what a .caffemodel holds)."""
-        from ..backend import to_numpy
+        from ..device.driver import to_host
         from ..io.blobproto import array_to_blobproto
 
         out = caffe_pb2.NetParameter()
@@ -588,7 +588,7 @@ class Net:
             del lp.blobs[:]
             for b in layer.blobs:
                 lp.blobs.add().CopyFrom(
-                    array_to_blobproto(to_numpy(b.data), to_numpy(b.diff) if write_diff else None))
+                    array_to_blobproto(to_host(b.data), to_host(b.diff) if write_diff else None))
         return out
 
     def save(self, path: str | os.PathLike, write_diff: bool = False) -> None:
@@ -599,16 +599,16 @@ class Net:
 
     def save_hdf5(self, path: str | os.PathLike, write_diff: bool = False) -> None:
         """Write the weights in Caffe's HDF5 format."""
-        from ..backend import to_numpy
+        from ..device.driver import to_host
         from ..io.hdf5 import write_hdf5_weights
 
         # Caffe's ToHDF5 stores only owned params: a weight-shared layer writes nothing for its copy.
-        layers = [(n, [None if self.param_owners[self._net_param_id(i, j)] >= 0 else to_numpy(b.data)
+        layers = [(n, [None if self.param_owners[self._net_param_id(i, j)] >= 0 else to_host(b.data)
                        for j, b in enumerate(l.blobs)])
                   for i, (n, l) in enumerate(zip(self.layer_names, self.layers))]
         diffs = None
         if write_diff:
-            diffs = [(n, [to_numpy(b.diff) for b in l.blobs]) for n, l in zip(self.layer_names, self.layers)]
+            diffs = [(n, [to_host(b.diff) for b in l.blobs]) for n, l in zip(self.layer_names, self.layers)]
         write_hdf5_weights(path, layers, diffs)
 
     def copy_from(self, path_or_param: str | os.PathLike | caffe_pb2.NetParameter,

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from .. import blas
-from ..backend import cupy_available
 from ..config import submit_in_context
 from ..device import cublas as device_blas
+from ..device.driver import cupy_available
 from ..errors import CctError
 
 log = logging.getLogger("cct")
