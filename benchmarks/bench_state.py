@@ -3,7 +3,7 @@
 * ``imagedata``: images/s of an ImageData layer over 256 JPEG files (128x128, batch 64, crop 112, mirror): the
   reading and decoding run on the loader's own ``DecodePool`` (before: one pool shared by the process).
 * ``usable``, ``launch``, ``threads``, ``get``: ns per call of the kernels' dispatch helpers
-  (``kernels.usable``, a one-piece ``kernels.launch``, ``get_num_threads``, ``get``), now reached through
+  (``host_kernels_usable``, a one-piece ``kernels.launch``, ``get_num_threads``, ``get``), now reached through
   ``kernels.RUNTIME`` (before: module globals); every layer's numba dispatch calls some of them.
 
 Each round runs every tree once, in a fresh process (``--child``), in the order given; the table shows each
@@ -56,6 +56,10 @@ def child(tree: str, images: str) -> dict:
     from cct.layers.data import ImageData
     from cct.proto import caffe_pb2
 
+    try:
+        from cct.device.driver import host_kernels_usable
+    except ImportError:  # a tree from before the device driver
+        host_kernels_usable = kernels.usable
     listing = _images(images)
     p = parse_text(f'''name: "d" type: "ImageData" top: "data" top: "label"
       image_data_param {{ source: "{listing}" root_folder: "{images}/" batch_size: 64 }}
@@ -85,7 +89,7 @@ def child(tree: str, images: str) -> dict:
     import cct
 
     assert os.path.dirname(os.path.abspath(cct.__file__)) == os.path.join(os.path.abspath(tree), "cct"), cct.__file__
-    return {"imagedata": max(rates), "usable": ns(lambda: kernels.usable(a)),
+    return {"imagedata": max(rates), "usable": ns(lambda: host_kernels_usable(a)),
             "launch": ns(lambda: kernels.launch(noop, work=10)), "threads": ns(kernels.get_num_threads),
             "get": ns(lambda: kernels.get("pooling"))}
 

@@ -11,7 +11,7 @@ from refcase import list_cases, max_rel_err, reference_available, run_case_layer
 
 from cct import rng
 from cct.blob import Blob
-from cct.device.driver import cupy_available, to_host
+from cct.device.driver import CupyDevice, HostDevice, cupy_available, to_host
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
 from cct.proto import caffe_pb2
@@ -31,7 +31,7 @@ def _cupy():
 @pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
 @pytest.mark.parametrize("case", UNIT_CASES)
 def test_unit_case_on_gpu_matches_caffe(case):
-    results = run_case_layerwise(case, xp=_cupy())
+    results = run_case_layerwise(case, device=CupyDevice(0))
     assert results, f"{case}: nothing compared"
     for what, ours, theirs in results:
         err = max_rel_err(ours, theirs)
@@ -75,19 +75,18 @@ def test_gradient_on_gpu(name):
     if name.startswith("conv_"):
         layer.lowering = name.split("_")[1]  # each of CcT's lowerings, forced
     gen = np.random.default_rng(7)
-    bottom = [make_blob(gen.standard_normal(s), xp=cp) for s in shapes]
-    top = [Blob((), dtype=np.float64, xp=cp)]
+    bottom = [make_blob(gen.standard_normal(s), device=CupyDevice(0)) for s in shapes]
+    top = [Blob((), dtype=np.float64, device=CupyDevice(0))]
     check_gradient(layer, bottom, top, threshold=1e-3)
     assert isinstance(top[0].data, cp.ndarray), "the layer left the GPU"
 
 
 def test_conv_on_gpu_equals_cpu():
-    cp = _cupy()
     x = np.random.default_rng(3).standard_normal((4, 3, 9, 8)).astype(np.float32)
     outs = []
-    for xp in (np, cp):
+    for device in (HostDevice(), CupyDevice(0)):
         layer = _layer(CONV)
-        bottom, top = [make_blob(x, xp=xp)], [Blob((), xp=xp)]
+        bottom, top = [make_blob(x, device=device)], [Blob((), device=device)]
         rng.set_random_seed(5)
         layer.setup(bottom, top)
         layer.forward(bottom, top)
@@ -115,7 +114,8 @@ def test_max_pooling_kernels_on_gpu_equal_the_array_path_bitwise(pool, dtype):
     for mode in ("auto", "numpy"):
         with kernels.forced_mode(mode):
             layer = _layer(f'type: "Pooling" pooling_param {{ pool: MAX {pool} }}')
-            bottom, top = [make_blob(x, xp=cp)], [Blob((), dtype=dtype, xp=cp), Blob((), dtype=dtype, xp=cp)]
+            gpu = CupyDevice(0)
+            bottom, top = [make_blob(x, device=gpu)], [Blob((), dtype=dtype, device=gpu) for _ in range(2)]
             layer.setup(bottom, top)
             assert gpu_pooling.usable(bottom[0].data, top[0].data) == (mode == "auto")
             layer.forward(bottom, top)

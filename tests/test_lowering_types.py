@@ -14,7 +14,7 @@ from naive import make_geom, random_conv_inputs, ref_backward, ref_forward
 
 from cct import blas
 from cct.config import using_config
-from cct.device.driver import cupy_available, to_host
+from cct.device.driver import CupyDevice, HostDevice, cupy_available, to_host
 from cct.io.prototxt import parse_text
 from cct.layers.base import create_layer
 from cct.lowering import ConvGeometry, get_strategy, supports
@@ -217,8 +217,9 @@ def test_gradient_through_conv_layer(name, case, xp_name):
     else:
         layer.lowering = get_strategy(name)
     rng = np.random.default_rng(5)
-    bottom = [make_blob(rng.standard_normal(shape), xp=xp)]
-    top = [make_blob(np.zeros(1), xp=xp)]
+    device = CupyDevice(0) if xp_name == "cupy" else HostDevice()
+    bottom = [make_blob(rng.standard_normal(shape), device=device)]
+    top = [make_blob(np.zeros(1), device=device)]
     check_gradient(layer, bottom, top, stepsize=1e-4, threshold=1e-6)
     assert isinstance(top[0].data, xp.ndarray)
 
@@ -245,8 +246,9 @@ def test_gradient_on_each_blas_backend_and_partition_count(backend, partitions, 
     layer.lowering = BatchedLowering(get_strategy(name), batch_partition=1, partitions=partitions)
     rng = np.random.default_rng(6)
     xp = importlib.import_module("cupy") if backend == "cupy" else np
-    bottom = [make_blob(rng.standard_normal(shape), xp=xp)]
-    top = [make_blob(np.zeros(1), xp=xp)]
+    device = CupyDevice(0) if backend == "cupy" else HostDevice()
+    bottom = [make_blob(rng.standard_normal(shape), device=device)]
+    top = [make_blob(np.zeros(1), device=device)]
     with _backend("openblas" if backend == "cupy" else backend):
         check_gradient(layer, bottom, top, stepsize=1e-4, threshold=1e-6)
     assert isinstance(top[0].data, xp.ndarray)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..device import cublas as device_blas
-from ..device.driver import array_module
+from ..device.driver import array_module, device_of
 from ..errors import CctError
 from .choice import get_backend
 from .product import gemm_on
@@ -17,7 +17,7 @@ from .product import gemm_on
 
 def _cpu_float(a: Any, b: Any) -> bool:
     """numpy float32/float64 operands of one dtype (what the CPU backends multiply)."""
-    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+    return (not device_of(a).is_gpu and not device_of(b).is_gpu and a.dtype == b.dtype
             and a.dtype in (np.float32, np.float64))
 
 

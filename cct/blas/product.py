@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..device import cublas as device_blas
-from ..device.driver import array_module
+from ..device.driver import array_module, device_of
 from ..errors import CctError
 from .mkl import load_mkl
 from .openblas import load_openblas
@@ -124,12 +124,13 @@ def gemm_on(backend: str | None, a: Any, b: Any, out: Any = None, trans_a: bool 
         beta = 0.0
     elif tuple(out.shape) != shape:
         raise CctError(f"gemm: out has shape {tuple(out.shape)}, expected {shape}")
+    on_host = not device_of(out).is_gpu  # (a, b and out live together: xp is their module)
     use_mkl = False
-    if xp is np and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
+    if on_host and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
         use_mkl = backend == "mkl"
     if use_mkl:
         return _mkl_gemm(a, b, out, trans_a, trans_b, float(alpha), float(beta))
-    if beta != 0 and xp is np and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
+    if beta != 0 and on_host and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
         ob = load_openblas()  # accumulate inside the GEMM: no temporary, no extra sweep over out
         if ob is not None:
             fn = ob.sgemm if a.dtype == np.float32 else ob.dgemm
@@ -138,7 +139,7 @@ def gemm_on(backend: str | None, a: Any, b: Any, out: Any = None, trans_a: bool 
         xp.matmul(opa, opb, out=out)
         if alpha != 1:
             out *= alpha
-    elif xp is np and beta == 1 and out.nbytes > _ACC_BLOCK_BYTES and shape[1] > 0:
+    elif on_host and beta == 1 and out.nbytes > _ACC_BLOCK_BYTES and shape[1] > 0:
         # out += alpha * op(a) @ op(b) in row blocks whose product stays in cache: a big accumulated
         # result (an InnerProduct's weight gradient) then makes 2 trips through DRAM instead of 4.
         rows = max(1, _ACC_BLOCK_BYTES // (shape[1] * out.itemsize))

@@ -10,8 +10,8 @@ answers everything a layer, a net or the scheduler asks about memory:
   a CUDA ``stream`` when given, synchronous on the host); ``empty`` / ``zeros``: allocation in its memory;
 * ``workspace``: a scratch array allocated once per owner and handed back on every later call (allocate at
   setup, reuse in the step);
-* ``host_kernels_usable``: whether cct's compiled host kernels (:mod:`cct.kernels`, numba) may run on
-  arrays; false on a GPU, where CuPy (and cuBLAS, :mod:`cct.device.cublas`) run instead.
+* :func:`host_kernels_usable`: whether cct's compiled host kernels (:mod:`cct.kernels`, numba) may run on
+  arrays; false on a GPU's, where CuPy (and cuBLAS, :mod:`cct.device.cublas`) run instead.
 
 A new device kind is a subclass with its ``kind``, ``xp`` and copies, and a branch in :func:`device_of`.
 The device random streams (:mod:`cct.device.random`) draw in a device's array module.
@@ -88,11 +88,6 @@ class Device:
 
     def use(self) -> None:
         """Make this device the current one of the calling thread (a GPU's CuPy device; no-op on the host)."""
-
-    # -- kernel dispatch -------------------------------------------------------------------------
-    def host_kernels_usable(self, *arrays: Any, contiguous: bool = False) -> bool:
-        """Whether cct's compiled host kernels may run on ``arrays`` (see :func:`cct.kernels.usable`)."""
-        return not self.is_gpu and kernels.usable(*arrays, contiguous=contiguous)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Device) and (other.kind, other.index) == (self.kind, self.index)
@@ -203,6 +198,26 @@ def array_address(array: Any) -> int:
     if device_of(array).is_gpu:
         return int(array.data.ptr)
     return int(array.__array_interface__["data"][0])
+
+
+def host_kernels_usable(*arrays: Any, contiguous: bool = False) -> bool:
+    """Whether cct's compiled host kernels (:mod:`cct.kernels`, numba) may run on ``arrays``: the kernels are
+    enabled and every array is a host (numpy) float32/float64 array of one dtype (and, with ``contiguous``,
+    C-contiguous: the layers' blobs are; anything else takes the ``xp`` path rather than compiling another
+    variant). Never on a GPU's arrays: CuPy runs those."""
+    if not arrays or not kernels.enabled():
+        return False
+    dt = None
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.dtype not in kernels.FLOATS:  # numba takes numpy arrays only
+            return False
+        if contiguous and not a.flags.c_contiguous:
+            return False
+        if dt is None:
+            dt = a.dtype
+        elif a.dtype != dt:
+            return False
+    return True
 
 
 def gpu_count() -> int:

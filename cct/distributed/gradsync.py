@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..device.driver import array_module, to_host
+from ..device.driver import device_of, to_host
 from .comm import Comm, Request
 
 
@@ -159,10 +159,12 @@ class GradientSync:
                 d = params[k].diff
                 scale = d.dtype.type(self.scale_by if self.weight is None else 1)
                 src = b.recv[off:off + d.size].reshape(d.shape)
-                if isinstance(d, np.ndarray):
-                    np.multiply(src, scale, out=d)
+                device = device_of(d)
+                if device.is_gpu:
+                    device.upload(src, out=d)
+                    d *= scale
                 else:
-                    d[...] = array_module(d).asarray(src) * scale
+                    np.multiply(src, scale, out=d)
             b.request = None
         self.stats.unpack_s += time.perf_counter() - t1
         self.stats.iterations += 1

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .. import rng
-from ..device.driver import array_module, to_host
+from ..device.driver import to_host
 from ..device.random import key_from_host
 from ..io.prototxt import to_text
 from ..solver import signals
@@ -127,7 +127,7 @@ class DataParallel:
             host = np.ascontiguousarray(to_host(blob.data))
             self.comm.bcast(host, root=0)
             if not self.is_root:
-                blob.data[...] = array_module(blob.data).asarray(host)
+                blob.device.upload(host, out=blob.data)
 
     def _seed_rank_streams(self) -> None:
         """Ranks > 0 draw dropout masks etc. from streams of their own (rank 0 keeps the shared ones): the host

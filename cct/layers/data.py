@@ -45,7 +45,6 @@ from ..data.hdf5_loader import HDF5Loader, read_hdf5_list
 from ..data.image_list_loader import ImageListLoader
 from ..data.prefetch import Prefetcher
 from ..data.transformer import DataTransformer, read_numbered_image_list
-from ..device.driver import device_of
 from ..errors import CctError
 from ..proto import caffe_pb2
 from ..rng import get_rng
@@ -57,12 +56,9 @@ _LEGACY_TRANSFORM_FIELDS = ("scale", "mean_file", "crop_size", "mirror")
 
 
 def _copy_to_blob(blob: Blob, arr: np.ndarray) -> None:
-    """Reshape ``blob`` to ``arr.shape`` and copy ``arr`` into its data (numpy or cupy)."""
+    """Reshape ``blob`` to ``arr.shape`` and copy ``arr`` into its data (an upload when it is a GPU's)."""
     blob.reshape(arr.shape)
-    if device_of(blob.data).is_gpu:  # host -> device copy
-        blob.data.set(np.ascontiguousarray(arr, dtype=blob.dtype))
-    else:
-        np.copyto(blob.data, arr, casting="unsafe")
+    blob.device.upload(arr, out=blob.data)
 
 
 def child_rngs(needed: bool) -> tuple[np.random.Generator | None, np.random.Generator | None]:

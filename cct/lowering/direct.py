@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..device.driver import array_module
+from ..device.driver import array_module, host_kernels_usable
 from . import direct_layout as dl
 from .base import LoweringStrategy, register_strategy
 from .gemm_ops import PASSES
@@ -227,7 +227,7 @@ class DirectConvolution(LoweringStrategy):
     @staticmethod
     def _simd(geom: ConvGeometry, *arrays: Any):
         """``(kernel module, layout)`` of the register-blocked forward kernel for ``geom``, or None."""
-        if not kernels.usable(*arrays):
+        if not host_kernels_usable(*arrays):
             return None
         km = kernels.get("conv_simd")
         if km is None:
@@ -238,7 +238,7 @@ class DirectConvolution(LoweringStrategy):
     # -- array-module path (cupy, or kernels off) ---------------------------------------------
     @staticmethod
     def _kernels(*arrays: Any):
-        return kernels.get("direct") if kernels.usable(*arrays) else None
+        return kernels.get("direct") if host_kernels_usable(*arrays) else None
 
     @staticmethod
     def _forward_xp(xpad: Any, w: Any, y: Any, geom: ConvGeometry) -> None:

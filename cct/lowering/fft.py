@@ -60,9 +60,10 @@ def pocketfft_binding() -> Any:
     return pypocketfft if all(hasattr(pypocketfft, f) for f in ("r2c", "c2c", "c2r")) else None
 
 
-def _native(xp: Any) -> Any:
-    """The pocketfft binding when ``xp`` is numpy and scipy has it, else None (the array module's FFT)."""
-    return pocketfft_binding() if xp is np else None
+def _native(a: Any) -> Any:
+    """The pocketfft binding when ``a`` is in host memory and scipy has it, else None (its array module's
+    FFT)."""
+    return None if device_of(a).is_gpu else pocketfft_binding()
 
 
 def _workers() -> int:
@@ -73,7 +74,7 @@ def _r2c(a: Any, axis: int, conjugate: bool, out: Any) -> Any:
     """``out[...]`` = the half spectrum of real ``a`` along ``axis`` (its whole length); its conjugate
     with ``conjugate``."""
     xp = array_module(a)
-    pocketfft = _native(xp)
+    pocketfft = _native(a)
     if pocketfft is not None:
         return pocketfft.r2c(a, (axis,), not conjugate, 0, out, _workers())
     r = xp.fft.rfft(a, axis=axis)
@@ -85,7 +86,7 @@ def _c2c(a: Any, axis: int, negative: bool, scale: bool, out: Any) -> Any:
     """``out[...]`` (``out`` may be ``a``) = the complex transform of ``a`` along ``axis`` with a
     negative (``negative``) or positive exponent, divided by the length with ``scale``."""
     xp = array_module(a)
-    pocketfft = _native(xp)
+    pocketfft = _native(a)
     if pocketfft is not None:
         return pocketfft.c2c(a, (axis,), negative, 2 if scale else 0, out, _workers())
     if negative:
@@ -99,7 +100,7 @@ def _c2r(a: Any, axis: int, points: int, conjugate: bool, out: Any) -> Any:
     """``out[...]`` = the real inverse (divided by ``points``) along ``axis`` of the half spectrum
     ``a``, or of the spectrum whose conjugate ``a`` is (``conjugate``)."""
     xp = array_module(a)
-    pocketfft = _native(xp)
+    pocketfft = _native(a)
     if pocketfft is not None:
         return pocketfft.c2r(a, (axis,), points, conjugate, 2, out, _workers())
     out[...] = xp.fft.irfft(xp.conj(a) if conjugate else a, n=points, axis=axis)
@@ -253,7 +254,7 @@ class FFTConvolution(IntoLowering):
         ``fresh`` transforms them and lets the next call take that transform, any other call
         transforms them again."""
         xp = array_module(w)
-        on_host = xp is np
+        on_host = not device_of(w).is_gpu
         key = (geom, id(w), xp.__name__, w.shape, np.dtype(w.dtype))
         with self._wlock:  # one thread computes, the others wait for it instead of computing it again
             hit = self._wcache.pop(key, None)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..device.driver import array_module
+from ..device.driver import array_module, host_kernels_usable
 
 
 def _c_div(a: int, b: int) -> int:
@@ -47,7 +47,7 @@ def _window(offsets, stride, dilation, out_shape) -> tuple[slice, ...]:
 
 def _kernel_module(nd: int, lead: tuple, *arrays: Any):
     """The im2col kernel module when the compiled path applies (2-D, <= 2 lead axes, numpy floats)."""
-    if nd != 2 or len(lead) > 2 or not kernels.usable(*arrays):
+    if nd != 2 or len(lead) > 2 or not host_kernels_usable(*arrays):
         return None
     return kernels.get("im2col")
 

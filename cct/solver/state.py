@@ -8,7 +8,7 @@ import logging
 import os
 
 from .. import rng
-from ..device.driver import array_module
+from ..device.driver import device_of
 from ..errors import CctError, SolverError
 from ..io.atomic import remove_stale_temps
 from ..net import Net
@@ -139,7 +139,7 @@ class SolverState:
         for i, (h, arr) in enumerate(zip(self.history, history)):
             if h.size != arr.size:
                 raise SolverError(f"{path}: history blob {i} holds {arr.size} values, the parameter has {h.size}")
-            h[...] = array_module(h).asarray(arr.reshape(h.shape), dtype=h.dtype)
+            device_of(h).upload(arr.reshape(h.shape), out=h)
         extra = snapshot.cctstate_path(path)
         if os.path.exists(extra):
             self._restore_cct_state(extra)
