@@ -55,12 +55,12 @@ def pooled_size(size: int, kernel: int, pad: int, stride: int, padded: bool | No
     return out
 
 
-@register("Pooling")
-
 def _reusable(arr, like) -> bool:
     """Whether ``arr`` (the argmax kept from a forward) has ``like``'s shape and lives on its device."""
     return arr is not None and arr.shape == like.shape and device_of(arr) == device_of(like)
 
+
+@register("Pooling")
 class PoolingLayer(Layer):
     """Caffe's Pooling layer on 4-D blobs ``(N, C, H, W)``, and 3-D pooling of 5-D ``(N, C, D, H, W)`` ones."""
 
