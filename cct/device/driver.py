@@ -39,10 +39,11 @@ class Device:
 
     kind: str = ""
     is_gpu: bool = False
+    index: int = 0
+    _workspaces: dict[Hashable, Any] | None = None  # made by the first workspace() call (device_of is cheap)
 
     def __init__(self, index: int = 0):
         self.index = int(index)
-        self._workspaces: dict[Hashable, Any] = {}
 
     @property
     def name(self) -> str:
@@ -68,6 +69,8 @@ class Device:
         asks for another shape or dtype, i.e. after a reshape), the same array on every later call."""
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
         dtype = np.dtype(dtype)
+        if self._workspaces is None:
+            self._workspaces = {}
         buf = self._workspaces.get(owner_key)
         if buf is None or buf.shape != shape or buf.dtype != dtype:
             buf = self.empty(shape, dtype)
@@ -105,7 +108,7 @@ class HostDevice(Device):
     kind = "host"
 
     def __init__(self):
-        super().__init__(0)
+        pass  # index 0, no workspace until one is asked for: device_of makes one per call
 
     @property
     def xp(self):
