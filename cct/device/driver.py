@@ -154,15 +154,16 @@ class CupyDevice(Device):
         host = np.asarray(host)
         if out is None:
             out = self.empty(host.shape, host.dtype)
-        elif host.dtype != out.dtype:
-            host = host.astype(out.dtype)
-        out.set(np.require(host, requirements="C"), stream=stream)  # keeps a 0-d array 0-d
+        if not (out.flags.c_contiguous and out.shape == host.shape):  # a strided or broadcast target
+            out[...] = self.upload(host, stream=stream)
+            return out
+        out.set(np.require(host, dtype=out.dtype, requirements="C"), stream=stream)  # keeps a 0-d array 0-d
         return out
 
     def download(self, array: Any, out: np.ndarray | None = None, stream: Any = None) -> np.ndarray:
         if out is None:
             return array.get(stream=stream)
-        if out.flags.c_contiguous and out.dtype == array.dtype:
+        if out.flags.c_contiguous and out.dtype == array.dtype and out.shape == array.shape:
             array.get(stream=stream, out=out)
         else:
             np.copyto(out, array.get(stream=stream), casting="unsafe")
