@@ -9,12 +9,15 @@ answers everything a layer, a net or the scheduler asks about memory:
 * ``upload`` / ``download``: host -> device and device -> host copies (into ``out=`` when given; on a GPU on
   a CUDA ``stream`` when given, synchronous on the host); ``empty`` / ``zeros``: allocation in its memory;
 * ``workspace``: a scratch array allocated once per owner and handed back on every later call (allocate at
-  setup, reuse in the step);
+  setup, reuse in the step); the workspaces belong to the Device object, so ask a lasting one (``blob.device``,
+  ``net.device``), not a fresh ``device_of(array)``;
 * :func:`host_kernels_usable`: whether cct's compiled host kernels (:mod:`cct.kernels`, numba) may run on
   arrays; false on a GPU's, where CuPy (and cuBLAS, :mod:`cct.device.cublas`) run instead.
 
 A new device kind is a subclass with its ``kind``, ``xp`` and copies, and a branch in :func:`device_of`.
-The device random streams (:mod:`cct.device.random`) draw in a device's array module.
+The device random streams (:mod:`cct.device.random`: a :class:`~cct.device.random.CounterRandom` per layer, in
+the net's array module) build on this module, so it has no ``random_stream`` of its own (the import would go
+both ways).
 """
 from __future__ import annotations
 
