@@ -188,10 +188,12 @@ def device_of(array: Any) -> Device:
 
 
 def array_module(*arrays: Any):
-    """cupy if any argument is a CuPy array, else numpy (Chainer's ``get_array_module``)."""
-    for a in arrays:
-        if device_of(a).is_gpu:
-            return _cupy
+    """cupy if any argument is a CuPy array, else numpy (Chainer's ``get_array_module``; on every GEMM, so
+    it asks the array types directly rather than making a Device per array)."""
+    if _cupy is not None:
+        for a in arrays:
+            if isinstance(a, _cupy.ndarray):
+                return _cupy
     return np
 
 
