@@ -2,9 +2,10 @@
 
 * ``imagedata``: images/s of an ImageData layer over 256 JPEG files (128x128, batch 64, crop 112, mirror): the
   reading and decoding run on the loader's own ``DecodePool`` (before: one pool shared by the process).
-* ``usable``, ``launch``, ``threads``, ``get``: ns per call of the kernels' dispatch helpers
-  (``kernels.usable``, a one-piece ``kernels.launch``, ``get_num_threads``, ``get``), now reached through
-  ``kernels.RUNTIME`` (before: module globals); every layer's numba dispatch calls some of them.
+* ``usable``, ``launch``, ``threads``, ``get``: ns per call of the kernels' dispatch helpers (the dispatch check,
+  ``cct.device.driver.host_kernels_usable``, before the device driver ``kernels.usable``; a one-piece
+  ``kernels.launch``, ``get_num_threads``, ``get``), now reached through ``kernels.RUNTIME`` (before: module
+  globals); every layer's numba dispatch calls some of them.
 
 Each round runs every tree once, in a fresh process (``--child``), in the order given; the table shows each
 tree's median over the rounds. Writes benchmarks/results/bench_state.json.
@@ -56,6 +57,10 @@ def child(tree: str, images: str) -> dict:
     from cct.layers.data import ImageData
     from cct.proto import caffe_pb2
 
+    try:
+        from cct.device.driver import host_kernels_usable
+    except ImportError:  # a tree from before the device driver
+        host_kernels_usable = kernels.usable
     listing = _images(images)
     p = parse_text(f'''name: "d" type: "ImageData" top: "data" top: "label"
       image_data_param {{ source: "{listing}" root_folder: "{images}/" batch_size: 64 }}
@@ -85,7 +90,7 @@ def child(tree: str, images: str) -> dict:
     import cct
 
     assert os.path.dirname(os.path.abspath(cct.__file__)) == os.path.join(os.path.abspath(tree), "cct"), cct.__file__
-    return {"imagedata": max(rates), "usable": ns(lambda: kernels.usable(a)),
+    return {"imagedata": max(rates), "usable": ns(lambda: host_kernels_usable(a)),
             "launch": ns(lambda: kernels.launch(noop, work=10)), "threads": ns(kernels.get_num_threads),
             "get": ns(lambda: kernels.get("pooling"))}
 
@@ -94,6 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", default="final=.", help="name=path,... (source checkouts of cct)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--name", default="bench_state", help="results file name (benchmarks/results/NAME.json)")
     ap.add_argument("--keep-env", action="store_true", help="keep OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--images", default=None, help=argparse.SUPPRESS)
@@ -125,7 +131,7 @@ def main() -> None:
     print_table(["metric", "unit"] + list(trees) + [f"{n}/{first}" for n in list(trees)[1:]], rows)
     argv = [os.path.basename(sys.argv[0]), "--trees", ",".join(f"{n}=<{n} checkout>" for n in trees),
             "--rounds", str(args.rounds)]  # no machine's directories in the results
-    path = write_json("bench_state", {"environment": rep, "trees": list(trees), "rounds": args.rounds, "runs": runs,
+    path = write_json(args.name, {"environment": rep, "trees": list(trees), "rounds": args.rounds, "runs": runs,
                                       "medians": medians, "argv": argv})
     print(f"wrote {path}")
 

@@ -19,7 +19,7 @@ def set_mode_cpu() -> None:
 
 def set_mode_gpu() -> None:
     """Run on the GPU (needs CuPy and a GPU: ``pip install cct[gpu]``)."""
-    from cct.backend import cupy_available
+    from cct.device.driver import cupy_available
 
     if not cupy_available():
         raise CctError("caffe.set_mode_gpu(): no GPU available (CuPy missing or no CUDA device); "

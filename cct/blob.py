@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from .config import current
+from .device.driver import Device, HostDevice
 from .errors import CctError
 from .membudget import check_blob_size
 
@@ -32,12 +33,13 @@ class Blob:
     net that only runs forward (inference, test nets) holds no gradient arrays.
     """
 
-    def __init__(self, shape: Sequence[int] = (), dtype=np.float32, xp=np, name: str = ""):
+    def __init__(self, shape: Sequence[int] = (), dtype=np.float32, device: Device | None = None, name: str = ""):
         self.name = name
-        self.xp = xp
+        self.device = device if device is not None else HostDevice()  # where data and diff live
+        self.xp = self.device.xp  # the array module layers compute with (numpy or cupy)
         self.dtype = np.dtype(dtype)
         self._shape: tuple[int, ...] = ()
-        self.data = xp.zeros((), dtype=self.dtype)
+        self.data = self.device.zeros((), dtype=self.dtype)
         self._diff = None
         self._diff_source: tuple | None = None  # (blob, shape) whose diff this one's views (share_diff)
         self.reshape(shape)
@@ -51,7 +53,7 @@ class Blob:
             if source is not None:
                 d = source[0].diff.reshape(source[1])
             else:
-                d = self.xp.zeros(self._shape, dtype=self.dtype)
+                d = self.device.zeros(self._shape, dtype=self.dtype)
             self._diff = d
         return d
 
@@ -86,7 +88,7 @@ class Blob:
             return
         check_blob_size(self.name, shape, self.dtype.itemsize, current().memory_budget)
         self._shape = shape
-        self.data = self.xp.zeros(shape, dtype=self.dtype)
+        self.data = self.device.zeros(shape, dtype=self.dtype)
         self._diff = None  # allocated when first used
         self._diff_source = None
 

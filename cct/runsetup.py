@@ -6,8 +6,8 @@ import argparse
 import logging
 
 from . import env
-from .backend import cupy_available
 from .config import EngineConfig, GpuConfig, python_layers_from_env, update_default
+from .device.driver import gpu_count
 from .errors import CctError
 from .flags import add_progress_flag
 from .log import init_log
@@ -102,12 +102,10 @@ def select_gpus(flag: str | None) -> list[int]:
         return []
 
 
-    if not cupy_available():
+    count = gpu_count()
+    if not count:
         raise CctError(f"--gpu={flag} given but no GPU is available (CuPy is not installed or sees no CUDA device); "
                        "leave out --gpu to run on the CPU")
-    import cupy  # type: ignore
-
-    count = cupy.cuda.runtime.getDeviceCount()
     if flag == "all":
         return list(range(count))
     try:

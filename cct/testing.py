@@ -13,14 +13,15 @@ from typing import Any
 import numpy as np
 
 from .blob import Blob
+from .device.driver import Device
 from .layers.base import Layer
 
 
-def make_blob(arr: np.ndarray, name: str = "", xp: Any = np) -> Blob:
-    """A blob holding a copy of ``arr`` (its dtype is kept) in array module ``xp`` (numpy or cupy)."""
+def make_blob(arr: np.ndarray, name: str = "", device: Device | None = None) -> Blob:
+    """A blob holding a copy of ``arr`` (its dtype is kept) on ``device`` (default: the host)."""
     arr = np.asarray(arr)
-    blob = Blob(arr.shape, dtype=arr.dtype, xp=xp, name=name)
-    blob.data[...] = xp.asarray(arr)
+    blob = Blob(arr.shape, dtype=arr.dtype, device=device, name=name)
+    blob.device.upload(arr, out=blob.data)
     return blob
 
 

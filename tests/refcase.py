@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import cct
-from cct.backend import to_numpy
 from cct.blob import Blob
+from cct.device.driver import Device, HostDevice, to_host
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
 from cct.paths import shared_path
@@ -84,17 +84,17 @@ def max_rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(diff / scale)
 
 
-def run_case_layerwise(name: str, phase: int | None = None, xp=np, built: list | None = None):
+def run_case_layerwise(name: str, phase: int | None = None, device: Device | None = None, built: list | None = None):
     """Run each layer of a case on Caffe's own inputs; return a list of (what, cct, caffe) triples.
 
-    Runs with the case directory as working directory, as Caffe did (relative sources). ``xp`` is
-    the array module the blobs live in (numpy, or cupy for the GPU path); results come back as numpy.
+    Runs with the case directory as working directory, as Caffe did (relative sources). ``device``
+    is where the blobs live (default the host; a CupyDevice for the GPU path); results come back as numpy.
     ``built``: a list that receives the layers built.
     """
     cwd = os.getcwd()
     os.chdir(case_dir(name))
     try:
-        return _run_case_layerwise(name, xp, built if built is not None else [])
+        return _run_case_layerwise(name, device or HostDevice(), built if built is not None else [])
     finally:
         os.chdir(cwd)
 
@@ -185,10 +185,10 @@ def main(names: list[str]) -> None:
 
 
 def _host_copy(arr) -> np.ndarray:
-    return np.array(to_numpy(arr))
+    return np.array(to_host(arr))
 
 
-def _run_case_layerwise(name: str, xp, built: list):
+def _run_case_layerwise(name: str, device: Device, built: list):
     case = load_case(name)
     a = case.arrays
     phase = caffe_pb2.TRAIN if case.meta["phase"] == "TRAIN" else caffe_pb2.TEST
@@ -204,8 +204,8 @@ def _run_case_layerwise(name: str, xp, built: list):
             src = a.get(f"input/{nm}")
             if src is None:
                 src = a[f"data/{nm}"]
-            b = Blob(src.shape, name=nm, xp=xp)
-            b.data[...] = xp.asarray(src)
+            b = Blob(src.shape, name=nm, device=device)
+            device.upload(src, out=b.data)
             blobs[nm] = b
         return blobs[nm]
 
@@ -220,13 +220,13 @@ def _run_case_layerwise(name: str, xp, built: list):
             if i < len(lp.bottom) and lp.bottom[i] == n:
                 top.append(blobs[n])
             else:
-                blobs[n] = Blob((), name=n, xp=xp)
+                blobs[n] = Blob((), name=n, device=device)
                 top.append(blobs[n])
         layer.setup(bottom, top)
         if lp.name in case.params:
             for pb, arr in zip(layer.blobs, case.params[lp.name]):
                 assert pb.shape == arr.shape, f"{lp.name}: param shape {pb.shape} != {arr.shape}"
-                pb.data[...] = xp.asarray(arr)
+                device.upload(arr, out=pb.data)
         built.append((layer, bottom, top))
     for layer, bottom, top in built:
         layer.reshape(bottom, top)
@@ -244,7 +244,7 @@ def _run_case_layerwise(name: str, xp, built: list):
     for nm, b in blobs.items():
         b.diff[...] = 0
         if f"topdiff/{nm}" in a:
-            b.diff[...] = xp.asarray(a[f"topdiff/{nm}"])
+            device.upload(a[f"topdiff/{nm}"], out=b.diff)
         elif nm in loss_blobs:
             b.diff[...] = loss_blobs[nm]
     for layer, _, _ in built:

@@ -179,7 +179,7 @@ def test_bad_input_exits_nonzero_with_message(workdir, args, needle):
 
 
 def test_gpu_flag_without_gpu_is_an_error(workdir):
-    from cct.backend import cupy_available
+    from cct.device.driver import cupy_available
 
     if cupy_available():
         pytest.skip("a GPU is present")

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 from naive import make_geom, naive_conv, random_conv_inputs, ref_backward, ref_forward
 
-from cct.backend import cupy_available, to_numpy
+from cct.device.driver import cupy_available, to_host
 from cct.lowering import get_strategy, strategy_names, supports
 from cct.lowering.optimizer import PerPassLowering
 from cct.lowering.partition import BatchedLowering
@@ -76,7 +76,7 @@ def _case(args, batch, dtype, rseed):
 def _check(what, got, exact, dtype, label):
     ref, scale = exact[what]
     rtol, atol = TOLERANCE[dtype]
-    got = to_numpy(got)
+    got = to_host(got)
     assert got.shape == ref.shape, f"{label}: {what} has shape {got.shape}, expected {ref.shape}"
     assert got.dtype == dtype, f"{label}: {what} is {got.dtype}, expected {np.dtype(dtype)}"
     err = np.abs(got.astype(np.float64) - ref)

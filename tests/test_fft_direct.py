@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import scipy.fft as sfft
 
-from cct.backend import cupy_available, to_numpy
+from cct.device.driver import cupy_available, to_host
 from cct.lowering import ConvGeometry, get_strategy
 from cct.lowering.fft import FFTConvolution, fft_shape, half_shape, inverse_spectrum, spectrum
 
@@ -81,14 +81,14 @@ def test_device_weight_transform_is_made_once_per_pass_without_comparing_the_wei
     w += 0.25  # the solver updates the weights in place: the next pass sees the new ones
     layer = BatchedLowering(s, batch_partition=2)
     ref = get_strategy("type1")
-    np.testing.assert_allclose(to_numpy(layer.forward(x, w, None, g)), to_numpy(ref.forward(x, w, None, g)),
+    np.testing.assert_allclose(to_host(layer.forward(x, w, None, g)), to_host(ref.forward(x, w, None, g)),
                                rtol=1e-10, atol=1e-10)
     w -= 0.5
     dx = cupy.empty_like(x)
     layer.backward_into(dy, x, w, g, dx=dx)
-    np.testing.assert_allclose(to_numpy(dx), to_numpy(ref.backward_data(dy, w, g)), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(to_host(dx), to_host(ref.backward_data(dy, w, g)), rtol=1e-10, atol=1e-10)
     w *= 2.0
-    np.testing.assert_allclose(to_numpy(s.backward_data(dy, w, g)), to_numpy(ref.backward_data(dy, w, g)),
+    np.testing.assert_allclose(to_host(s.backward_data(dy, w, g)), to_host(ref.backward_data(dy, w, g)),
                                rtol=1e-10, atol=1e-10)
 
 

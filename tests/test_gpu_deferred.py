@@ -9,7 +9,7 @@ import pytest
 from test_device_deferred import NET as IP_NET
 from test_device_deferred import Feed
 
-from cct.backend import cupy_available, to_numpy
+from cct.device.driver import cupy_available, to_host
 from cct.errors import LayerError
 from cct.io.prototxt import parse_text
 from cct.proto import caffe_pb2
@@ -93,7 +93,7 @@ def test_one_iteration_of_compute_reads_nothing_on_the_host():
     s.net.checks.set_iteration(17)
     s.net.blobs["label"].data[...] = cupy.asarray([0, 2, -1, 1], dtype=np.float32)
     _capture(s._run_iteration)
-    assert int(to_numpy(s.net.checks.iteration)) == 18  # advanced inside the graph
+    assert int(to_host(s.net.checks.iteration)) == 18  # advanced inside the graph
     with pytest.raises(LayerError, match=r"^layer 'loss' .*label value -1 out of range \[0, 3\) at item 2 .*"
                                          r"\(train net, iteration 17\)$"):
         s._settle(s.iter)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cct.backend import cupy_available, to_numpy
 from cct.config import using_config
+from cct.device.driver import cupy_available, to_host
 from cct.errors import CctError
 from cct.paths import shared_path
 from cct.proto import caffe_pb2
@@ -74,7 +74,7 @@ def _train(solver, batches):
         data.data.set(x)  # in place: the graph reads the same device buffer every iteration
         label.data.set(y)
         solver.step(1)
-    return [to_numpy(p.data) for p in net.learnable_params]
+    return [to_host(p.data) for p in net.learnable_params]
 
 
 @pytest.mark.parametrize("solver_type,iter_size", [("SGD", 1), ("Nesterov", 1), ("Adam", 1), ("AdaDelta", 1),
@@ -163,7 +163,7 @@ def test_real_caffe_solver_run_with_graphs(tmp_path, monkeypatch):
     assert solver.step_graphs is not None and solver.step_graphs.captured and not solver.step_graphs.eager
     np.testing.assert_allclose(rates, ref["lr"], rtol=1e-7)
     final = read_weights(work / "final.caffemodel")
-    got = {name: [to_numpy(b.data) for b in layer.blobs] for name, layer in zip(solver.net.layer_names,
+    got = {name: [to_host(b.data) for b in layer.blobs] for name, layer in zip(solver.net.layer_names,
                                                                                  solver.net.layers)}
     compared = 0
     for name, arrays in final.items():

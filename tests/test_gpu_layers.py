@@ -10,8 +10,8 @@ import pytest
 from refcase import list_cases, max_rel_err, reference_available, run_case_layerwise
 
 from cct import rng
-from cct.backend import cupy_available, to_numpy
 from cct.blob import Blob
+from cct.device.driver import CupyDevice, HostDevice, cupy_available, to_host
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
 from cct.proto import caffe_pb2
@@ -31,7 +31,7 @@ def _cupy():
 @pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
 @pytest.mark.parametrize("case", UNIT_CASES)
 def test_unit_case_on_gpu_matches_caffe(case):
-    results = run_case_layerwise(case, xp=_cupy())
+    results = run_case_layerwise(case, device=CupyDevice(0))
     assert results, f"{case}: nothing compared"
     for what, ours, theirs in results:
         err = max_rel_err(ours, theirs)
@@ -75,23 +75,22 @@ def test_gradient_on_gpu(name):
     if name.startswith("conv_"):
         layer.lowering = name.split("_")[1]  # each of CcT's lowerings, forced
     gen = np.random.default_rng(7)
-    bottom = [make_blob(gen.standard_normal(s), xp=cp) for s in shapes]
-    top = [Blob((), dtype=np.float64, xp=cp)]
+    bottom = [make_blob(gen.standard_normal(s), device=CupyDevice(0)) for s in shapes]
+    top = [Blob((), dtype=np.float64, device=CupyDevice(0))]
     check_gradient(layer, bottom, top, threshold=1e-3)
     assert isinstance(top[0].data, cp.ndarray), "the layer left the GPU"
 
 
 def test_conv_on_gpu_equals_cpu():
-    cp = _cupy()
     x = np.random.default_rng(3).standard_normal((4, 3, 9, 8)).astype(np.float32)
     outs = []
-    for xp in (np, cp):
+    for device in (HostDevice(), CupyDevice(0)):
         layer = _layer(CONV)
-        bottom, top = [make_blob(x, xp=xp)], [Blob((), xp=xp)]
+        bottom, top = [make_blob(x, device=device)], [Blob((), device=device)]
         rng.set_random_seed(5)
         layer.setup(bottom, top)
         layer.forward(bottom, top)
-        outs.append(to_numpy(top[0].data))
+        outs.append(to_host(top[0].data))
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-5)
 
 
@@ -115,13 +114,14 @@ def test_max_pooling_kernels_on_gpu_equal_the_array_path_bitwise(pool, dtype):
     for mode in ("auto", "numpy"):
         with kernels.forced_mode(mode):
             layer = _layer(f'type: "Pooling" pooling_param {{ pool: MAX {pool} }}')
-            bottom, top = [make_blob(x, xp=cp)], [Blob((), dtype=dtype, xp=cp), Blob((), dtype=dtype, xp=cp)]
+            gpu = CupyDevice(0)
+            bottom, top = [make_blob(x, device=gpu)], [Blob((), dtype=dtype, device=gpu) for _ in range(2)]
             layer.setup(bottom, top)
             assert gpu_pooling.usable(bottom[0].data, top[0].data) == (mode == "auto")
             layer.forward(bottom, top)
             top[0].diff[...] = cp.asarray(dy(top[0].shape).astype(dtype)) if not results else results[0][3]
             layer.backward(top, [True], bottom)
-            results.append((to_numpy(top[0].data), to_numpy(top[1].data), to_numpy(bottom[0].diff), top[0].diff))
+            results.append((to_host(top[0].data), to_host(top[1].data), to_host(bottom[0].diff), top[0].diff))
     (y, mask, dx, _), (y_ref, mask_ref, dx_ref, _) = results
     np.testing.assert_array_equal(y, y_ref)
     np.testing.assert_array_equal(mask, mask_ref)

@@ -8,8 +8,8 @@ import pytest
 
 import cct
 from cct import scheduler
-from cct.backend import cupy_available, to_numpy
 from cct.config import Config, using_config
+from cct.device.driver import cupy_available, to_host
 from cct.proto import caffe_pb2
 from cct.solver.solver import get_solver
 
@@ -51,7 +51,7 @@ def _train(tmp_path, mode):
     tmp_path.mkdir(parents=True, exist_ok=True)
     solver = get_solver(_solver_param(tmp_path, mode))
     solver.solve()
-    return solver, [to_numpy(p.data) for p in solver.net.learnable_params]
+    return solver, [to_host(p.data) for p in solver.net.learnable_params]
 
 
 def test_net_lives_on_the_gpu_and_trains_as_on_the_cpu(tmp_path):

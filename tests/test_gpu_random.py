@@ -5,8 +5,8 @@ import pytest
 
 import cct
 from cct import scheduler
-from cct.backend import cupy_available, to_numpy
 from cct.config import Config, using_config
+from cct.device.driver import cupy_available, to_host
 from cct.device.random import CounterRandom, philox4x32_10, round_keys
 from cct.io.prototxt import parse_text
 from cct.proto import caffe_pb2
@@ -33,15 +33,15 @@ def test_numpy_and_cupy_streams_give_identical_bits():
     cp = _cupy()
     host, dev = CounterRandom(KEY, STREAM, np), CounterRandom(KEY, STREAM, cp)
     for n in (1, 7, 4096, 100_003):  # odd sizes: every later draw starts mid-block
-        np.testing.assert_array_equal(host.words(n), to_numpy(dev.words(n)))
+        np.testing.assert_array_equal(host.words(n), to_host(dev.words(n)))
     for dtype in (np.float32, np.float64):
         a, b = np.empty((33, 65), dtype), cp.empty((33, 65), dtype)
         host.uniform_(a)
         dev.uniform_(b)
-        np.testing.assert_array_equal(a, to_numpy(b))
+        np.testing.assert_array_equal(a, to_host(b))
         host.bernoulli_(a, 0.55, 1 / 0.45)
         dev.bernoulli_(b, 0.55, 1 / 0.45)
-        np.testing.assert_array_equal(a, to_numpy(b))
+        np.testing.assert_array_equal(a, to_host(b))
     assert isinstance(dev.position, cp.ndarray) and host.state() == dev.state()
 
 
@@ -64,8 +64,8 @@ def test_a_captured_draw_replays_and_advances_its_device_counter():
         graph.launch(stream)
         stream.synchronize()
         host.bernoulli_(want, 0.5, 2.0)
-        np.testing.assert_array_equal(to_numpy(mask), want)
-        seen.append(to_numpy(mask))
+        np.testing.assert_array_equal(to_host(mask), want)
+        seen.append(to_host(mask))
     assert not np.array_equal(seen[0], seen[1]) and dev.state()["position"] == 3 * 64 * 1000
 
 
@@ -90,7 +90,7 @@ def _run(config: Config | None, iterations: int = 3) -> list[np.ndarray]:
     out = []
     for _ in range(iterations):
         net.forward()
-        out.append(to_numpy(net.blobs["p"].data).copy())
+        out.append(to_host(net.blobs["p"].data).copy())
     return out
 
 

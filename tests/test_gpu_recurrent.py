@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from refcase import max_rel_err, reference_available, run_case_layerwise
 
-from cct.backend import cupy_available
 from cct.blob import Blob
+from cct.device.driver import CupyDevice, cupy_available
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
 from cct.proto import caffe_pb2
@@ -17,9 +17,8 @@ pytestmark = pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a G
 @pytest.mark.skipif(not reference_available(), reason="../shared/reference not present")
 @pytest.mark.parametrize("case", ["lstm_t3_n2", "lstmunit", "rnn_t3_n2", "spp_max_h2"])
 def test_added_case_on_gpu_matches_caffe(case):
-    import cupy
 
-    results = run_case_layerwise(case, xp=cupy)
+    results = run_case_layerwise(case, device=CupyDevice(0))
     assert results
     for what, ours, theirs in results:
         err = max_rel_err(ours, theirs)
@@ -40,14 +39,14 @@ def test_gradient_on_gpu(text, static):
     layer = create_layer(lp)
     gen = np.random.default_rng(3)
     if static is None:
-        bottom = [make_blob(gen.standard_normal((1, 2, 6, 5)), xp=cupy)]
+        bottom = [make_blob(gen.standard_normal((1, 2, 6, 5)), device=CupyDevice(0))]
         check = [0]
     else:
         cont = np.array([[0, 0], [1, 0], [1, 1]], dtype=np.float64)
-        bottom = [make_blob(gen.standard_normal((3, 2, 2)), xp=cupy), make_blob(cont, xp=cupy)]
+        bottom = [make_blob(a, device=CupyDevice(0)) for a in (gen.standard_normal((3, 2, 2)), cont)]
         if static:
-            bottom.append(make_blob(gen.standard_normal((2, 3)), xp=cupy))
+            bottom.append(make_blob(gen.standard_normal((2, 3)), device=CupyDevice(0)))
         check = [0, 2] if static else [0]
-    top = [Blob((), dtype=np.float64, xp=cupy)]
+    top = [Blob((), dtype=np.float64, device=CupyDevice(0))]
     check_gradient(layer, bottom, top, check_bottom=check, threshold=1e-3)
     assert isinstance(top[0].data, cupy.ndarray), "the layer left the GPU"

@@ -11,7 +11,7 @@ import pytest
 import update_cases
 from update_cases import RULES
 
-from cct.backend import cupy_available
+from cct.device.driver import cupy_available
 
 pytestmark = pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a GPU")
 
@@ -30,12 +30,12 @@ def feed(solvers, rng, scale=1.0):
 
 
 def assert_close(ref, got, rtol=1e-6):
-    from cct.backend import to_numpy
+    from cct.device.driver import to_host
 
     for i, (p, q) in enumerate(zip(ref.net.learnable_params, got.net.learnable_params)):
-        np.testing.assert_allclose(to_numpy(q.data), to_numpy(p.data), rtol=rtol, atol=1e-7, err_msg=f"data {i}")
+        np.testing.assert_allclose(to_host(q.data), to_host(p.data), rtol=rtol, atol=1e-7, err_msg=f"data {i}")
     for i, (h, k) in enumerate(zip(ref.history, got.history)):
-        np.testing.assert_allclose(to_numpy(k), to_numpy(h), rtol=rtol, atol=1e-7, err_msg=f"history {i}")
+        np.testing.assert_allclose(to_host(k), to_host(h), rtol=rtol, atol=1e-7, err_msg=f"history {i}")
 
 
 @pytest.mark.parametrize("kind,reg,iter_size", list(itertools.product(RULES, ("L2", "L1"), (1, 3))))

@@ -11,6 +11,7 @@ import pytest
 
 from cct import kernels, rng
 from cct.blob import Blob
+from cct.device.driver import host_kernels_usable
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
 from cct.lowering import ConvGeometry, get_strategy
@@ -366,12 +367,12 @@ def test_env_var_forces_numpy(monkeypatch):
     monkeypatch.setattr(kernels, "RUNTIME", kernels.KernelRuntime())  # no set_mode override
     monkeypatch.setenv("CCT_KERNELS", "numpy")
     assert kernels.mode() == "numpy" and not kernels.enabled()
-    assert not kernels.usable(np.zeros(3, np.float32))
+    assert not host_kernels_usable(np.zeros(3, np.float32))
     monkeypatch.setenv("CCT_KERNELS", "auto")
     assert kernels.mode() == "auto"
-    assert kernels.usable(np.zeros(3, np.float32)) == kernels.numba_available()
-    assert not kernels.usable(np.zeros(3, np.float32), np.zeros(3, np.float64))
-    assert not kernels.usable(np.zeros(3, np.int32))
+    assert host_kernels_usable(np.zeros(3, np.float32)) == kernels.numba_available()
+    assert not host_kernels_usable(np.zeros(3, np.float32), np.zeros(3, np.float64))
+    assert not host_kernels_usable(np.zeros(3, np.int32))
     with pytest.raises(ValueError):
         kernels.set_mode("fast")
 
@@ -444,10 +445,10 @@ def test_concurrent_calls_from_several_threads():
     # every thread may use the kernels (their pieces run on cct's own threads, not numba's threading layer)
     seen = []
     with kernels.forced_mode("auto"):
-        t = threading.Thread(target=lambda: seen.append(kernels.usable(x)))
+        t = threading.Thread(target=lambda: seen.append(host_kernels_usable(x)))
         t.start()
         t.join()
-        assert seen == [True] and kernels.usable(x)
+        assert seen == [True] and host_kernels_usable(x)
 
 
 @needs_numba

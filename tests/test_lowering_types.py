@@ -13,8 +13,8 @@ import pytest
 from naive import make_geom, random_conv_inputs, ref_backward, ref_forward
 
 from cct import blas
-from cct.backend import cupy_available, to_numpy
 from cct.config import using_config
+from cct.device.driver import CupyDevice, HostDevice, cupy_available, to_host
 from cct.io.prototxt import parse_text
 from cct.layers.base import create_layer
 from cct.lowering import ConvGeometry, get_strategy, supports
@@ -87,15 +87,15 @@ def test_matches_direct_convolution(name, geom, xp_name):
         bc = None if b is None else xp.asarray(b.astype(dt))
         y = s.forward(xc, wc, bc, geom)
         assert isinstance(y, xp.ndarray) and y.shape == y_ref.shape and y.dtype == dt
-        np.testing.assert_allclose(to_numpy(y), y_ref, rtol=tol, atol=tol * 10)
+        np.testing.assert_allclose(to_host(y), y_ref, rtol=tol, atol=tol * 10)
         dx = s.backward_data(dyc, wc, geom)
         assert isinstance(dx, xp.ndarray) and dx.shape == x.shape and dx.dtype == dt
-        np.testing.assert_allclose(to_numpy(dx), dx_ref, rtol=tol, atol=tol * 10)
+        np.testing.assert_allclose(to_host(dx), dx_ref, rtol=tol, atol=tol * 10)
         dw, db = s.backward_weights(dyc, xc, geom)
         assert isinstance(dw, xp.ndarray) and dw.shape == w.shape
-        np.testing.assert_allclose(to_numpy(dw), dw_ref, rtol=tol, atol=tol * 10)
+        np.testing.assert_allclose(to_host(dw), dw_ref, rtol=tol, atol=tol * 10)
         if geom.bias_term:
-            np.testing.assert_allclose(to_numpy(db), db_ref, rtol=tol, atol=tol * 10)
+            np.testing.assert_allclose(to_host(db), db_ref, rtol=tol, atol=tol * 10)
         else:
             assert db is None
 
@@ -217,8 +217,9 @@ def test_gradient_through_conv_layer(name, case, xp_name):
     else:
         layer.lowering = get_strategy(name)
     rng = np.random.default_rng(5)
-    bottom = [make_blob(rng.standard_normal(shape), xp=xp)]
-    top = [make_blob(np.zeros(1), xp=xp)]
+    device = CupyDevice(0) if xp_name == "cupy" else HostDevice()
+    bottom = [make_blob(rng.standard_normal(shape), device=device)]
+    top = [make_blob(np.zeros(1), device=device)]
     check_gradient(layer, bottom, top, stepsize=1e-4, threshold=1e-6)
     assert isinstance(top[0].data, xp.ndarray)
 
@@ -245,8 +246,9 @@ def test_gradient_on_each_blas_backend_and_partition_count(backend, partitions, 
     layer.lowering = BatchedLowering(get_strategy(name), batch_partition=1, partitions=partitions)
     rng = np.random.default_rng(6)
     xp = importlib.import_module("cupy") if backend == "cupy" else np
-    bottom = [make_blob(rng.standard_normal(shape), xp=xp)]
-    top = [make_blob(np.zeros(1), xp=xp)]
+    device = CupyDevice(0) if backend == "cupy" else HostDevice()
+    bottom = [make_blob(rng.standard_normal(shape), device=device)]
+    top = [make_blob(np.zeros(1), device=device)]
     with _backend("openblas" if backend == "cupy" else backend):
         check_gradient(layer, bottom, top, stepsize=1e-4, threshold=1e-6)
     assert isinstance(top[0].data, xp.ndarray)

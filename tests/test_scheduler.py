@@ -8,6 +8,7 @@ import pytest
 
 import cct
 from cct import scheduler
+from cct.device.driver import HostDevice
 from cct.errors import CctError
 from cct.io.prototxt import parse_text
 from cct.proto import caffe_pb2
@@ -567,13 +568,21 @@ def test_worker_error_propagates():
         cfg.close()
 
 
+class SeparateHostMemory(HostDevice):
+    """Host memory that the scheduler treats as a device's own (copies in and out, as a GPU's)."""
+
+    is_gpu = True
+
+    def upload(self, host, out=None, stream=None):
+        return np.array(host) if out is None else super().upload(host, out)
+
+
 class CopyingCpuDevice(CpuDevice):
     """A CPU device that pretends to have its own memory: exercises the GPU code path with numpy."""
 
-    host_memory = False
-
-    def asarray(self, host):
-        return np.array(host)
+    def __init__(self, index, threads):
+        super().__init__(index, threads)
+        self.memory = SeparateHostMemory()
 
 
 def test_device_memory_path_matches_single_device():

@@ -612,7 +612,7 @@ def test_signal_handler_records_signals():
 
 
 def test_solver_mode_gpu_falls_back_to_cpu(cct_log):
-    from cct.backend import cupy_available
+    from cct.device.driver import cupy_available
 
     p = make_param('base_lr: 0.1 lr_policy: "fixed"')
     p.solver_mode = caffe_pb2.SolverParameter.GPU

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import get_array_module
 from ..device import cublas as device_blas
+from ..device.driver import array_module, device_of
 from ..errors import CctError
 from .choice import get_backend
 from .product import gemm_on
@@ -17,7 +17,7 @@ from .product import gemm_on
 
 def _cpu_float(a: Any, b: Any) -> bool:
     """numpy float32/float64 operands of one dtype (what the CPU backends multiply)."""
-    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
+    return (not device_of(a).is_gpu and not device_of(b).is_gpu and a.dtype == b.dtype
             and a.dtype in (np.float32, np.float64))
 
 
@@ -44,7 +44,7 @@ def matmul(a: Any, b: Any, out: Any = None) -> Any:
     if device_blas.supports(a, b):
         return device_blas.matmul(a, b, out=out)
     if not (_cpu_float(a, b) and a.ndim >= 2 and b.ndim >= 2 and get_backend() == "mkl"):
-        return get_array_module(a, b).matmul(a, b, out=out)
+        return array_module(a, b).matmul(a, b, out=out)
     if a.ndim == 2 and b.ndim == 2:
         return gemm_on("mkl", a, b, out)
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])

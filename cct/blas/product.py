@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import get_array_module
 from ..device import cublas as device_blas
+from ..device.driver import array_module, device_of
 from ..errors import CctError
 from .mkl import load_mkl
 from .openblas import load_openblas
@@ -115,7 +115,7 @@ def gemm_on(backend: str | None, a: Any, b: Any, out: Any = None, trans_a: bool 
     """
     if device_blas.supports(a, b):
         return device_blas.gemm(a, b, out, trans_a, trans_b, alpha, beta)
-    xp = get_array_module(a, b)
+    xp = array_module(a, b)
     opa = a.T if trans_a else a
     opb = b.T if trans_b else b
     if opa.shape[-1] != opb.shape[0]:
@@ -126,12 +126,13 @@ def gemm_on(backend: str | None, a: Any, b: Any, out: Any = None, trans_a: bool 
         beta = 0.0
     elif tuple(out.shape) != shape:
         raise CctError(f"gemm: out has shape {tuple(out.shape)}, expected {shape}")
+    on_host = not device_of(out).is_gpu  # (a, b and out live together: xp is their module)
     use_mkl = False
-    if xp is np and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
+    if on_host and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
         use_mkl = backend == "mkl"
     if use_mkl:
         return mkl_gemm(a, b, out, trans_a, trans_b, float(alpha), float(beta))
-    if beta != 0 and xp is np and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
+    if beta != 0 and on_host and a.dtype == b.dtype == out.dtype and a.dtype in (np.float32, np.float64):
         ob = load_openblas()  # accumulate inside the GEMM: no temporary, no extra sweep over out
         if ob is not None:
             fn = ob.sgemm if a.dtype == np.float32 else ob.dgemm
@@ -140,7 +141,7 @@ def gemm_on(backend: str | None, a: Any, b: Any, out: Any = None, trans_a: bool 
         xp.matmul(opa, opb, out=out)
         if alpha != 1:
             out *= alpha
-    elif xp is np and beta == 1 and out.nbytes > ACC_BLOCK_BYTES and shape[1] > 0:
+    elif on_host and beta == 1 and out.nbytes > ACC_BLOCK_BYTES and shape[1] > 0:
         # out += alpha * op(a) @ op(b) in row blocks whose product stays in cache: a big accumulated
         # result (an InnerProduct's weight gradient) then makes 2 trips through DRAM instead of 4.
         rows = max(1, ACC_BLOCK_BYTES // (shape[1] * out.itemsize))

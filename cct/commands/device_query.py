@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from .. import blas
-from ..backend import cupy_available
+from ..device.driver import cupy_available
 from ..errors import CctError
 from ..flags import FlagParser, command_parser
 from ..runsetup import select_gpus

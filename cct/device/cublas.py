@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import in_device_memory
 from ..errors import CctError
+from .driver import device_of
 
 _OP_N, _OP_T = 0, 1
 _DEFAULT_MATH, _TF32_MATH = 0, 3
@@ -108,7 +108,7 @@ def available() -> bool:
 def supports(a: Any, b: Any) -> bool:
     """True when ``a`` and ``b`` are CuPy arrays this module multiplies (one float/complex dtype, >= 2-D) and
     cuBLAS is bound: the GPU path then routes the product here."""
-    return (in_device_memory(a) and in_device_memory(b) and a.dtype == b.dtype and a.dtype.char in _SCALARS
+    return (device_of(a).is_gpu and device_of(b).is_gpu and a.dtype == b.dtype and a.dtype.char in _SCALARS
             and a.ndim >= 2 and b.ndim >= 2 and available())
 
 

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..backend import get_array_module, to_numpy
 from ..errors import LayerError
+from .driver import array_module, to_host
 
 if TYPE_CHECKING:
     from ..layers.base import Layer
@@ -58,7 +58,7 @@ def layer_check(layer: Layer, name: str, bad, values, describe: Describe) -> Non
     """Check on ``layer``'s data that no element of ``bad`` is True (see :meth:`DeviceChecks.fail_where`),
     through the checks of the layer's net, or at once for a layer run on its own (``layer.checks`` None)."""
     if layer.checks is None:
-        raise_first_failure(layer, get_array_module(bad), bad, values, describe)
+        raise_first_failure(layer, array_module(bad), bad, values, describe)
     else:
         layer.checks.fail_where(layer, name, bad, values, describe)
 
@@ -123,7 +123,7 @@ class DeviceChecks:
         the last call, or None. Clears the record."""
         if not self._checks:
             return None  # only a deferred check registers itself: nothing can have been recorded
-        record = [int(v) for v in to_numpy(self.record)]
+        record = [int(v) for v in to_host(self.record)]
         if not record[_SET]:
             return None
         self.record.fill(0)

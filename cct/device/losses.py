@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import to_numpy
+from .driver import to_host
 
 
 class LossLog:
@@ -45,7 +45,7 @@ class LossLog:
         n = len(self.iterations)
         if not n:
             return []
-        values = to_numpy(self.values[:n])
+        values = to_host(self.values[:n])
         taken = [(it, np.float32(v)) for it, v in zip(self.iterations, values)]
         self.iterations = []
         self._slot.fill(0)

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..backend import get_array_module, to_numpy
 from ..errors import CctError
+from .driver import device_of, host_kernels_usable
 
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # Weyl key increments
@@ -157,7 +157,7 @@ class CounterRandom:
     def _kernels(self, out):
         """:mod:`cct.kernels.philox` for a C-contiguous numpy float array drawn by a numpy generator
         (the same bits in one compiled pass), else None."""
-        if self.xp is np and kernels.usable(out, contiguous=True):
+        if not device_of(self.position).is_gpu and host_kernels_usable(out, contiguous=True):
             return kernels.get("philox")
         return None
 
@@ -166,13 +166,13 @@ class CounterRandom:
         another device) is drawn here and copied over."""
         if not out.flags.c_contiguous:
             raise CctError("a random draw needs a C-contiguous output array")
-        xp = get_array_module(out)
-        if xp is self.xp:
+        mine, theirs = device_of(self.position), device_of(out)
+        if theirs == mine:
             draw(out.reshape(-1))
         else:
-            here = self.xp.empty(out.size, dtype=out.dtype)
+            here = mine.empty(out.size, dtype=out.dtype)
             draw(here)
-            out.reshape(-1)[...] = to_numpy(here) if xp is np else xp.asarray(here)
+            theirs.upload(mine.download(here), out=out.reshape(-1))
 
     # -- snapshots (boundary operations) --------------------------------------------------------------
     def state(self) -> dict:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import get_array_module, to_numpy
+from ..device.driver import device_of, to_host
 from .comm import Comm, Request
 
 
@@ -137,7 +137,7 @@ class GradientSync:
         params = self.net.learnable_params
         for k, off in zip(b.params, b.offsets):
             d = params[k].diff
-            b.send[off:off + d.size] = to_numpy(d).reshape(-1)
+            b.send[off:off + d.size] = to_host(d).reshape(-1)
             if self.weight is not None:
                 b.send[off:off + d.size] *= b.send.dtype.type(self.weight)
         b.request = self.comm.iallreduce(b.send, out=b.recv)
@@ -159,10 +159,12 @@ class GradientSync:
                 d = params[k].diff
                 scale = d.dtype.type(self.scale_by if self.weight is None else 1)
                 src = b.recv[off:off + d.size].reshape(d.shape)
-                if isinstance(d, np.ndarray):
-                    np.multiply(src, scale, out=d)
+                device = device_of(d)
+                if device.is_gpu:
+                    device.upload(src, out=d)
+                    d *= scale
                 else:
-                    d[...] = get_array_module(d).asarray(src) * scale
+                    np.multiply(src, scale, out=d)
             b.request = None
         self.stats.unpack_s += time.perf_counter() - t1
         self.stats.iterations += 1

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import get_array_module, to_numpy
+from ..device.driver import to_host
 from ..device.random import key_from_host
 from ..io.prototxt import to_text
 from ..solver import signals
@@ -123,10 +123,10 @@ class DataParallel:
             if net.param_owners[nid] >= 0:
                 continue
             blob = net.layers[lid].blobs[pid]
-            host = np.ascontiguousarray(to_numpy(blob.data))
+            host = np.ascontiguousarray(to_host(blob.data))
             self.comm.bcast(host, root=0)
             if not self.is_root:
-                blob.data[...] = get_array_module(blob.data).asarray(host)
+                blob.device.upload(host, out=blob.data)
 
     def _seed_rank_streams(self) -> None:
         """Ranks > 0 draw dropout masks etc. from streams of their own (rank 0 keeps the shared ones): the host

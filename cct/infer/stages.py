@@ -58,7 +58,7 @@ class TwoStagePipeline:
                 if id(b) in produced and id(b) not in boundary:
                     boundary[id(b)] = b
         self.boundary = list(boundary.values())
-        self.private = {id(b): Blob(b.shape, dtype=b.dtype, xp=b.xp, name=b.name) for b in self.boundary}
+        self.private = {id(b): Blob(b.shape, dtype=b.dtype, device=b.device, name=b.name) for b in self.boundary}
         self.handoff = [np.empty(b.shape, dtype=b.dtype) for b in self.boundary]
         self.first = first
         self.second = []

@@ -52,7 +52,7 @@ log = logging.getLogger("cct")
 
 ENV_VAR = "CCT_KERNELS"
 _OFF = ("numpy", "off", "0", "none", "false", "no")
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+FLOATS = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes the kernels are compiled for
 
 #: elements below which a kernel runs on the calling thread alone: handing pieces to the team costs more
 #: than it saves (an SGD update of 500 parameters: ~4 us serial, 30-70 us as a 2-thread region; a
@@ -256,25 +256,6 @@ def numba_available() -> bool:
 def enabled() -> bool:
     """Whether the compiled kernels are in use (mode ``auto`` and numba importable)."""
     return mode() != "numpy" and numba_available()
-
-
-def usable(*arrays: Any, contiguous: bool = False) -> bool:
-    """True when the kernels are enabled and every array is a numpy float32/float64 ndarray of one dtype
-    (and, with ``contiguous``, C-contiguous: the layers' blobs are; anything else takes the numpy path
-    rather than compiling another variant)."""
-    if not arrays or not enabled():
-        return False
-    dt = None
-    for a in arrays:
-        if not isinstance(a, np.ndarray) or a.dtype not in _FLOATS:
-            return False
-        if contiguous and not a.flags.c_contiguous:
-            return False
-        if dt is None:
-            dt = a.dtype
-        elif a.dtype != dt:
-            return False
-    return True
 
 
 def get(name: str) -> ModuleType | None:

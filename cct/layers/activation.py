@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from .. import kernels
 from ..blob import Blob
+from ..device.driver import host_kernels_usable
 from ..proto import caffe_pb2
 from .base import Layer, log, register
 
@@ -104,7 +105,7 @@ class ReLULayer(NeuronLayer):
         self._save_input(bottom, top)
         xp = bottom[0].xp
         x = bottom[0].data
-        ke = kernels.get("elementwise") if kernels.usable(x, top[0].data, contiguous=True) else None
+        ke = kernels.get("elementwise") if host_kernels_usable(x, top[0].data, contiguous=True) else None
         if ke is not None:  # compiled CPU kernel: same bits, fewer passes over memory
             ke.relu_forward(x, top[0].data, self.negative_slope)
         elif self.negative_slope == 0:
@@ -118,7 +119,7 @@ class ReLULayer(NeuronLayer):
         xp = bottom[0].xp
         x = self._input(bottom)
         dy = top[0].diff
-        ke = kernels.get("elementwise") if kernels.usable(x, dy, bottom[0].diff, contiguous=True) else None
+        ke = kernels.get("elementwise") if host_kernels_usable(x, dy, bottom[0].diff, contiguous=True) else None
         if ke is not None:
             ke.relu_backward(x, dy, bottom[0].diff, self.negative_slope)
         elif self.negative_slope == 0:

@@ -160,11 +160,10 @@ class Layer:
 
     def make_param(self, shape: Sequence[int], filler: caffe_pb2.FillerParameter | None,
                    like: Blob | None = None) -> Blob:
-        """A new learnable blob of ``shape`` filled by ``filler`` (dtype/xp of ``like``)."""
+        """A new learnable blob of ``shape`` filled by ``filler`` (dtype and device of ``like``)."""
         dtype = like.dtype if like is not None else np.float32
-        xp = like.xp if like is not None else np
-        blob = Blob(shape, dtype=dtype, xp=xp, name=self.name)
         # a new blob is zeros already: Caffe's default constant-0 filler is a no-op
+        blob = Blob(shape, dtype=dtype, device=like.device if like is not None else None, name=self.name)
         if filler is not None and not (filler.type == "constant" and filler.value == 0):
             fill(blob, filler, self.host_random().generator)
         return blob

@@ -12,8 +12,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ..backend import in_device_memory
 from ..blob import Blob
+from ..device.driver import device_of
 from ..errors import CctError
 from ..lowering import LoweringStrategy, get_strategy
 from ..lowering.engine import plan_device_lowering, plan_lowering
@@ -170,7 +170,7 @@ class _BaseConvolution(Layer):
                                  f"bottom[{i}] {list(b.shape)})")
         geom = self._geometry(shape)
         self.num = bottom[0].count_range(0, self.channel_axis)
-        self._device_xp = bottom[0].xp if in_device_memory(bottom[0].data) else None
+        self._device_xp = bottom[0].xp if device_of(bottom[0].data).is_gpu else None
         self._itemsize = bottom[0].dtype.itemsize
         self._plan_lowering()
         self.prepare_lowering()

@@ -39,7 +39,6 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import in_device_memory
 from ..blob import Blob
 from ..data.db import open_db
 from ..data.db_loader import DBLoader
@@ -57,12 +56,9 @@ _LEGACY_TRANSFORM_FIELDS = ("scale", "mean_file", "crop_size", "mirror")
 
 
 def _copy_to_blob(blob: Blob, arr: np.ndarray) -> None:
-    """Reshape ``blob`` to ``arr.shape`` and copy ``arr`` into its data (numpy or cupy)."""
+    """Reshape ``blob`` to ``arr.shape`` and copy ``arr`` into its data (an upload when it is a GPU's)."""
     blob.reshape(arr.shape)
-    if in_device_memory(blob.data):  # host -> device copy
-        blob.data.set(np.ascontiguousarray(arr, dtype=blob.dtype))
-    else:
-        np.copyto(blob.data, arr, casting="unsafe")
+    blob.device.upload(arr, out=blob.data)
 
 
 def child_rngs(parent: np.random.Generator,

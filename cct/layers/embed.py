@@ -71,7 +71,7 @@ class EmbedLayer(StructureLayer):
         g = top[0].diff.reshape(-1, self.N)
         if self.param_propagate_down[0]:
             idx = self._indices(bottom[0])
-            index_add(bottom[0].xp, self.blobs[0].diff, idx, g)
+            index_add(self.blobs[0].diff, idx, g)
         if self.bias_term and self.param_propagate_down[1]:
             self.blobs[1].diff += g.sum(axis=0)
 

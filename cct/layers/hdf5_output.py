@@ -14,18 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from ..blob import Blob
+from ..device.driver import to_host
 from ..errors import CctError
 from .base import Layer, log, register
 
 DATA_DATASET = "data"
 LABEL_DATASET = "label"
-
-
-def _to_host(arr) -> np.ndarray:
-    return arr.get() if hasattr(arr, "get") else np.asarray(arr)
 
 
 @register("HDF5Output")
@@ -75,7 +70,7 @@ class HDF5OutputLayer(Layer):
                         raise self.error(
                             f"Failed to make {blob.dtype.name} dataset '{name}' in {self.file_name}: it was "
                             f"written by an earlier forward (Caffe's HDF5Output writes one batch per file)")
-                    f.create_dataset(name, data=_to_host(blob.data).reshape(shape))
+                    f.create_dataset(name, data=to_host(blob.data).reshape(shape))
         except OSError as e:
             raise self.error(f"cannot write HDF5 file {self.file_name}: {e}") from None
         log.info("Successfully saved %d rows", shapes[0][0])

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import kernels
-from ..backend import get_array_module
 from ..blob import Blob
+from ..device.driver import array_module, host_kernels_usable
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -28,7 +28,7 @@ _LP = caffe_pb2.LRNParameter
 
 def _box_sum(a, n: int, axes: Sequence[int]):
     """Sum over a centred window of ``n`` (odd) entries along each axis in ``axes``, zero-padded."""
-    xp = get_array_module(a)
+    xp = array_module(a)
     half = (n - 1) // 2
     out = a
     for ax in axes:
@@ -87,16 +87,13 @@ class LRNLayer(Layer):
 
     def _kernels(self, *arrays):
         """The LRN kernel module when the compiled path applies (ACROSS_CHANNELS, numpy floats), else None."""
-        if self.region != _LP.ACROSS_CHANNELS or not kernels.usable(*arrays, contiguous=True):
+        if self.region != _LP.ACROSS_CHANNELS or not host_kernels_usable(*arrays, contiguous=True):
             return None
         return kernels.get("lrn")
 
-    @staticmethod
-    def _like(buf, x):
-        """``buf`` when it is a numpy array of ``x``'s shape and dtype, else a new empty one."""
-        if isinstance(buf, np.ndarray) and buf.shape == x.shape and buf.dtype == x.dtype:
-            return buf
-        return np.empty_like(x)
+    def _scratch(self, blob: Blob, what: str):
+        """This layer's ``what`` buffer of ``blob``'s shape and dtype (allocated once, then reused)."""
+        return blob.device.workspace((self, what), blob.shape, blob.dtype)
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         x = bottom[0].data
@@ -104,9 +101,9 @@ class LRNLayer(Layer):
         self.x_saved = x.copy() if top[0] is bottom[0] else None
         km = self._kernels(x, top[0].data)
         if km is not None:
-            scale = km.scale_across(x, self._like(self.scale, x), self.size, self.alpha, self.k)
+            scale = km.scale_across(x, self._scratch(bottom[0], "scale"), self.size, self.alpha, self.k)
             self.scale = scale
-            self.scale_pow = km.power(scale, -self.beta, self._like(self.scale_pow, x))
+            self.scale_pow = km.power(scale, -self.beta, self._scratch(bottom[0], "scale_pow"))
             np.multiply(x, self.scale_pow, out=top[0].data)
             return
         scale = self._scale(x)
@@ -123,7 +120,7 @@ class LRNLayer(Layer):
         if self.scale_pow is not None:
             km = self._kernels(x, dy, bottom[0].diff, scale, self.scale_pow)
             if km is not None:
-                self._work = self._like(self._work, x)
+                self._work = self._scratch(bottom[0], "work")
                 km.backward_across(x, dy, scale, self.scale_pow, bottom[0].diff, self.size, self.alpha, self.beta,
                                    work=self._work)
                 return

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import kernels
-from ..backend import in_device_memory
 from ..blob import Blob
+from ..device.driver import device_of, host_kernels_usable
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -53,6 +53,11 @@ def pooled_size(size: int, kernel: int, pad: int, stride: int, padded: bool | No
     if padded and (out - 1) * stride >= size + pad:
         out -= 1
     return out
+
+
+def _reusable(arr, like) -> bool:
+    """Whether ``arr`` (the argmax kept from a forward) has ``like``'s shape and lives on its device."""
+    return arr is not None and arr.shape == like.shape and device_of(arr) == device_of(like)
 
 
 @register("Pooling")
@@ -206,7 +211,7 @@ class PoolingLayer(Layer):
     def _gpu_kernels(*arrays):
         """:mod:`cct.kernels.gpu_pooling` when its kernels apply to these arrays (CuPy), else None
         (imported only then: importing cct loads no kernel module)."""
-        if not in_device_memory(arrays[0]):
+        if not device_of(arrays[0]).is_gpu:
             return None
         from ..kernels import gpu_pooling
 
@@ -216,7 +221,7 @@ class PoolingLayer(Layer):
         """The pooling kernel module when the compiled path applies to these arrays, else None."""
         if self.method == _PP.STOCHASTIC and self.phase != caffe_pb2.TRAIN:
             return None
-        return kernels.get("pooling") if kernels.usable(*arrays, contiguous=True) else None
+        return kernels.get("pooling") if host_kernels_usable(*arrays, contiguous=True) else None
 
     def forward(self, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
         self.xp = bottom[0].xp
@@ -252,14 +257,10 @@ class PoolingLayer(Layer):
         best = top[0].data
         km = self._kernels(x, best) if x.ndim == 4 else None
         if km is not None:
-            arg = self.arg
-            if not isinstance(arg, np.ndarray) or arg.shape != best.shape:
-                arg = np.empty(best.shape, dtype=np.int32)
+            arg = self.arg if _reusable(self.arg, best) else np.empty(best.shape, dtype=np.int32)
             km.max_forward(x, best, arg, self.kernel, self.pad, self.stride)
         elif (gk := self._gpu_kernels(x, best)) is not None:  # GPU memory: one launch, not three per offset
-            arg = self.arg
-            if type(arg) is not type(x) or arg.shape != best.shape:
-                arg = xp.empty(best.shape, dtype=np.int32)
+            arg = self.arg if _reusable(self.arg, best) else xp.empty(best.shape, dtype=np.int32)
             gk.max_forward(x, best, arg, self.kernel, self.pad, self.stride)
         else:
             xpad = self._padded(x, -np.inf)
@@ -315,12 +316,12 @@ class PoolingLayer(Layer):
             if km is not None:
                 km.ave_backward(dy, self.pool_size, bottom[0].diff, self.kernel, self.pad, self.stride)
                 return
-        elif isinstance(self.arg, np.ndarray) and self.arg.shape == dy.shape and dy.ndim == 4:
+        elif _reusable(self.arg, dy) and not device_of(dy).is_gpu and dy.ndim == 4:
             km = self._kernels(dy, bottom[0].diff) if self.arg.flags.c_contiguous else None
             if km is not None:
                 km.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
                 return
-        elif (self.method == _PP.MAX and type(self.arg) is type(dy) and self.arg.shape == dy.shape
+        elif (self.method == _PP.MAX and _reusable(self.arg, dy)
               and (gk := self._gpu_kernels(dy, bottom[0].diff)) is not None):
             gk.max_backward(dy, self.arg, bottom[0].diff, self.kernel, self.pad, self.stride)
             return

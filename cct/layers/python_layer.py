@@ -28,6 +28,7 @@ import numpy as np
 
 from ..blob import Blob
 from ..config import current
+from ..device.driver import Device, HostDevice
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -48,11 +49,12 @@ class PyBlob:
 
     def _array(self, which: str):
         arr = getattr(self._blob, which)
-        if self._blob.xp is np:
+        device = self._blob.device
+        if not device.is_gpu:
             return arr
         host = self._host.get(which)
         if host is None:
-            host = self._blob.xp.asnumpy(arr)
+            host = device.download(arr)
             self._host[which] = host
         return host
 
@@ -71,7 +73,7 @@ class PyBlob:
         for which, host in self._host.items():
             arr = getattr(self._blob, which)
             if arr.shape == host.shape:
-                arr[...] = self._blob.xp.asarray(host)
+                self._blob.device.upload(host, out=arr)
         self._host.clear()
 
     def reshape(self, *shape: Any) -> None:
@@ -135,9 +137,9 @@ class BlobVec:
             raise TypeError("BlobVec.add_blob takes no kwargs")
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        dtype, xp = (self._owner.blob_dtype, self._owner.blob_xp) if self._owner else (np.float32, np)
+        dtype, device = (self._owner.blob_dtype, self._owner.blob_device) if self._owner else (np.float32, None)
         name = self._owner.name if self._owner else ""
-        self._store.append(Blob(tuple(int(d) for d in shape), dtype=dtype, xp=xp, name=name))
+        self._store.append(Blob(tuple(int(d) for d in shape), dtype=dtype, device=device, name=name))
 
     def append(self, item: Any) -> None:
         self._store.append(self._unwrap(item))
@@ -253,7 +255,7 @@ class PythonLayerWrapper(Layer):
                                  f"(cct.layers.python_layer.PythonLayer); it lacks {', '.join(missing)}")
         self._pyblobs: dict[int, PyBlob] = {}
         self.blob_dtype = np.dtype(np.float32)
-        self.blob_xp = np
+        self.blob_device: Device = HostDevice()
         self.share_in_parallel = bool(pp.share_in_parallel)
 
     # -- adapters ------------------------------------------------------------------------
@@ -279,7 +281,7 @@ class PythonLayerWrapper(Layer):
     def layer_setup(self, bottom, top):
         like = bottom[0] if bottom else (top[0] if top else None)
         if like is not None:
-            self.blob_dtype, self.blob_xp = like.dtype, like.xp
+            self.blob_dtype, self.blob_device = like.dtype, like.device
         u = self.user
         vec = BlobVec(self)
         if isinstance(u, PythonLayer):

@@ -107,7 +107,7 @@ class BatchReindexLayer(StructureLayer):
         idx = self._indices(bottom)
         diff = top_diff_safe(top[0], bottom)
         bottom[0].diff[...] = 0
-        index_add(bottom[0].xp, bottom[0].diff, idx, diff)
+        index_add(bottom[0].diff, idx, diff)
 
     def allow_force_backward(self, bottom_index: int) -> bool:
         """The index bottom gets no gradient."""

@@ -80,7 +80,7 @@ class SPPLayer(Layer):
             self.levels = []
             for level in range(self.height):
                 pool = self._pool_layer(level, h, w)
-                out = Blob((), dtype=x.dtype, xp=x.xp)
+                out = Blob((), dtype=x.dtype, device=x.device)
                 try:
                     pool.setup([x], [out])
                 except LayerError as e:
@@ -118,7 +118,7 @@ class SPPLayer(Layer):
             k = out.count_range(1)
             out.diff[...] = dy[:, off:off + k].reshape(out.shape)
             off += k
-            scratch = Blob((), dtype=x.dtype, xp=x.xp)
+            scratch = Blob((), dtype=x.dtype, device=x.device)
             scratch.share_data(x)
             pool.backward([out], [True], [scratch])
             if total is None:

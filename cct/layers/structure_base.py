@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..blob import Blob
+from ..device.driver import device_of
 from .base import Layer
 
 
@@ -15,14 +16,14 @@ def axis_slice(axis: int, start: int, stop: int) -> tuple:
     return (slice(None),) * axis + (slice(start, stop),)
 
 
-def index_add(xp, target, index, values) -> None:
+def index_add(target, index, values) -> None:
     """``target[index] += values`` with repeated indices accumulating (numpy or cupy)."""
-    if xp is np:
-        np.add.at(target, index, values)
-    else:  # pragma: no cover - needs a GPU
+    if device_of(target).is_gpu:  # pragma: no cover - needs a GPU
         import cupyx
 
         cupyx.scatter_add(target, index, values)
+    else:
+        np.add.at(target, index, values)
 
 
 def top_diff_safe(top: Blob, bottom: Sequence[Blob]):

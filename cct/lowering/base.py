@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..backend import get_array_module
+from ..device.driver import array_module
 from .geometry import ConvGeometry
 
 
@@ -86,18 +86,18 @@ class IntoLowering(LoweringStrategy):
         raise NotImplementedError
 
     def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(x)
+        xp = array_module(x)
         y = xp.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
         return self.forward_into(x, w, b, geom, y)
 
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         dx = xp.empty((dy.shape[0], geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
         self.backward_into(dy, None, w, geom, dx=dx)
         return dx
 
     def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         dw = xp.zeros(geom.weight_shape, dtype=dy.dtype)
         db = xp.zeros(geom.channels_out, dtype=dy.dtype) if geom.bias_term else None
         self.backward_into(dy, x, None, geom, dw=dw, db=db)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..backend import get_array_module
+from ..device.driver import array_module, host_kernels_usable
 from . import direct_layout as dl
 from .base import LoweringStrategy, register_strategy
 from .gemm_ops import PASSES
@@ -69,14 +69,14 @@ class DirectConvolution(LoweringStrategy):
 
     # -- the three passes -------------------------------------------------------------------
     def forward(self, x: Any, w: Any, b: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(x)
+        xp = array_module(x)
         y = xp.empty((x.shape[0], geom.channels_out) + tuple(geom.out_shape), dtype=x.dtype)
         return self.forward_into(x, w, b, geom, y)
 
     def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
         """``out[...] = conv(x, w) + b`` (the register-blocked kernel writes straight into a
         C-contiguous ``out`` whose layout has no dropped positions)."""
-        xp = get_array_module(x)
+        xp = array_module(x)
         n, nd = x.shape[0], geom.num_spatial
         pgeom = self._phased(geom, x, w)
         if pgeom is not None:
@@ -137,14 +137,14 @@ class DirectConvolution(LoweringStrategy):
                 dx[...] = self._backward_data_plain(dy, w, geom)
 
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         dx = xp.empty((dy.shape[0], geom.channels_in) + tuple(geom.in_shape), dtype=dy.dtype)
         self.backward_into(dy, None, w, geom, dx=dx)
         return dx
 
     def _backward_data_plain(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
         """The data gradient by the plain kernels (or the array-module path)."""
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         n, nd = dy.shape[0], geom.num_spatial
         dxp = xp.zeros((n, geom.channels_in) + tuple(geom.used_extent), dtype=dy.dtype)
         if n and dy.size:
@@ -161,7 +161,7 @@ class DirectConvolution(LoweringStrategy):
         return dx
 
     def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         nd = geom.num_spatial
         db = dy.sum(axis=(0,) + tuple(range(2, 2 + nd))) if geom.bias_term else None
         if not (dy.shape[0] and dy.size):
@@ -227,7 +227,7 @@ class DirectConvolution(LoweringStrategy):
     @staticmethod
     def _simd(geom: ConvGeometry, *arrays: Any):
         """``(kernel module, layout)`` of the register-blocked forward kernel for ``geom``, or None."""
-        if not kernels.usable(*arrays):
+        if not host_kernels_usable(*arrays):
             return None
         km = kernels.get("conv_simd")
         if km is None:
@@ -238,11 +238,11 @@ class DirectConvolution(LoweringStrategy):
     # -- array-module path (cupy, or kernels off) ---------------------------------------------
     @staticmethod
     def _kernels(*arrays: Any):
-        return kernels.get("direct") if kernels.usable(*arrays) else None
+        return kernels.get("direct") if host_kernels_usable(*arrays) else None
 
     @staticmethod
     def _forward_xp(xpad: Any, w: Any, y: Any, geom: ConvGeometry) -> None:
-        xp = get_array_module(xpad)
+        xp = array_module(xpad)
         g, n = geom.group, xpad.shape[0]
         cg, mg = geom.channels_in // g, geom.channels_out // g
         yg = y.reshape((n, g, mg, geom.out_size))
@@ -253,7 +253,7 @@ class DirectConvolution(LoweringStrategy):
 
     @staticmethod
     def _backward_data_xp(dy: Any, w: Any, dxp: Any, geom: ConvGeometry) -> None:
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         g, n = geom.group, dy.shape[0]
         cg, mg = geom.channels_in // g, geom.channels_out // g
         dyg = dy.reshape(n, g, mg, geom.out_size)
@@ -264,7 +264,7 @@ class DirectConvolution(LoweringStrategy):
 
     @staticmethod
     def _backward_weights_xp(dy: Any, xpad: Any, dw: Any, geom: ConvGeometry) -> None:
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         g, n = geom.group, dy.shape[0]
         cg, mg = geom.channels_in // g, geom.channels_out // g
         dyg = dy.reshape(n, g, mg, geom.out_size)

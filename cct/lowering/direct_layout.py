@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import get_array_module
+from ..device.driver import array_module
 from ..kernels import simd_tiles
 from .geometry import ConvGeometry
 
@@ -230,7 +230,7 @@ def run_forward(km: Any, xbuf: Any, wblk: Any, geom: ConvGeometry, lay: SimdLayo
 def pad_input(x: Any, geom: ConvGeometry, scratch: Scratch | None = None, km: Any = None) -> Any:
     """``(N, C, *used_extent)``: ``x`` zero-padded and cropped to the region the windows touch (a
     reused buffer with ``scratch``; copied in parallel with the kernels ``km``)."""
-    xp = get_array_module(x)
+    xp = array_module(x)
     ext = geom.used_extent
     dst, _ = geom.interior(ext)
     full = all(d.start == 0 and d.stop == e for d, e in zip(dst, ext))

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .. import blas
-from ..backend import get_array_module, in_device_memory
+from ..device.driver import array_module, device_of
 from . import direct_layout as dl
 from .base import IntoLowering, register_strategy
 from .geometry import ConvGeometry
@@ -60,9 +60,10 @@ def pocketfft_binding() -> Any:
     return pypocketfft if all(hasattr(pypocketfft, f) for f in ("r2c", "c2c", "c2r")) else None
 
 
-def _native(xp: Any) -> Any:
-    """The pocketfft binding when ``xp`` is numpy and scipy has it, else None (the array module's FFT)."""
-    return pocketfft_binding() if xp is np else None
+def _native(a: Any) -> Any:
+    """The pocketfft binding when ``a`` is in host memory and scipy has it, else None (its array module's
+    FFT)."""
+    return None if device_of(a).is_gpu else pocketfft_binding()
 
 
 def _workers() -> int:
@@ -72,8 +73,8 @@ def _workers() -> int:
 def _r2c(a: Any, axis: int, conjugate: bool, out: Any) -> Any:
     """``out[...]`` = the half spectrum of real ``a`` along ``axis`` (its whole length); its conjugate
     with ``conjugate``."""
-    xp = get_array_module(a)
-    pocketfft = _native(xp)
+    xp = array_module(a)
+    pocketfft = _native(a)
     if pocketfft is not None:
         return pocketfft.r2c(a, (axis,), not conjugate, 0, out, _workers())
     r = xp.fft.rfft(a, axis=axis)
@@ -84,8 +85,8 @@ def _r2c(a: Any, axis: int, conjugate: bool, out: Any) -> Any:
 def _c2c(a: Any, axis: int, negative: bool, scale: bool, out: Any) -> Any:
     """``out[...]`` (``out`` may be ``a``) = the complex transform of ``a`` along ``axis`` with a
     negative (``negative``) or positive exponent, divided by the length with ``scale``."""
-    xp = get_array_module(a)
-    pocketfft = _native(xp)
+    xp = array_module(a)
+    pocketfft = _native(a)
     if pocketfft is not None:
         return pocketfft.c2c(a, (axis,), negative, 2 if scale else 0, out, _workers())
     if negative:
@@ -98,8 +99,8 @@ def _c2c(a: Any, axis: int, negative: bool, scale: bool, out: Any) -> Any:
 def _c2r(a: Any, axis: int, points: int, conjugate: bool, out: Any) -> Any:
     """``out[...]`` = the real inverse (divided by ``points``) along ``axis`` of the half spectrum
     ``a``, or of the spectrum whose conjugate ``a`` is (``conjugate``)."""
-    xp = get_array_module(a)
-    pocketfft = _native(xp)
+    xp = array_module(a)
+    pocketfft = _native(a)
     if pocketfft is not None:
         return pocketfft.c2r(a, (axis,), points, conjugate, 2, out, _workers())
     out[...] = xp.fft.irfft(xp.conj(a) if conjugate else a, n=points, axis=axis)
@@ -135,7 +136,7 @@ def spectrum(a: Any, shape: tuple[int, ...], out: Any, conjugate: bool = False,
     non-zero (ZNNi Figure 2), writing the head of the next stage's zero-extended buffer (from
     ``scratch``; fresh without one), so that no stage copies or zeroes anything. ``out`` may be any
     strided view."""
-    xp = get_array_module(a)
+    xp = array_module(a)
     nd = len(shape)
     axes = tuple(range(a.ndim - nd, a.ndim)) if axes is None else tuple(axes)
     if a.shape[axes[-1]] != shape[-1]:
@@ -169,7 +170,7 @@ def inverse_spectrum(a: Any, shape: tuple[int, ...], keep: tuple[int, ...], conj
     or of the spectrum ``a`` is the conjugate of (``conjugate``). Each stage runs on the lines later
     stages need and keeps only ``keep[i]`` of its outputs. The result is a view of a ``scratch``
     buffer."""
-    xp = get_array_module(a)
+    xp = array_module(a)
     nd = len(shape)
     axes = tuple(range(a.ndim - nd, a.ndim)) if axes is None else tuple(axes)
     cur = a
@@ -237,7 +238,7 @@ class FFTConvolution(IntoLowering):
         """The weights' spectrum, once for all chunks of a pass (with every transform worker). Weights in
         a GPU's memory are transformed anew for every pass: comparing them with the cached copy would
         make the host wait for the device mid-iteration, and their transform costs the GPU little."""
-        self.kernel_transform(w, geom, fresh=in_device_memory(w))
+        self.kernel_transform(w, geom, fresh=device_of(w).is_gpu)
 
     def kernel_transform(self, w: Any, geom: ConvGeometry, fresh: bool = False) -> Any:
         """``(G, F, Cg, Mg)`` (``F`` the frequencies, flattened; a strided view): the conjugate of the
@@ -252,8 +253,8 @@ class FFTConvolution(IntoLowering):
         Host weights are compared with the cached copy; device weights are not (see :meth:`prepare`):
         ``fresh`` transforms them and lets the next call take that transform, any other call
         transforms them again."""
-        xp = get_array_module(w)
-        on_host = xp is np
+        xp = array_module(w)
+        on_host = not device_of(w).is_gpu
         key = (geom, id(w), xp.__name__, w.shape, np.dtype(w.dtype))
         with self._wlock:  # one thread computes, the others wait for it instead of computing it again
             hit = self._wcache.pop(key, None)
@@ -287,7 +288,7 @@ class FFTConvolution(IntoLowering):
                         src: tuple[slice, ...], tag: str, conjugate: bool) -> Any:
         """``(G, F, N, channels / G)``: the transform (its conjugate with ``conjugate``) of ``a[..., src]``
         written at ``place`` into a kept, zero-extended ``extent`` buffer (what is never written stays zero)."""
-        xp = get_array_module(a)
+        xp = array_module(a)
         n, c, nd, g = a.shape[0], a.shape[1], geom.num_spatial, geom.group
         shape = fft_shape(geom)
         buf = self._buffer((tag + "pad", geom), a.shape[:2] + _last_extended(extent, shape), a.dtype, xp)
@@ -311,7 +312,7 @@ class FFTConvolution(IntoLowering):
     # -- the three passes -------------------------------------------------------------------
     def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
         """``out[...] = conv(x, w) + b``."""
-        xp = get_array_module(x)
+        xp = array_module(x)
         n, nd, g = x.shape[0], geom.num_spatial, geom.group
         mg = geom.channels_out // g
         bias = None if b is None else b.reshape((1, -1) + (1,) * nd)
@@ -334,7 +335,7 @@ class FFTConvolution(IntoLowering):
                       dx: Any = None) -> None:
         """Both gradients of a chunk from one transform of ``dy``: ``dw += ...``, ``db += ...``,
         ``dx[...] = ...`` (each None to skip)."""
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         n, nd, g = dy.shape[0], geom.num_spatial, geom.group
         cg, mg = geom.channels_in // g, geom.channels_out // g
         if db is not None:

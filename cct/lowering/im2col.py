@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels
-from ..backend import get_array_module
+from ..device.driver import array_module, host_kernels_usable
 
 
 def _c_div(a: int, b: int) -> int:
@@ -47,7 +47,7 @@ def _window(offsets, stride, dilation, out_shape) -> tuple[slice, ...]:
 
 def _kernel_module(nd: int, lead: tuple, *arrays: Any):
     """The im2col kernel module when the compiled path applies (2-D, <= 2 lead axes, numpy floats)."""
-    if nd != 2 or len(lead) > 2 or not kernels.usable(*arrays):
+    if nd != 2 or len(lead) > 2 or not host_kernels_usable(*arrays):
         return None
     return kernels.get("im2col")
 
@@ -63,7 +63,7 @@ def im2col(x: Any, kernel: Sequence[int], pad: Sequence[int], stride: Sequence[i
 
     ``out`` may be any writable array (or view) of that shape; padding reads as zero.
     """
-    xp = get_array_module(x)
+    xp = array_module(x)
     nd = len(kernel)
     kernel, pad, stride, dilation = (tuple(int(v) for v in a) for a in (kernel, pad, stride, dilation))
     lead = tuple(x.shape[: x.ndim - nd])
@@ -109,7 +109,7 @@ def col2im(col: Any, in_shape: Sequence[int], kernel: Sequence[int], pad: Sequen
     Overlapping windows accumulate; contributions that fall into the padding are dropped.
     With ``out`` given the result is written (not added) into it.
     """
-    xp = get_array_module(col)
+    xp = array_module(col)
     nd = len(kernel)
     kernel, pad, stride, dilation = (tuple(int(v) for v in a) for a in (kernel, pad, stride, dilation))
     in_shape = tuple(int(i) for i in in_shape)

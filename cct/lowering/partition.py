@@ -43,8 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import blas, kernels
-from ..backend import get_array_module, in_device_memory
 from ..config import submit_in_context
+from ..device.driver import array_module, device_of
 from .base import IntoLowering, LoweringStrategy
 from .budget import max_batch_partition, memory_budget, workspace_bytes
 from .chunking import choose_chunking, chunks, split
@@ -241,7 +241,7 @@ class BatchedLowering(IntoLowering):
                 out[s:e] = self.inner.forward(x[s:e], w, b, geom)
 
         self.inner.prepare(w, geom, "fwd")
-        if in_device_memory(x):
+        if device_of(x).is_gpu:
             work(0, n)
             return out
         self._run(geom, n, x.itemsize, work)
@@ -255,9 +255,9 @@ class BatchedLowering(IntoLowering):
         ``dw``/``db`` at the end. With an inner ``backward_into`` one lowering per chunk feeds both
         gradients.
         """
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         n = dy.shape[0]
-        on_device = in_device_memory(dy)
+        on_device = device_of(dy).is_gpu
         if on_device:
             plan = {"p": 1, "b_p": n, "ranges": [[(0, n)]]}
         else:

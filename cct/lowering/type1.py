@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from .. import blas
-from ..backend import get_array_module
+from ..device.driver import array_module
 from .base import IntoLowering, register_strategy
 from .gemm_ops import GemmLoweringOps
 from .geometry import ConvGeometry
@@ -48,7 +48,7 @@ def _col_buffer_view(buf: Any, nd: int) -> Any:
 
 def _group_major(a: Any, n: int, g: int, per_group: int, p: int, out: Any = None) -> Any:
     """``(N, G * per_group, *spatial)`` -> ``(G, per_group, N * P)`` (copy, into ``out`` if given)."""
-    xp = get_array_module(a)
+    xp = array_module(a)
     t = a.reshape(n, g, per_group, p).transpose(1, 2, 0, 3)
     if out is None:
         return xp.ascontiguousarray(t).reshape(g, per_group, n * p)
@@ -83,7 +83,7 @@ class Type1Lowering(GemmLoweringOps, IntoLowering):
         if cache is None:
             cache = self._tls.bufs = {}
         flat = cache.get(key)
-        if flat is None or flat.size < size or flat.dtype != dtype or get_array_module(flat) is not xp:
+        if flat is None or flat.size < size or flat.dtype != dtype or array_module(flat) is not xp:
             flat = cache[key] = xp.empty(size, dtype=dtype)
         return flat[:size].reshape(shape)
 
@@ -91,7 +91,7 @@ class Type1Lowering(GemmLoweringOps, IntoLowering):
     @staticmethod
     def lower(x: Any, geom: ConvGeometry, out: Any = None) -> Any:
         """The lowered input: ``(G, kernel_dim, N * P)`` (written into ``out``, a flat-able buffer, if given)."""
-        xp = get_array_module(x)
+        xp = array_module(x)
         n = x.shape[0]
         nd = geom.num_spatial
         shape = (geom.channels_in,) + tuple(geom.kernel) + (n,) + tuple(geom.out_shape)
@@ -105,7 +105,7 @@ class Type1Lowering(GemmLoweringOps, IntoLowering):
     # -- chunk entry points (write into given arrays) ------------------------------------------
     def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
         """``out[...] = conv(x, w) + b`` for ``x`` ``(n, C, *in)``; ``out`` ``(n, M, *out)`` (C-contiguous)."""
-        xp = get_array_module(x)
+        xp = array_module(x)
         n = x.shape[0]
         g, m, p = geom.group, geom.channels_out, geom.out_size
         mg = m // g
@@ -145,7 +145,7 @@ class Type1Lowering(GemmLoweringOps, IntoLowering):
         (:class:`~cct.lowering.partition.BatchedLowering`) passes one and transposes it into ``dw``
         once at the end, instead of one strided transpose-add of the whole weight per chunk.
         """
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         n = dy.shape[0]
         if n == 0:
             if dx is not None:

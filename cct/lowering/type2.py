@@ -28,7 +28,7 @@ import math
 from typing import Any
 
 from .. import blas
-from ..backend import get_array_module
+from ..device.driver import array_module
 from .base import LoweringStrategy, register_strategy
 from .gemm_ops import GemmLoweringOps
 from .geometry import ConvGeometry
@@ -59,7 +59,7 @@ class PartialLowering(GemmLoweringOps, LoweringStrategy):
 
     def _padded_input(self, x: Any, geom: ConvGeometry, ext) -> Any:
         """``(C, N, *ext)``: x transposed channel-major, zero-padded, cropped to the used extent."""
-        xp = get_array_module(x)
+        xp = array_module(x)
         n = x.shape[0]
         nd = geom.num_spatial
         xt = x.transpose((1, 0) + tuple(range(2, 2 + nd)))
@@ -74,7 +74,7 @@ class PartialLowering(GemmLoweringOps, LoweringStrategy):
         nd, low, lift, ext = self._layout(geom)
         if not low:
             return xpad
-        xp = get_array_module(xpad)
+        xp = array_module(xpad)
         k_low = tuple(geom.kernel[i] for i in low)
         spatial = tuple(geom.out_shape[i] if i in low else ext[i] for i in range(nd))
         d = xp.empty((xpad.shape[0],) + k_low + (xpad.shape[1],) + spatial, dtype=xpad.dtype)
@@ -90,7 +90,7 @@ class PartialLowering(GemmLoweringOps, LoweringStrategy):
         nd, low, lift, ext = self._layout(geom)
         if not low:
             return dd
-        xp = get_array_module(dd)
+        xp = array_module(dd)
         k_low = tuple(geom.kernel[i] for i in low)
         acc = xp.zeros((dd.shape[0], n) + tuple(ext), dtype=dd.dtype)
         for offs in itertools.product(*(range(k) for k in k_low)):
@@ -135,7 +135,7 @@ class PartialLowering(GemmLoweringOps, LoweringStrategy):
     def _scatter_dy(self, dyg: Any, geom: ConvGeometry, n: int) -> Any:
         """Adjoint of the lifting for one group: ``(Mg, N, *out)`` -> ``(Mg, *k_lift, N, *cols)``."""
         nd, low, lift, ext = self._layout(geom)
-        xp = get_array_module(dyg)
+        xp = array_module(dyg)
         k_lift = tuple(geom.kernel[i] for i in lift)
         spatial = tuple(geom.out_shape[i] if i in low else ext[i] for i in range(nd))
         if not lift:
@@ -152,7 +152,7 @@ class PartialLowering(GemmLoweringOps, LoweringStrategy):
 
     def forward_into(self, x: Any, w: Any, b: Any, geom: ConvGeometry, out: Any) -> Any:
         """:meth:`forward` written into ``out`` ``(N, M, *out)`` (a new array if None); returns it."""
-        xp = get_array_module(x)
+        xp = array_module(x)
         n = x.shape[0]
         nd, low, lift, ext = self._layout(geom)
         g, cg, mg = geom.group, geom.channels_in // geom.group, geom.channels_out // geom.group
@@ -200,7 +200,7 @@ class PartialLowering(GemmLoweringOps, LoweringStrategy):
 
     def backward_data(self, dy: Any, w: Any, geom: ConvGeometry) -> Any:
         """Gradient w.r.t. the input: adjoint lifting, transposed GEMM, adjoint lowering."""
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         n = dy.shape[0]
         nd, low, lift, ext = self._layout(geom)
         g, cg, mg = geom.group, geom.channels_in // geom.group, geom.channels_out // geom.group
@@ -227,7 +227,7 @@ class PartialLowering(GemmLoweringOps, LoweringStrategy):
 
     def backward_weights(self, dy: Any, x: Any, geom: ConvGeometry) -> tuple[Any, Any]:
         """``(dw, db)`` as fresh arrays: ``dK = scatter(dy) @ lowered(x)^T`` per group."""
-        xp = get_array_module(dy)
+        xp = array_module(dy)
         n = dy.shape[0]
         nd, low, lift, ext = self._layout(geom)
         g, cg, mg = geom.group, geom.channels_in // geom.group, geom.channels_out // geom.group

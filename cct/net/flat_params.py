@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import array_address
 from ..blob import Blob
+from ..device.driver import Device, array_address
 
 #: every parameter's segment starts on a boundary of this many bytes (a cache line: whole-vector loads)
 ALIGN = 64
@@ -33,17 +33,22 @@ ALIGN = 64
 
 @dataclass
 class FlatGroup:
-    """The parameters of one dtype: ``param_ids`` (indices into the net's learnable params), their
-    ``offsets`` and ``sizes`` in the flat ``data``/``diff`` buffers (arrays of the params' ``xp``)."""
+    """The parameters of one dtype on one device: ``param_ids`` (indices into the net's learnable params),
+    their ``offsets`` and ``sizes`` in the flat ``data``/``diff`` buffers (in ``device``'s memory)."""
 
     dtype: np.dtype
-    xp: object
+    device: Device
     param_ids: list[int]
     offsets: list[int]
     sizes: list[int]
     data: object
     diff: object
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def xp(self):
+        """The array module of the buffers."""
+        return self.device.xp
 
     @property
     def size(self) -> int:
@@ -89,7 +94,7 @@ class FlatParams:
         self.blobs = list(blobs)
         keys: dict[tuple, list[int]] = {}
         for i, b in enumerate(self.blobs):
-            keys.setdefault((np.dtype(b.dtype).str, id(b.xp)), []).append(i)
+            keys.setdefault((np.dtype(b.dtype).str, b.device), []).append(i)
         self.groups: list[FlatGroup] = []
         for ids in keys.values():
             first = self.blobs[ids[0]]
@@ -100,9 +105,9 @@ class FlatParams:
             for n in sizes:
                 offsets.append(total)
                 total += -(-n // step) * step
-            xp = first.xp
-            group = FlatGroup(dtype, xp, list(ids), offsets, sizes, _aligned_zeros(xp, total, dtype),
-                              _aligned_zeros(xp, total, dtype))
+            device = first.device
+            group = FlatGroup(dtype, device, list(ids), offsets, sizes, _aligned_zeros(device, total, dtype),
+                              _aligned_zeros(device, total, dtype))
             shapes = [self.blobs[i].data.shape for i in ids]
             for i, dv, gv in zip(ids, group.views(group.data, shapes), group.views(group.diff, shapes)):
                 b = self.blobs[i]
@@ -130,7 +135,7 @@ class FlatParams:
         for k in range(sets):
             row = []
             for g in self.groups:
-                buf = _aligned_zeros(g.xp, g.size, g.dtype)
+                buf = _aligned_zeros(g.device, g.size, g.dtype)
                 row.append(buf)
                 shapes = [self.blobs[i].data.shape for i in g.param_ids]
                 for i, v in zip(g.param_ids, g.views(buf, shapes)):
@@ -139,10 +144,11 @@ class FlatParams:
         return buffers, views
 
 
-def _aligned_zeros(xp, n: int, dtype: np.dtype):
-    """A zeroed 1-D array of ``n`` elements whose first element sits on an :data:`ALIGN`-byte boundary."""
-    if xp is not np:
-        return xp.zeros(n, dtype=dtype)  # device allocations are aligned more strictly already
+def _aligned_zeros(device: Device, n: int, dtype: np.dtype):
+    """A zeroed 1-D array of ``n`` elements on ``device`` whose first element sits on an :data:`ALIGN`-byte
+    boundary."""
+    if device.is_gpu:
+        return device.zeros(n, dtype=dtype)  # device allocations are aligned more strictly already
     step = max(1, ALIGN // dtype.itemsize)
     raw = np.zeros(n + step, dtype=dtype)
     start = (-array_address(raw) % ALIGN) // dtype.itemsize

@@ -11,6 +11,7 @@ import numpy as np
 from ..blob import Blob
 from ..config import Config, current, runs_in_own_config
 from ..device.deferred import DeviceChecks
+from ..device.driver import Device, HostDevice, to_host
 from ..device.random import NetRandom
 from ..errors import CctError, LayerError, MemoryBudgetError, NetError
 from ..io.int_range import values_above_int_max
@@ -112,12 +113,13 @@ class Net:
         devices = self.config.devices  # --devices / cct.set_devices: split batches over several devices
         # A single GPU holds the whole net: every blob and parameter lives in its memory (xp = cupy).
         resident = devices.resident_device() if devices is not None else None
-        self.xp = resident.xp if resident is not None else np
+        self.device: Device = resident.memory if resident is not None else HostDevice()
+        self.xp = self.device.xp
         if resident is not None:
             resident.make_current()
             resident.set_tf32(self.config.gpu.tf32)
         self.backward_hooks: list[Callable[[int | None], None]] = []
-        self.checks = DeviceChecks(self.xp, deferred=self.xp is not np)
+        self.checks = DeviceChecks(self.xp, deferred=self.device.is_gpu)
         self._init(param)
         if weights is not None:
             for w in [weights] if isinstance(weights, (str, os.PathLike)) else weights:
@@ -214,7 +216,7 @@ class Net:
                     raise NetError(f"Top blob '{tname}' produced by multiple sources (layer '{lp.name}')")
                 else:
                     log.info("%s -> %s", lp.name, tname)
-                    blob = Blob((), dtype=self.dtype, xp=self.xp, name=tname)
+                    blob = Blob((), dtype=self.dtype, device=self.device, name=tname)
                     self.blobs[tname] = blob
                     self.blob_need_backward[tname] = False
                     tops.append(blob)
@@ -225,7 +227,7 @@ class Net:
             if not lp.top and layer.is_loss:
                 # Loss layers create their (anonymous) loss top when none is given, as Caffe does.
                 tname = f"({lp.name} loss)"
-                blob = Blob((), dtype=self.dtype, xp=self.xp, name=tname)
+                blob = Blob((), dtype=self.dtype, device=self.device, name=tname)
                 self.blobs[tname] = blob
                 self.blob_need_backward[tname] = False
                 tops.append(blob)
@@ -422,10 +424,8 @@ class Net:
     def output_values(self) -> list[tuple[str, np.float32]]:
         """Every element of every output blob as (blob name, float32 value), in Caffe's order
         (what ``caffe test`` and the solver's test pass accumulate)."""
-        from ..backend import to_numpy
-
         return [(name, np.float32(v)) for name in self.output_blob_names
-                for v in np.asarray(to_numpy(self.blobs[name].data), dtype=np.float32).ravel()]
+                for v in np.asarray(to_host(self.blobs[name].data), dtype=np.float32).ravel()]
 
     @property
     def params(self) -> OrderedDict[str, list[Blob]]:
@@ -583,7 +583,6 @@ class Net:
     # -- weights ------------------------------------------------------------------------
     def to_proto(self, write_diff: bool = False) -> caffe_pb2.NetParameter:
         """The net with its weights as a NetParameter (what a .caffemodel holds)."""
-        from ..backend import to_numpy
         from ..io.blobproto import array_to_blobproto
 
         out = caffe_pb2.NetParameter()
@@ -594,7 +593,7 @@ class Net:
             del lp.blobs[:]
             for b in layer.blobs:
                 lp.blobs.add().CopyFrom(
-                    array_to_blobproto(to_numpy(b.data), to_numpy(b.diff) if write_diff else None))
+                    array_to_blobproto(to_host(b.data), to_host(b.diff) if write_diff else None))
         return out
 
     def save(self, path: str | os.PathLike, write_diff: bool = False) -> None:
@@ -605,16 +604,15 @@ class Net:
 
     def save_hdf5(self, path: str | os.PathLike, write_diff: bool = False) -> None:
         """Write the weights in Caffe's HDF5 format."""
-        from ..backend import to_numpy
         from ..io.hdf5 import write_hdf5_weights
 
         # Caffe's ToHDF5 stores only owned params: a weight-shared layer writes nothing for its copy.
-        layers = [(n, [None if self.param_owners[self._net_param_id(i, j)] >= 0 else to_numpy(b.data)
+        layers = [(n, [None if self.param_owners[self._net_param_id(i, j)] >= 0 else to_host(b.data)
                        for j, b in enumerate(l.blobs)])
                   for i, (n, l) in enumerate(zip(self.layer_names, self.layers))]
         diffs = None
         if write_diff:
-            diffs = [(n, [to_numpy(b.diff) for b in l.blobs]) for n, l in zip(self.layer_names, self.layers)]
+            diffs = [(n, [to_host(b.diff) for b in l.blobs]) for n, l in zip(self.layer_names, self.layers)]
         write_hdf5_weights(path, layers, diffs)
 
     def copy_from(self, path_or_param: str | os.PathLike | caffe_pb2.NetParameter,
@@ -658,7 +656,7 @@ class Net:
                         f"Source param shape is {' '.join(map(str, arr.shape))} ({arr.size}); target param "
                         f"shape is {target.shape_string()}. To learn this layer's parameters from scratch "
                         f"rather than copying from a saved net, rename the layer.")
-                target.data[...] = target.xp.asarray(arr.reshape(target.shape))
+                target.device.upload(arr.reshape(target.shape), out=target.data)
 
     def share_weights_with(self, other: Net) -> None:
         """Make this net's params views of ``other``'s by layer name (Caffe's ShareTrainedLayersWith)."""

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import blas
+from ..device.driver import device_of
 
 log = logging.getLogger("cct")
 
@@ -45,7 +46,7 @@ def gemm_overhead(net: Any, forward_samples: Sequence[Sequence[float]], repeats:
             continue
         x = net.bottom_vecs[i][0].data
         w = layer.blobs[0].data
-        if not isinstance(x, np.ndarray) or x.dtype not in (np.float32, np.float64):
+        if device_of(x).is_gpu or x.dtype not in (np.float32, np.float64):
             continue
         m, k, n = layer.M, layer.K, layer.num_output
         x2 = np.ascontiguousarray(x.reshape(m, k))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..device.driver import to_host
 from ..errors import LayerError
 from ..layers.base import Layer
 from ..proto import caffe_pb2
@@ -57,7 +57,7 @@ class LayerContext:
 
     def blob(self, i: int) -> np.ndarray:
         """The layer's i-th parameter blob as a float32 numpy array (bits unchanged)."""
-        return np.asarray(to_numpy(self.layer.blobs[i].data), dtype=np.float32)
+        return np.asarray(to_host(self.layer.blobs[i].data), dtype=np.float32)
 
     def param(self, i: int, shape=None) -> str:
         """An initializer holding parameter blob ``i`` (optionally reshaped, values unchanged)."""
@@ -361,7 +361,7 @@ def batch_norm_with_scale(c: LayerContext, scale: Layer | None) -> None:
         gamma = c.g.const(f"{c.name}.gamma", np.ones(channels, np.float32))
         beta = c.g.const(f"{c.name}.beta", np.zeros(channels, np.float32))
     else:
-        blobs = [np.asarray(to_numpy(b.data), np.float32) for b in scale.blobs]
+        blobs = [np.asarray(to_host(b.data), np.float32) for b in scale.blobs]
         gamma = c.g.const(f"{scale.name}.blobs.0", blobs[0])
         beta = c.g.const(f"{scale.name}.blobs.1", blobs[1]) if scale.bias_term else \
             c.g.const(f"{c.name}.beta", np.zeros(channels, np.float32))

@@ -163,7 +163,7 @@ class DeviceConfig:
     def resident_device(self) -> Device | None:
         """The device a net lives on whole when there is a single device with its own memory (one GPU):
         blobs and parameters are allocated there and no batch is split or copied per layer."""
-        if len(self.devices) == 1 and not self.devices[0].host_memory:
+        if len(self.devices) == 1 and self.devices[0].memory.is_gpu:
             return self.devices[0]
         return None
 

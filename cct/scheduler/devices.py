@@ -30,12 +30,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from .. import blas
-from ..backend import cupy_available
 from ..config import submit_in_context
 from ..device import cublas as device_blas
+from ..device.driver import CupyDevice, HostDevice, cupy_available, gpu_count
+from ..device.driver import Device as Memory
 from ..errors import CctError
 
 log = logging.getLogger("cct")
@@ -55,29 +54,21 @@ def cpu_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def gpu_count() -> int:
-    """Number of GPUs CuPy sees (0 without CuPy or without a GPU)."""
-    if not cupy_available():
-        return 0
-    import cupy  # type: ignore
-
-    return int(cupy.cuda.runtime.getDeviceCount())
-
-
 def per_thread_blas_supported() -> bool:
     """True when :mod:`cct.blas` can select the backend per calling thread (``set_thread_backend``)."""
     return callable(getattr(blas, "set_thread_backend", None))
 
 
 class Device:
-    """One compute device: a name, an array module and a dedicated worker thread."""
+    """One compute device: a name, its memory (a :class:`cct.device.driver.Device`: array module, copies,
+    allocation) and a dedicated worker thread."""
 
     kind: str = ""
-    host_memory: bool = True  # True: its arrays are the host's numpy arrays (slices are views)
 
-    def __init__(self, index: int, threads: int):
+    def __init__(self, index: int, threads: int, memory: Memory):
         self.index = int(index)
         self.threads = int(threads)
+        self.memory = memory  # the host's (slices of host blobs are views) or a GPU's
         self._pool: cf.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -87,7 +78,8 @@ class Device:
 
     @property
     def xp(self):
-        return np
+        """The array module of this device's arrays."""
+        return self.memory.xp
 
     def set_tf32(self, on: bool) -> None:
         """TF32 math for float32 GEMMs: a GPU setting; CPU devices always compute in FP32."""
@@ -118,25 +110,6 @@ class Device:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-
-    # -- memory ----------------------------------------------------------------------
-    def asarray(self, host: np.ndarray) -> Any:
-        """A device copy of a host array (CPU: the array itself)."""
-        return host
-
-    def upload(self, dst: Any, host: np.ndarray) -> None:
-        """Copy a host array into the device array ``dst`` (same shape)."""
-        dst[...] = host
-
-    def to_host(self, arr: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """Bring ``arr`` to host memory (into ``out`` when given)."""
-        if out is not None:
-            out[...] = arr
-            return out
-        return np.asarray(arr)
-
-    def synchronize(self) -> None:
-        """Wait for queued device work (no-op on CPU)."""
 
     def signature(self) -> str:
         """Identifies the device configuration in caches."""
@@ -170,7 +143,7 @@ class CpuDevice(Device):
             threads = 1
         if threads < 1:
             raise CctError(f"cpu:{index}: threads must be >= 1, got {threads}")
-        super().__init__(index, threads)
+        super().__init__(index, threads, HostDevice())
         per_thread = per_thread_blas_supported()
         # Without per-thread selection in cct.blas, the layers' GEMMs run on numpy's OpenBLAS.
         default = blas.get_backend() if per_thread else "openblas"
@@ -222,7 +195,6 @@ class GpuDevice(Device):
     """A CUDA GPU through CuPy (cuBLAS GEMMs); its worker thread makes the GPU current."""
 
     kind = "gpu"
-    host_memory = False
 
     def __init__(self, index: int = 0):
         if not cupy_available():
@@ -235,25 +207,15 @@ class GpuDevice(Device):
         n = gpu_count()
         if index < 0 or index >= n:
             raise CctError(f"GPU device gpu:{index} does not exist ({n} GPU(s) visible)")
-        super().__init__(index, threads=1)
-        import cupy  # type: ignore
-
-        self._cupy = cupy
+        super().__init__(index, threads=1, memory=CupyDevice(index))
         self.blas = "cublas"
-
-    @property
-    def xp(self):
-        return self._cupy
 
     def _init_thread(self) -> None:
         self.make_current()
 
     def make_current(self) -> None:
         """Make this GPU CuPy's current device in the calling thread."""
-        self._cupy.cuda.Device(self.index).use()
-
-    def asarray(self, host: np.ndarray) -> Any:
-        return self._cupy.asarray(host)
+        self.memory.use()
 
     def set_tf32(self, on: bool) -> None:
         """float32 GEMMs on this GPU in TF32 tensor-core math (on) or FP32 (off); logged when it changes."""
@@ -262,27 +224,12 @@ class GpuDevice(Device):
             log.info("GPU %d: float32 GEMMs (convolutions, inner products) use %s", self.index,
                      "TF32 tensor cores (--tf32)" if on else "FP32")
 
-    def upload(self, dst: Any, host: np.ndarray) -> None:
-        dst.set(np.require(host, requirements="C"))  # keeps a 0-d array 0-d
-
-    def to_host(self, arr: Any, out: np.ndarray | None = None) -> np.ndarray:
-        if out is None:
-            return arr.get()
-        if out.flags.c_contiguous:
-            arr.get(out=out)
-        else:
-            out[...] = arr.get()
-        return out
-
-    def synchronize(self) -> None:
-        self._cupy.cuda.Device(self.index).synchronize()
-
     def signature(self) -> str:
         return f"gpu:{self.index}"
 
     def properties(self) -> dict:
         """CUDA device properties (name, memory, SMs, clock, compute capability)."""
-        rt = self._cupy.cuda.runtime
+        rt = self.xp.cuda.runtime
         p = rt.getDeviceProperties(self.index)
         name = p.get("name", b"")
         return {"gpu_name": name.decode() if isinstance(name, bytes) else str(name),

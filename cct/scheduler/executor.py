@@ -200,10 +200,10 @@ class DataParallelExecutor:
             raise CctError(f"layer '{layer.name}': a batch slice reshaped its tops to {[t.shape for t in st]} "
                            f"instead of {shapes}; the layer is not batch-separable")
         shadow.forward(sb, st)
-        if not dev.host_memory:
+        if dev.memory.is_gpu:
             for t, v in zip(top, st):
-                dev.to_host(v.data, out=t.data[s0:s1])
-            dev.synchronize()
+                dev.memory.download(v.data, out=t.data[s0:s1])
+            dev.memory.synchronize()
 
     # -- backward ------------------------------------------------------------------------
     def backward(self, i: int, layer: Layer, top: Sequence[Blob], propagate_down: Sequence[bool],
@@ -220,7 +220,7 @@ class DataParallelExecutor:
         elif ranges is None:
             layer.backward(top, propagate_down, bottom)
         else:
-            primary = next((d for d, _, _ in ranges if self.devices[d].host_memory), None)
+            primary = next((d for d, _, _ in ranges if not self.devices[d].memory.is_gpu), None)
             jobs = [(self.devices[d], (self._backward_slice, i, layer, d, a, b, top, list(propagate_down), bottom,
                                        d == primary)) for d, a, b in ranges]
             parts = [p for (d, _, _), p in zip(ranges, self._run(jobs, serial=False)) if d != primary]
@@ -246,7 +246,7 @@ class DataParallelExecutor:
         st = [self._view(d, t, s0, s1, upload_data=True, upload_diff=True) for t in top]
         sb = [self._view(d, b, s0, s1, upload_data=True) for b in bottom]
         shadow.param_propagate_down = list(layer.param_propagate_down)
-        if dev.host_memory:
+        if not dev.memory.is_gpu:
             own = self._own_diffs.get((i, d))
             for j, (mb, pb) in enumerate(zip(layer.blobs, shadow.blobs)):
                 if primary:
@@ -262,16 +262,16 @@ class DataParallelExecutor:
                 if shadow.param_propagate_down[j]:
                     pb.diff[...] = 0
         shadow.backward(st, propagate_down, sb)
-        if dev.host_memory:
+        if not dev.memory.is_gpu:
             return [pb.diff for pb in shadow.blobs]
         for b, v, pd in zip(bottom, sb, propagate_down):
             if pd:
-                dev.to_host(v.diff, out=b.diff[s0:s1])
+                dev.memory.download(v.diff, out=b.diff[s0:s1])
         staging = self._staging.setdefault((i, d), [np.empty(pb.shape, dtype=pb.dtype) for pb in shadow.blobs])
         for j, pb in enumerate(shadow.blobs):
             if shadow.param_propagate_down[j]:
-                dev.to_host(pb.diff, out=staging[j])
-        dev.synchronize()
+                dev.memory.download(pb.diff, out=staging[j])
+        dev.memory.synchronize()
         return staging
 
     def _aggregate(self, layer: Layer, wanted: list[int], parts: list[list[Any]]) -> None:
@@ -339,7 +339,7 @@ class DataParallelExecutor:
         """
         if layer.type != "InnerProduct" or self.model_parallel == "never" or len(self.devices) < 2:
             return False
-        if not all(d.host_memory for d in self.devices) or len(top[0].shape) != 2:
+        if any(d.memory.is_gpu for d in self.devices) or len(top[0].shape) != 2:
             return False
         if self.model_parallel == "always":
             return True
@@ -431,18 +431,18 @@ class DataParallelExecutor:
         cache = self._views[d]
         v = cache.get(id(master))
         if v is None:
-            v = Blob((), dtype=master.dtype, xp=dev.xp, name=master.name)
+            v = Blob((), dtype=master.dtype, device=dev.memory, name=master.name)
             cache[id(master)] = v
-        if dev.host_memory:
+        if not dev.memory.is_gpu:
             src = _Arrays(master.data[s0:s1], master.diff[s0:s1])
             v.share_data(src)
             v.share_diff(src)
         else:
             v.reshape((s1 - s0,) + tuple(master.shape[1:]))
             if upload_data:
-                dev.upload(v.data, master.data[s0:s1])
+                dev.memory.upload(master.data[s0:s1], out=v.data)
             if upload_diff:
-                dev.upload(v.diff, master.diff[s0:s1])
+                dev.memory.upload(master.diff[s0:s1], out=v.diff)
         return v
 
     def _shadow(self, i: int, layer: Layer, d: int, sb: list[Blob], st: list[Blob]) -> Layer:
@@ -457,7 +457,7 @@ class DataParallelExecutor:
             shadow.random = layer.random  # serial slices draw on from the master's stream, in order
             dev = self.devices[d]
             # Param blobs given up front: setup validates them and draws nothing from the RNG.
-            shadow.blobs = [Blob(mb.shape, dtype=mb.dtype, xp=dev.xp, name=mb.name) for mb in layer.blobs]
+            shadow.blobs = [Blob(mb.shape, dtype=mb.dtype, device=dev.memory, name=mb.name) for mb in layer.blobs]
             self._bound[key] = [None] * len(layer.blobs)
             self._sync_params(i, layer, d, shadow)
             shadow.setup(sb, st)
@@ -469,14 +469,14 @@ class DataParallelExecutor:
         dev = self.devices[d]
         bound = self._bound[(i, d)]
         for j, (mb, pb) in enumerate(zip(layer.blobs, shadow.blobs)):
-            if dev.host_memory:
+            if not dev.memory.is_gpu:
                 if bound[j] is not mb.data:
                     pb.share_data(mb)  # a view: master updates are seen without copies (own diff)
                     bound[j] = mb.data
             else:
                 if pb.shape != mb.shape:
                     pb.reshape(mb.shape)
-                dev.upload(pb.data, mb.data)
+                dev.memory.upload(mb.data, out=pb.data)
 
 
 def _pin_lowering(layer: Layer, shadow: Layer) -> None:

@@ -30,7 +30,7 @@ def _measure(device: Device, shapes: Sequence[tuple[int, int, int]], duration: f
              barrier: threading.Barrier | None) -> float:
     """Runs in the device's worker: GFLOPS over ``duration`` seconds of GEMMs (the one GEMM timer)."""
     return blas.gemm_gflops(shapes, duration=duration, backend=device.blas if isinstance(device, CpuDevice) else None,
-                            asarray=device.asarray, synchronize=device.synchronize, barrier=barrier)
+                            asarray=device.memory.upload, synchronize=device.memory.synchronize, barrier=barrier)
 
 
 def measure_gflops(devices: Sequence[Device], duration: float = 0.25, concurrent: bool = True,

@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..device.driver import to_host
 from ..errors import LayerError
 from ..log import ostream_float as _fmt
 from ..net import Net
@@ -83,7 +83,7 @@ class Evaluation:
         index = 0
         values_out: list[tuple[str, float]] = []
         for name in net.output_blob_names:
-            values = np.asarray(to_numpy(net.blobs[name].data), dtype=np.float32).ravel()
+            values = np.asarray(to_host(net.blobs[name].data), dtype=np.float32).ravel()
             w = net.blob_loss_weights.get(name, 0.0)
             for k, v in enumerate(values):
                 extra = f" (* {_fmt(w)} = {_fmt(np.float32(w) * v)} loss)" if w else ""

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import in_device_memory
 from ..errors import SolverError
 from ..net.flat_params import FlatGroup, FlatParams
 from .updates import adam_correction
@@ -81,7 +80,7 @@ class FlatUpdate:
             hist = [self.history_buffers[k][gi] for k in range(RULES[rule])]
             self.groups.append(_GroupState(g, hist, g.xp.zeros(N_SCALARS, dtype=g.dtype), lr_mult, local_decay,
                                            rule, hyper.regularization))
-        device = [in_device_memory(g.data) for g in flat.groups]
+        device = [g.device.is_gpu for g in flat.groups]
         self.on_device = any(device)
         #: device clipping record: the last clipped iteration's norm and scale, and how many iterations were
         #: clipped since :meth:`clip_report` last read them (0-d arrays of the first group's dtype; None
@@ -109,10 +108,7 @@ class FlatUpdate:
             values[CORRECTION] = adam_correction(it, h.momentum, h.momentum2, dt) if self.rule == "adam" else 1
             values[NORM] = dt(dt(1) / dt(h.iter_size))
             values[CLIP] = 1
-            if isinstance(st.scalars, np.ndarray):
-                st.scalars[...] = values
-            else:
-                st.scalars.set(values)
+            st.group.device.upload(values, out=st.scalars)
 
     # -- the iteration's pass (no host read) --------------------------------------------------------------
     def clip_on_device(self) -> None:
@@ -166,7 +162,7 @@ class _GroupState:
         self.rule = rule
         self.regularization = regularization
         self.has_decay = any(local_decay[p] != 0 for p in group.param_ids)
-        if in_device_memory(group.data):
+        if group.device.is_gpu:
             self.kernel = cupy_kernel(rule, regularization, group.dtype)
             self.starts, self.ends = group.segment_starts(), group.segment_ends()
             self.seg_lr = group.per_segment(lr_mult)

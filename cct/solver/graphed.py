@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..backend import array_address, in_device_memory
+from ..device.driver import array_address, device_of
 from ..device.graph import DirectPieces, StepGraphs, capture_blockers, first_compute_layer, graph_nodes
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ log = logging.getLogger("cct")
 def why_not_graphs(solver: Solver) -> str | None:
     """None when ``solver``'s iterations can replay as CUDA graphs, else the reason (for the log)."""
     net = solver.net
-    if not net.learnable_params or not in_device_memory(net.learnable_params[0].data):
+    if not net.learnable_params or not device_of(net.learnable_params[0].data).is_gpu:
         return "the net is not resident on a GPU"
     if not solver.config.gpu.graphs:
         return "turned off (--nograph)"

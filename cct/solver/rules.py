@@ -5,6 +5,7 @@ same rule fused over the flat parameter buffers (:mod:`.flat_update`); registere
 from __future__ import annotations
 
 from .. import kernels
+from ..device.driver import host_kernels_usable
 from ..errors import SolverError
 from . import updates
 from .flat_update import Hyper
@@ -31,7 +32,7 @@ class SGDSolver(Solver):
             return False
         blob = self.net.learnable_params[param_id]
         history = self.history[param_id]
-        if not kernels.usable(blob.data, blob.diff, history, contiguous=True):
+        if not host_kernels_usable(blob.data, blob.diff, history, contiguous=True):
             return False
         ku = kernels.get("update")
         if ku is None:

@@ -49,9 +49,9 @@ def is_hdf5_path(path: str) -> bool:
 def write_solverstate(path: str, it: int, learned_net: str, current_step: int, history: list,
                       hdf5: bool = False) -> None:
     """Write a SolverState (binary proto, or Caffe's HDF5 layout when ``hdf5``) atomically."""
-    from ..backend import to_numpy
+    from ..device.driver import to_host
 
-    arrays = [to_numpy(h) for h in history]
+    arrays = [to_host(h) for h in history]
     if hdf5:
         from ..io.hdf5 import write_hdf5_solverstate
 

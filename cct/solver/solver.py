@@ -42,8 +42,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..backend import in_device_memory
 from ..config import Config, current
+from ..device.driver import device_of
 from ..device.losses import LossLog
 from ..errors import CctError, LayerError, SolverError
 from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
@@ -209,7 +209,7 @@ class Solver(UpdateStep, Evaluation, SolverState):
             self.defer_host_reads = True  # the clipping line is read at boundaries
             log.info("Training iterations replay as CUDA graphs after one eager warm-up iteration (--nograph: off)")
             return GraphedIterations(self)
-        if self.net.learnable_params and in_device_memory(self.net.learnable_params[0].data):
+        if self.net.learnable_params and device_of(self.net.learnable_params[0].data).is_gpu:
             log.info("CUDA graphs not used: %s", reason)
         return None
 
@@ -233,7 +233,7 @@ class Solver(UpdateStep, Evaluation, SolverState):
                 net.share_weights_with(self.net)
         self.history_buffers, self.history = flat.histories(self.history_sets)
         self.flat_update = None
-        on_device = any(in_device_memory(g.data) for g in flat.groups)
+        on_device = any(device_of(g.data).is_gpu for g in flat.groups)
         self.use_flat_update(on_device)
 
     def _log_mode(self) -> None:

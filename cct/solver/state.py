@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..backend import get_array_module
+from ..device.driver import device_of
 from ..errors import CctError, SolverError
 from ..io.atomic import remove_stale_temps
 from ..net import Net
@@ -138,7 +138,7 @@ class SolverState:
         for i, (h, arr) in enumerate(zip(self.history, history)):
             if h.size != arr.size:
                 raise SolverError(f"{path}: history blob {i} holds {arr.size} values, the parameter has {h.size}")
-            h[...] = get_array_module(h).asarray(arr.reshape(h.shape), dtype=h.dtype)
+            device_of(h).upload(arr.reshape(h.shape), out=h)
         extra = snapshot.cctstate_path(path)
         if os.path.exists(extra):
             self._restore_cct_state(extra)

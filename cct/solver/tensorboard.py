@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..device.driver import to_host
 from ..errors import CctError
 
 # parse_log's columns that are not net outputs
@@ -88,8 +88,8 @@ class TensorBoardWriter:
         """Histograms of every parameter blob's values and gradients of ``layers`` (a net's layers)."""
         for layer in layers:
             for i, blob in enumerate(layer.blobs):
-                self.writer.add_histogram(f"weights/{layer.name}/{i}", np.asarray(to_numpy(blob.data)), iteration)
-                self.writer.add_histogram(f"gradients/{layer.name}/{i}", np.asarray(to_numpy(blob.diff)), iteration)
+                self.writer.add_histogram(f"weights/{layer.name}/{i}", np.asarray(to_host(blob.data)), iteration)
+                self.writer.add_histogram(f"gradients/{layer.name}/{i}", np.asarray(to_host(blob.diff)), iteration)
 
     def close(self) -> None:
         """Write out every pending event and close the event file (tensorboardX's flush alone may leave

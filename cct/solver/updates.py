@@ -23,7 +23,7 @@ import logging
 import math
 from collections.abc import Sequence
 
-from ..backend import get_array_module
+from ..device.driver import array_module
 from ..errors import SolverError
 
 log = logging.getLogger("cct")
@@ -45,7 +45,7 @@ def clip_gradients(diffs: Sequence, clip: float) -> float | None:
     dtype = diffs[0].dtype.type
     sumsq = 0.0
     for d in diffs:
-        xp = get_array_module(d)
+        xp = array_module(d)
         sumsq += float(xp.vdot(d.ravel(), d.ravel()))
     l2norm = dtype(math.sqrt(sumsq))
     clip_v = dtype(clip)
@@ -71,7 +71,7 @@ def regularize(data, diff, local_decay: float, regularization_type: str) -> None
     decay = _scalar(diff, local_decay)
     if not decay:
         return
-    xp = get_array_module(diff)
+    xp = array_module(diff)
     if regularization_type == "L2":
         diff += decay * data
     elif regularization_type == "L1":
@@ -98,7 +98,7 @@ def nesterov(diff, history, local_rate: float, momentum: float) -> None:
 
 def adagrad(diff, history, local_rate: float, delta: float) -> None:
     """AdaGrad: ``history += g^2``; update = local_rate * g / (sqrt(history) + delta)."""
-    xp = get_array_module(diff)
+    xp = array_module(diff)
     history += diff * diff
     denom = xp.sqrt(history)
     denom += _scalar(diff, delta)
@@ -108,7 +108,7 @@ def adagrad(diff, history, local_rate: float, delta: float) -> None:
 
 def rmsprop(diff, history, local_rate: float, delta: float, rms_decay: float) -> None:
     """RMSProp: ``history = rms_decay * history + (1 - rms_decay) * g^2``; update as AdaGrad's."""
-    xp = get_array_module(diff)
+    xp = array_module(diff)
     decay = _scalar(diff, rms_decay)
     history *= decay
     history += (_scalar(diff, 1) - decay) * (diff * diff)
@@ -120,7 +120,7 @@ def rmsprop(diff, history, local_rate: float, delta: float, rms_decay: float) ->
 
 def adadelta(diff, history, update_history, local_rate: float, delta: float, momentum: float) -> None:
     """AdaDelta (Zeiler 2012) as Caffe implements it (``momentum`` is the decay rho; lr scales the step)."""
-    xp = get_array_module(diff)
+    xp = array_module(diff)
     mom = _scalar(diff, momentum)
     one_minus = _scalar(diff, 1) - mom
     d = _scalar(diff, delta)
@@ -142,7 +142,7 @@ def adam_correction(it: int, beta1: float, beta2: float, dtype) -> float:
 
 def adam(diff, m, v, local_rate: float, beta1: float, beta2: float, delta: float, it: int) -> None:
     """Adam (Kingma & Ba) with Caffe's correction folded into the rate."""
-    xp = get_array_module(diff)
+    xp = array_module(diff)
     b1, b2 = _scalar(diff, beta1), _scalar(diff, beta2)
     one = _scalar(diff, 1)
     m *= b1

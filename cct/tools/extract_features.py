@@ -18,8 +18,8 @@ import logging
 
 import numpy as np
 
-from ..backend import to_numpy
 from ..data.db import open_writer
+from ..device.driver import to_host
 from ..errors import CctError
 from ..flags import FlagParser
 from ..net import Net
@@ -70,7 +70,7 @@ def extract_features(net, blob_names: list[str], db_names: list[str], num_mini_b
             for _ in range(num_mini_batches):
                 net.forward()
                 for i, (blob_name, writer) in enumerate(zip(blob_names, writers)):
-                    data = np.asarray(to_numpy(net.blob_by_name(blob_name).data), dtype=np.float32)
+                    data = np.asarray(to_host(net.blob_by_name(blob_name).data), dtype=np.float32)
                     num = data.shape[0] if data.ndim else 1
                     rows = data.reshape(num, -1)
                     datum.channels, datum.height, datum.width = 1, rows.shape[1], 1

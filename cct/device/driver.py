@@ -1,0 +1,244 @@
+"""The device driver: the one way cct talks to the memory an array lives in (CcT's ``DeviceDriver``).
+
+A :class:`Device` is a place arrays live and kernels run: :class:`HostDevice` (numpy, the host's memory)
+or :class:`CupyDevice` (one CUDA GPU through CuPy, an optional dependency: ``pip install cct[gpu]``). It
+answers everything a layer, a net or the scheduler asks about memory:
+
+* ``xp``: the array module layers are written against (one implementation per layer for numpy and CuPy);
+* :func:`device_of`: where an array lives (THE answer to "is this on a GPU": ``device_of(a).is_gpu``);
+* ``upload`` / ``download``: host -> device and device -> host copies (into ``out=`` when given; on a GPU on
+  a CUDA ``stream`` when given, synchronous on the host); ``empty`` / ``zeros``: allocation in its memory;
+* ``workspace``: a scratch array allocated once per owner and handed back on every later call (allocate at
+  setup, reuse in the step); the workspaces belong to the Device object, so ask a lasting one (``blob.device``,
+  ``net.device``), not a fresh ``device_of(array)``;
+* :func:`host_kernels_usable`: whether cct's compiled host kernels (:mod:`cct.kernels`, numba) may run on
+  arrays; false on a GPU's, where CuPy (and cuBLAS, :mod:`cct.device.cublas`) run instead.
+
+A new device kind is a subclass with its ``kind``, ``xp`` and copies, and a branch in :func:`device_of`.
+The device random streams (:mod:`cct.device.random`: a :class:`~cct.device.random.CounterRandom` per layer, in
+the net's array module) build on this module, so it has no ``random_stream`` of its own (the import would go
+both ways).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import kernels
+from ..errors import CctError
+
+try:  # CuPy is optional (``pip install cct[gpu]``).
+    import cupy as _cupy  # type: ignore
+except Exception:  # pragma: no cover - no GPU stack on CI machines
+    _cupy = None
+
+
+class Device:
+    """A place arrays live: its array module, copies in and out, allocation, scratch and kernel choice.
+
+    Two devices are equal when they are the same kind and index (``device_of`` hands out new objects)."""
+
+    kind: str = ""
+    is_gpu: bool = False
+    index: int = 0
+    _workspaces: dict[Hashable, Any] | None = None  # made by the first workspace() call (device_of is cheap)
+
+    def __init__(self, index: int = 0):
+        self.index = int(index)
+
+    @property
+    def name(self) -> str:
+        """``host`` or ``gpu:<index>``."""
+        return f"{self.kind}:{self.index}" if self.is_gpu else self.kind
+
+    @property
+    def xp(self):
+        """The array module of this device's arrays (numpy or cupy)."""
+        raise NotImplementedError
+
+    # -- allocation ------------------------------------------------------------------------------
+    def empty(self, shape: Sequence[int] | int, dtype=np.float32):
+        """An uninitialised array in this device's memory."""
+        return self.xp.empty(shape, dtype=dtype)
+
+    def zeros(self, shape: Sequence[int] | int, dtype=np.float32):
+        """A zeroed array in this device's memory."""
+        return self.xp.zeros(shape, dtype=dtype)
+
+    def workspace(self, owner_key: Hashable, shape: Sequence[int] | int, dtype=np.float32):
+        """Scratch of ``shape``/``dtype`` for ``owner_key``: allocated on the first call (and when the owner
+        asks for another shape or dtype, i.e. after a reshape), the same array on every later call."""
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        dtype = np.dtype(dtype)
+        if self._workspaces is None:
+            self._workspaces = {}
+        buf = self._workspaces.get(owner_key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self.empty(shape, dtype)
+            self._workspaces[owner_key] = buf
+        return buf
+
+    # -- copies ----------------------------------------------------------------------------------
+    def upload(self, host: Any, out: Any = None, stream: Any = None):
+        """A copy of the host array ``host`` in this device's memory (into ``out``, same shape, when given)."""
+        raise NotImplementedError
+
+    def download(self, array: Any, out: np.ndarray | None = None, stream: Any = None) -> np.ndarray:
+        """``array`` (this device's) in host memory as numpy (into ``out`` when given)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on this device (nothing to wait for on the host)."""
+
+    def use(self) -> None:
+        """Make this device the current one of the calling thread (a GPU's CuPy device; no-op on the host)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Device) and (other.kind, other.index) == (self.kind, self.index)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.index))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class HostDevice(Device):
+    """The host: numpy arrays in the process's memory; uploads and downloads are plain copies."""
+
+    kind = "host"
+
+    def __init__(self):
+        pass  # index 0, no workspace until one is asked for: device_of makes one per call
+
+    @property
+    def xp(self):
+        return np
+
+    def upload(self, host: Any, out: Any = None, stream: Any = None):
+        if out is None:
+            return np.asarray(host)
+        np.copyto(out, host, casting="unsafe")
+        return out
+
+    def download(self, array: Any, out: np.ndarray | None = None, stream: Any = None) -> np.ndarray:
+        if out is None:
+            return np.asarray(array)
+        np.copyto(out, array, casting="unsafe")
+        return out
+
+
+class CupyDevice(Device):
+    """CUDA GPU ``index`` through CuPy; uploads and downloads run on ``stream`` when one is given."""
+
+    kind = "gpu"
+    is_gpu = True
+
+    def __init__(self, index: int = 0):
+        if _cupy is None:
+            raise CctError(f"GPU device gpu:{index} requested but CuPy is not installed (pip install cct[gpu])")
+        super().__init__(index)
+
+    @property
+    def xp(self):
+        return _cupy
+
+    def empty(self, shape: Sequence[int] | int, dtype=np.float32):
+        with _cupy.cuda.Device(self.index):
+            return _cupy.empty(shape, dtype=dtype)
+
+    def zeros(self, shape: Sequence[int] | int, dtype=np.float32):
+        with _cupy.cuda.Device(self.index):
+            return _cupy.zeros(shape, dtype=dtype)
+
+    def upload(self, host: Any, out: Any = None, stream: Any = None):
+        host = np.asarray(host)
+        if out is None:
+            out = self.empty(host.shape, host.dtype)
+        if not (out.flags.c_contiguous and out.shape == host.shape):  # a strided or broadcast target
+            out[...] = self.upload(host, stream=stream)
+            return out
+        out.set(np.require(host, dtype=out.dtype, requirements="C"), stream=stream)  # keeps a 0-d array 0-d
+        return out
+
+    def download(self, array: Any, out: np.ndarray | None = None, stream: Any = None) -> np.ndarray:
+        if out is None:
+            return array.get(stream=stream)
+        if out.flags.c_contiguous and out.dtype == array.dtype and out.shape == array.shape:
+            array.get(stream=stream, out=out)
+        else:
+            np.copyto(out, array.get(stream=stream), casting="unsafe")
+        return out
+
+    def synchronize(self) -> None:
+        _cupy.cuda.Device(self.index).synchronize()
+
+    def use(self) -> None:
+        _cupy.cuda.Device(self.index).use()
+
+
+def device_of(array: Any) -> Device:
+    """The device whose memory holds ``array``: a :class:`CupyDevice` for a CuPy array, else the host
+    (numpy arrays, memmaps, views, scalars and lists)."""
+    if _cupy is not None and isinstance(array, _cupy.ndarray):
+        return CupyDevice(array.device.id)
+    return HostDevice()
+
+
+def array_module(*arrays: Any):
+    """cupy if any argument is a CuPy array, else numpy (Chainer's ``get_array_module``; on every GEMM, so
+    it asks the array types directly rather than making a Device per array)."""
+    if _cupy is not None:
+        for a in arrays:
+            if isinstance(a, _cupy.ndarray):
+                return _cupy
+    return np
+
+
+def to_host(array: Any) -> np.ndarray:
+    """``array`` (on any device) in host memory as numpy."""
+    return device_of(array).download(array)
+
+
+def array_address(array: Any) -> int:
+    """Address of an array's first element (device or host memory)."""
+    if device_of(array).is_gpu:
+        return int(array.data.ptr)
+    return int(array.__array_interface__["data"][0])
+
+
+def host_kernels_usable(*arrays: Any, contiguous: bool = False) -> bool:
+    """Whether cct's compiled host kernels (:mod:`cct.kernels`, numba) may run on ``arrays``: the kernels are
+    enabled and every array is a host (numpy) float32/float64 array of one dtype (and, with ``contiguous``,
+    C-contiguous: the layers' blobs are; anything else takes the ``xp`` path rather than compiling another
+    variant). Never on a GPU's arrays: CuPy runs those."""
+    if not arrays or not kernels.enabled():
+        return False
+    dt = None
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.dtype not in kernels.FLOATS:  # numba takes numpy arrays only
+            return False
+        if contiguous and not a.flags.c_contiguous:
+            return False
+        if dt is None:
+            dt = a.dtype
+        elif a.dtype != dt:
+            return False
+    return True
+
+
+def gpu_count() -> int:
+    """Number of GPUs CuPy sees (0 without CuPy or without a GPU)."""
+    if _cupy is None:
+        return 0
+    try:
+        return int(_cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # pragma: no cover - CuPy without a driver
+        return 0
+
+
+def cupy_available() -> bool:
+    """True when CuPy imports and sees at least one GPU."""
+    return gpu_count() > 0
