@@ -33,6 +33,7 @@ import numpy as np
 
 from ..config import current
 from ..errors import CctError
+from ..io.blobproto import blobproto_to_array, read_binaryproto
 from ..membudget import INT_MAX
 from ..proto import caffe_pb2
 
@@ -276,8 +277,6 @@ def datum_to_array(datum: caffe_pb2.Datum, force_color: bool = False, force_gray
 # DataTransformer
 # --------------------------------------------------------------------------------------------
 def _mean_array(proto: caffe_pb2.BlobProto, path: str) -> np.ndarray:
-    from ..io.blobproto import blobproto_to_array
-
     arr = blobproto_to_array(proto)
     if arr.ndim > 4:
         raise CctError(f"mean file '{path}' has shape {list(arr.shape)}; expected (1, C, H, W)")
@@ -308,8 +307,6 @@ class DataTransformer:
         if p.HasField("mean_file") and self.mean_values:
             raise self._err("cannot specify mean_file and mean_value at the same time")
         if p.HasField("mean_file"):
-            from ..io.blobproto import read_binaryproto
-
             log.info("Loading mean file from: %s", p.mean_file)
             self.mean = _mean_array(read_binaryproto(p.mean_file), p.mean_file)
         self._mean_cache: dict = {}

@@ -34,6 +34,7 @@ from ..device.random import key_from_host
 from ..io.prototxt import to_text
 from ..solver import signals
 from .comm import Comm
+from .errors import DistributedError
 from .gradsync import GradientSync
 
 log = logging.getLogger("cct")
@@ -154,8 +155,6 @@ class DataParallel:
     def set_shares(self, shares: Sequence[int], states: dict | None = None) -> None:
         """Give rank r ``shares[r]`` records of every global batch (the shares sum to N x batch_size)
         and weight its gradient and loss by its share (see module docstring)."""
-        from .errors import DistributedError
-
         shares = [int(x) for x in shares]
         total = self.size * _train_batch(self.solver.net)
         if len(shares) != self.size or min(shares) < 1 or (total and sum(shares) != total):

@@ -27,6 +27,8 @@ from ..config import current
 from ..device.random import CounterRandom, key_from_host
 from ..errors import LayerError
 from ..fillers import fill
+from ..io.blobproto import blobproto_to_array
+from ..io.fork_fields import explain_fork_layer_type
 from ..proto import caffe_pb2
 
 if TYPE_CHECKING:
@@ -71,8 +73,6 @@ def create_layer(param: caffe_pb2.LayerParameter) -> Layer:
     """Instantiate the layer for ``param.type``; unknown types name the layer and list the known ones."""
     cls = _REGISTRY.get(param.type)
     if cls is None:
-        from ..io.fork_fields import explain_fork_layer_type
-
         fork = explain_fork_layer_type(param.type)
         raise LayerError(
             param.name, param.type or "<empty>",
@@ -234,8 +234,6 @@ class Layer:
 
 def blob_from_proto_shape(proto: caffe_pb2.BlobProto, name: str = "") -> Blob:
     """A Blob with the shape and values of a BlobProto (data only)."""
-    from ..io.blobproto import blobproto_to_array
-
     arr = blobproto_to_array(proto)
     blob = Blob(arr.shape, name=name)
     blob.data[...] = arr

@@ -18,6 +18,7 @@ import numpy as np
 from ..blob import Blob
 from ..device.deferred import layer_check
 from ..errors import CctError
+from ..io.blobproto import blobproto_to_array, read_binaryproto
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -512,7 +513,6 @@ class InfogainLossLayer(LossLayer):
             if not ip.HasField("source"):
                 raise self.error("infogain matrix source must be specified "
                                  "(infogain_loss_param.source or a third bottom)")
-            from ..io.blobproto import blobproto_to_array, read_binaryproto
 
             path = ip.source
             if not os.path.exists(path):

@@ -27,6 +27,7 @@ import numpy as np
 from .. import kernels
 from ..blob import Blob
 from ..device.driver import device_of, host_kernels_usable
+from ..kernels import gpu_pooling
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -213,7 +214,6 @@ class PoolingLayer(Layer):
         (imported only then: importing cct loads no kernel module)."""
         if not device_of(arrays[0]).is_gpu:
             return None
-        from ..kernels import gpu_pooling
 
         return gpu_pooling if gpu_pooling.usable(*arrays) else None
 

@@ -14,8 +14,12 @@ from ..device.deferred import DeviceChecks
 from ..device.driver import Device, HostDevice, to_host
 from ..device.random import NetRandom
 from ..errors import CctError, LayerError, MemoryBudgetError, NetError
+from ..io.blobproto import array_to_blobproto
+from ..io.caffemodel import is_hdf5, legacy_shape_equals, read_weights, weights_from_net_param, write_caffemodel
+from ..io.hdf5 import write_hdf5_weights
 from ..io.int_range import values_above_int_max
 from ..io.prototxt import read_net_prototxt
+from ..io.upgrade import upgrade_net
 from ..layers import create_layer
 from ..layers.base import Layer
 from ..malloc import tune_malloc
@@ -88,8 +92,6 @@ class Net:
         random: RandomSource | None = None,
     ):
         if isinstance(net, caffe_pb2.NetParameter):
-            from ..io.upgrade import upgrade_net
-
             param = caffe_pb2.NetParameter()
             param.CopyFrom(net)
             param = upgrade_net(param, source=f"<NetParameter {param.name}>")
@@ -583,8 +585,6 @@ class Net:
     # -- weights ------------------------------------------------------------------------
     def to_proto(self, write_diff: bool = False) -> caffe_pb2.NetParameter:
         """The net with its weights as a NetParameter (what a .caffemodel holds)."""
-        from ..io.blobproto import array_to_blobproto
-
         out = caffe_pb2.NetParameter()
         out.name = self.name
         for layer in self.layers:
@@ -598,14 +598,10 @@ class Net:
 
     def save(self, path: str | os.PathLike, write_diff: bool = False) -> None:
         """Write the weights as a binary .caffemodel (atomically)."""
-        from ..io.caffemodel import write_caffemodel
-
         write_caffemodel(path, self.to_proto(write_diff))
 
     def save_hdf5(self, path: str | os.PathLike, write_diff: bool = False) -> None:
         """Write the weights in Caffe's HDF5 format."""
-        from ..io.hdf5 import write_hdf5_weights
-
         # Caffe's ToHDF5 stores only owned params: a weight-shared layer writes nothing for its copy.
         layers = [(n, [None if self.param_owners[self._net_param_id(i, j)] >= 0 else to_host(b.data)
                        for j, b in enumerate(l.blobs)])
@@ -623,8 +619,6 @@ class Net:
         Layers absent from the net are ignored (logged); a blob count or shape mismatch is an error.
         ``format`` (``"hdf5"`` / ``"binaryproto"``) insists on one file format (pycaffe's ``load_hdf5``).
         """
-        from ..io.caffemodel import is_hdf5, legacy_shape_equals, read_weights, weights_from_net_param
-
         if isinstance(path_or_param, caffe_pb2.NetParameter):
             source, is_h5 = "<NetParameter>", False
             weights = weights_from_net_param(path_or_param)

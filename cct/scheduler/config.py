@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import blas
 from .. import config as config_mod
 from ..errors import CctError
 from ..proto import caffe_pb2
@@ -379,8 +380,6 @@ def device_query(measure: bool = True, force: bool = False) -> list[dict]:
     CPU: one entry per BLAS backend available (all cores); GPU: one per visible GPU. Measured
     GFLOPS come from the cached probe (``force`` re-measures).
     """
-    from .. import blas
-
     devs: list[Device] = []
     threads = cpu_cores()
     for name in blas.BACKENDS:

@@ -26,10 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from ..device.driver import to_host
 from ..errors import CctError, ProtoParseError
 from ..io.atomic import atomic_write_bytes
 from ..io.binary import read_binary_message
 from ..io.blobproto import array_to_blobproto, blobproto_to_array
+from ..io.hdf5 import read_hdf5_solverstate, write_hdf5_solverstate
 from ..proto import caffe_pb2
 
 CCTSTATE_EXT = ".cctstate"
@@ -49,12 +51,8 @@ def is_hdf5_path(path: str) -> bool:
 def write_solverstate(path: str, it: int, learned_net: str, current_step: int, history: list,
                       hdf5: bool = False) -> None:
     """Write a SolverState (binary proto, or Caffe's HDF5 layout when ``hdf5``) atomically."""
-    from ..device.driver import to_host
-
     arrays = [to_host(h) for h in history]
     if hdf5:
-        from ..io.hdf5 import write_hdf5_solverstate
-
         write_hdf5_solverstate(path, it, learned_net, current_step, arrays)
         return
     state = caffe_pb2.SolverState()
@@ -73,8 +71,6 @@ def read_solverstate(path: str) -> dict:
     if not os.path.isfile(path):
         raise CctError(f"cannot read solver state '{path}': no such file")
     if is_hdf5_path(path):
-        from ..io.hdf5 import read_hdf5_solverstate
-
         return read_hdf5_solverstate(path)
     state = read_binary_message(path, caffe_pb2.SolverState(), "SolverState (.solverstate)")
     try:

@@ -45,12 +45,17 @@ import numpy as np
 from ..config import Config, current
 from ..device.driver import device_of
 from ..device.losses import LossLog
+from ..distributed import world
+from ..distributed.launch import under_mpi
+from ..distributed.parallel import DataParallel
 from ..errors import CctError, LayerError, SolverError
 from ..io.prototxt import read_net_prototxt, read_solver_prototxt, to_text
+from ..io.upgrade import upgrade_solver
 from ..log import ostream_float as _fmt
 from ..net import Net
 from ..proto import caffe_pb2
 from ..random_source import RandomSource
+from ..scheduler.config import devices_for_solver_mode
 from . import lr_policy, signals
 from .evaluation import Evaluation
 from .flat_update import FlatUpdate
@@ -86,8 +91,6 @@ def read_solver_param(source: str | os.PathLike | caffe_pb2.SolverParameter) -> 
     """A SolverParameter from a prototxt path (upgraded as Caffe's ReadSolverParamsFromTextFile) or a
     copy of the given message (with the deprecated ``solver_type`` mapped to ``type``)."""
     if isinstance(source, caffe_pb2.SolverParameter):
-        from ..io.upgrade import upgrade_solver
-
         param = caffe_pb2.SolverParameter()
         param.CopyFrom(source)
         return upgrade_solver(param, source="<SolverParameter>")
@@ -195,8 +198,6 @@ class Solver(UpdateStep, Evaluation, SolverState):
                                                else PhaseTimer() if phase_times else None)
         self.pre_solve()
         if self.comm is not None and self.comm.size > 1:
-            from ..distributed.parallel import DataParallel
-
             self.parallel = DataParallel(self, self.comm, shares=shares)
         self.step_graphs = self._setup_graphs()
         self._graphed_iteration = False
@@ -238,8 +239,6 @@ class Solver(UpdateStep, Evaluation, SolverState):
 
     def _log_mode(self) -> None:
         """Caffe's solver_mode/device_id, unless the config names devices already (--devices, set_devices)."""
-        from ..scheduler.config import devices_for_solver_mode
-
         if self.config.devices is None:
             cfg = devices_for_solver_mode(self.param)
             if cfg is not None:
@@ -621,10 +620,8 @@ def _resolve_comm(comm):
     else None (a single process; mpi4py is not imported)."""
     if comm is not None:
         return comm
-    from ..distributed.launch import under_mpi
 
     if not under_mpi():
         return None
-    from ..distributed import world
 
     return world()

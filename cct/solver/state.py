@@ -8,6 +8,7 @@ import logging
 import os
 
 from ..device.driver import device_of
+from ..distributed.parallel import shared_counter_states
 from ..errors import CctError, SolverError
 from ..io.atomic import remove_stale_temps
 from ..net import Net
@@ -175,8 +176,6 @@ class SolverState:
                 setter(s)
 
         if saved_ranks != ranks:
-            from ..distributed.parallel import shared_counter_states
-
             shared = shared_counter_states(state.get("train_net_ranks") or [train_states])
             counters = ", ".join(f"{n} at record {int(s.get('offset', 0))}" for n, s in sorted(shared.items()))
             if self.is_root:
