@@ -283,3 +283,30 @@ def test_the_private_patch_check_finds_them():
                      "    monkeypatch.setattr('a.b._y', 2)\n    monkeypatch.setattr(mod, 'z', 3)\n"
                      "    monkeypatch.setattr(mod, '__doc__', 'd')\n")
     assert patched_privates(tree) == ["line 2: _x", "line 3: _y"]
+
+
+def function_level_cct_imports(tree: ast.Module) -> list[int]:
+    """Lines where a function imports one of cct's own modules (relative or ``cct.``) instead of the module top."""
+    lines = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.level > 0 or (node.module or "").split(".")[0] == "cct"):
+                    lines.append(node.lineno)
+                elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "cct" for a in node.names):
+                    lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_cct_modules_are_imported_at_module_level():
+    # with no cycle left, a function-level import of cct's own code only hides a dependency (optional
+    # third-party libraries such as cupy, h5py, mpi4py stay lazy)
+    found = {f"{path.relative_to(ROOT).as_posix()}:{line}" for path in _modules().values()
+             for line in function_level_cct_imports(ast.parse(path.read_text()))}
+    assert not found, f"function-level imports of cct modules (import at the top): {sorted(found)}"
+
+
+def test_the_function_level_import_check_finds_them():
+    tree = ast.parse("import numpy\ndef f():\n    from . import a\n    import cct.b\n    import cupy\n"
+                     "    from cct.c import d\n    from scipy import e\n")
+    assert function_level_cct_imports(tree) == [3, 4, 6]
