@@ -5,6 +5,7 @@ import logging
 import time
 
 import cct
+from cct.device.driver import cupy_available
 from cct.errors import CctError
 
 __version__ = "1.0.0"  # the Caffe API version this shim implements (cct's own is cct.__version__)
@@ -19,8 +20,6 @@ def set_mode_cpu() -> None:
 
 def set_mode_gpu() -> None:
     """Run on the GPU (needs CuPy and a GPU: ``pip install cct[gpu]``)."""
-    from cct.device.driver import cupy_available
-
     if not cupy_available():
         raise CctError("caffe.set_mode_gpu(): no GPU available (CuPy missing or no CUDA device); "
                        "install cct[gpu] on a machine with a GPU, or use caffe.set_mode_cpu()")

@@ -5,6 +5,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cct.proto.caffe_pb2 import TEST
+
 from . import io as caffe_io
 from .pycaffe import Net
 
@@ -22,8 +24,6 @@ class Classifier(Net):
 
     def __init__(self, model_file, pretrained_file, image_dims=None, mean=None, input_scale=None,
                  raw_scale=None, channel_swap=None):
-        from cct.proto.caffe_pb2 import TEST
-
         Net.__init__(self, model_file, TEST, weights=pretrained_file)
         in_ = self.inputs[0]
         self.transformer = caffe_io.image_transformer(in_, self.blobs[in_].data.shape, mean, input_scale,

@@ -5,6 +5,8 @@ import os
 
 import numpy as np
 
+from cct.proto.caffe_pb2 import TEST
+
 from . import io as caffe_io
 from .pycaffe import Net
 
@@ -21,8 +23,6 @@ class Detector(Net):
 
     def __init__(self, model_file, pretrained_file, mean=None, input_scale=None, raw_scale=None,
                  channel_swap=None, context_pad=None):
-        from cct.proto.caffe_pb2 import TEST
-
         Net.__init__(self, model_file, TEST, weights=pretrained_file)
         in_ = self.inputs[0]
         self.transformer = caffe_io.image_transformer(in_, self.blobs[in_].data.shape, mean, input_scale,

@@ -7,12 +7,12 @@ import numpy as np
 
 import cct
 from cct.errors import CctError
+from cct.layers.python_layer import PythonLayerWrapper
+from cct.solver import get_solver as _get
 
 
 def _py_layer(layer):
     """The user's PythonLayer object behind a ``type: "Python"`` layer, any other layer as is."""
-    from cct.layers.python_layer import PythonLayerWrapper
-
     return layer.user if isinstance(layer, PythonLayerWrapper) else layer
 
 
@@ -237,10 +237,8 @@ class _SolverBase:
     _type = "SGD"
 
     def __init__(self, filename=None, _solver=None):
-        from cct.solver import get_solver
-
         if _solver is None:
-            _solver = get_solver(filename, solver_type=self._type)
+            _solver = _get(filename, solver_type=self._type)
         self._solver = _solver
         self._net = Net._wrap(_solver.net)
         self._test_nets = [Net._wrap(n) for n in _solver.test_nets]
@@ -317,8 +315,6 @@ class AdamSolver(_SolverBase):
 
 def get_solver(filename) -> _SolverBase:
     """A solver of the type the solver prototxt names (pycaffe's caffe.get_solver)."""
-    from cct.solver import get_solver as _get
-
     s = _get(filename)
     cls = {c._type: c for c in _SolverBase.__subclasses__()}.get(s.type, _SolverBase)
     return cls(_solver=s)
