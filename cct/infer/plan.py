@@ -7,12 +7,13 @@ cct's optimizer and cost model (:func:`cct.lowering.optimizer.predictions` of th
 priced at the batch the fragments create), its predicted seconds and workspace. It keeps the candidate with the most
 predicted output voxels per second whose predicted peak memory fits the budget.
 
-Predicted peak bytes = every blob's data (a forward-only net never allocates a diff: :class:`cct.Blob` does
-on first use; in-place layers share one blob), the per-axis stride-1 pooling buffers of each MPF layer, the
-buffers each convolution keeps between calls plus the largest transient workspace (:func:`conv_memory`), the
-index array MAX pooling keeps, the input patch and the output tile. Predicted time = the convolutions' forward
-passes times the number of shifted runs (plain pooling layers need one run per offset), plus one streaming pass
-over each blob.
+Predicted peak bytes = the activation pool: every blob's data and the per-axis stride-1 pooling buffers of each
+MPF layer in slots reused once their last reader has run, the same slot plan the runner allocates
+(:func:`cct.infer.buffers.plan_slots`; a forward-only net never allocates a diff: :class:`cct.Blob` does on
+first use), the buffers each convolution keeps between calls plus the largest transient workspace
+(:func:`conv_memory`), the index array MAX pooling keeps, the input patch and the output tile. Predicted
+time = the convolutions' forward passes times the number of shifted runs (plain pooling layers need one run per
+offset), plus one streaming pass over each blob.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from ..lowering.optimizer import machine_for_threads, predictions
 from ..lowering.partition import memory_budget
 from ..membudget import human
 from ..proto import caffe_pb2
+from .buffers import blob_depths, plan_slots
 from .geometry import NetGeometry
 
 
@@ -112,19 +114,12 @@ def _prod(v: Sequence[int]) -> int:
     return out
 
 
-def blob_depths(net, geom: NetGeometry) -> dict[str, int]:
-    """Number of spatial ops (convolutions and poolings) on the path to each blob of the chain."""
-    spatial = {op.layer: k for k, op in enumerate(geom.ops)}
-    depth = {geom.input_blob: 0}
-    for i, (bnames, tnames) in enumerate(zip(net.bottom_names, net.top_names)):
-        if not bnames:
-            continue
-        d = max(depth.get(b, 0) for b in bnames)
-        if i in spatial:
-            d = spatial[i] + 1
-        for t in tnames:
-            depth[t] = d
-    return depth
+def activation_bytes(net, geom: NetGeometry, run_shape: Sequence[int], mpf: Sequence[bool], theta: int = 0,
+                     itemsize: int | None = None) -> int:
+    """Bytes of the activation pool of one run (``theta``: a two-stage pipeline's split, its stages pooled apart)."""
+    split = geom.ops[theta].layer if theta else None
+    slots, _steps, _shapes = plan_slots(net, geom, run_shape, mpf, geom.output_blob, split)
+    return slots.elements * (itemsize or net.dtype.itemsize)
 
 
 def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], method: str = "mpf",
@@ -171,12 +166,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         shape = (batches[k], bottom.shape[1]) + tuple(sizes[k])
         if op.kind == "pool":
             is_max = lp.pooling_param.pool == caffe_pb2.PoolingParameter.MAX
-            if mpf[pool_i]:  # the per-axis stride-1 pooled buffers
-                cur = list(shape)
-                for a, p in enumerate(op.size):
-                    cur[2 + a] -= p - 1
-                    kept += _prod(cur) * itemsize
-            elif is_max:  # the net's own MAX pooling keeps an int32 index per maximum, compares via a mask
+            if not mpf[pool_i] and is_max:  # the net's MAX pooling keeps an int32 index per maximum, compares by mask
                 count = batches[k + 1] * shape[1] * _prod(sizes[k + 1])
                 kept += 4 * count
                 work = max(work, count)
@@ -198,7 +188,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     c_in = net.blobs[geom.input_blob].shape[1]
     c_out = net.blobs[geom.output_blob].shape[1]
     io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
-    peak = blob_bytes + kept + work + io_bytes
+    peak = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize) + kept + work + io_bytes
     return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers)
 
 
@@ -222,7 +212,8 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
     """``plan`` as a two-stage pipeline (ZNNi VII): ``half`` is the same candidate priced on half the BLAS
     threads (its seconds times ``scale``, see :func:`half_machine`); ``pipeline`` is ``"auto"`` (the best
     theta, kept only when predicted faster than one stage) or a theta. A run then takes the slower stage's
-    time; the peak adds the hand-off buffer and the second stage's copy of the boundary blob. ``"off"``
+    time; the peak adds the hand-off buffer and the second stage's copy of the boundary blob, and the stages'
+    activations are pooled apart (they run at the same time). ``"off"``
     returns ``plan`` unchanged."""
     nops = len(geom.ops)
     if pipeline == "off" or plan.method == "strided" and pipeline == "auto":
@@ -252,7 +243,8 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
     channels = net.bottom_vecs[geom.ops[best].layer][0].shape[1]
     handoff = 2 * batch * channels * _prod(size) * net.dtype.itemsize
     plan.one_stage_seconds, plan.seconds, plan.theta, plan.stage_seconds = plan.seconds, seconds, best, stages
-    plan.peak_bytes += handoff
+    plan.peak_bytes += handoff + activation_bytes(net, geom, run_shape, plan.mpf, best) \
+        - activation_bytes(net, geom, run_shape, plan.mpf)  # the stages' activations are pooled apart
     return plan
 
 
