@@ -182,3 +182,4 @@ def test_pipeline_stages_get_separate_buffers():
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 
+
