@@ -12,6 +12,7 @@ from cct.infer.dense import PatchRunner
 from cct.infer.geometry import analyze
 from cct.infer.stages import TwoStagePipeline
 from cct.infer.znni_nets import znni_prototxt
+from cct.lowering.direct_layout import SharedScratch
 from cct.proto import caffe_pb2
 
 REDUCED = {"n337": [2, 2, 1, 1, 1, 1, 2], "n537": [2, 1, 2, 1, 2, 1, 1], "n726": [2, 2, 1, 1, 2, 1]}
@@ -183,3 +184,33 @@ def test_pipeline_stages_get_separate_buffers():
         np.testing.assert_array_equal(g, w)
 
 
+
+
+def test_shared_scratch_rezeroes_a_buffer_taken_over_by_another_tag():
+    scratch = SharedScratch()
+    a = scratch.zeros(("xpad", 1), (2, 3), np.float32)
+    a[...] = 7
+    again = scratch.zeros(("xpad", 1), (2, 3), np.float32)
+    assert np.shares_memory(a, again) and (again == 7).all()  # the same tag: kept as written
+    b = scratch.zeros(("xpad", 2), (3, 2), np.float32)
+    assert np.shares_memory(a, b) and not b.any()  # another layer: the same memory, zeroed again
+    c = scratch.zeros(("xpad", 3), (4, 4), np.float32)  # larger: a new buffer
+    assert c.shape == (4, 4) and not c.any()
+    assert not np.shares_memory(c, scratch.zeros(("y", 3), (4, 4), np.float32))  # another role: its own buffer
+
+
+def test_direct_convolutions_share_one_scratch_bit_identical():
+    txt = znni_prototxt("n337", fmaps=4, nd=3, kernels=REDUCED["n337"], channels=2)
+    a, b = _twin(txt)
+    for net in (a, b):
+        for lp, layer in zip(net.param.layer, net.layers):
+            if lp.type == "Convolution":
+                layer.lowering = "direct"
+    reused = PatchRunner(a, analyze(a), (2, 2, 2))
+    plain = PatchRunner(b, analyze(b), (2, 2, 2), reuse=False)
+    scratches = {id(layer.lowering._scratch) for _i, layer, _b, _t in reused.steps if hasattr(layer, "lowering")}
+    assert len(scratches) == 1 and isinstance(reused.steps[0][1].lowering._scratch, SharedScratch)
+    rng = np.random.default_rng(9)
+    for _ in range(2):
+        x = rng.standard_normal((2,) + reused.patch_shape).astype(np.float32)
+        np.testing.assert_array_equal(reused.run(x), plain.run(x))

@@ -13,7 +13,8 @@ run of the plain net and returns its own strided output (every ``stride``-th win
 Shapes are fixed at construction (the convolutions plan their lowering then, for the batch sizes the
 fragments create); :meth:`PatchRunner.run` only computes. The activations (every blob's data and the MPF
 layers' stride-1 buffers) live in one pool allocated at construction, a slot reused once the last layer
-reading it has run (:mod:`cct.infer.buffers`); ``reuse=False`` gives every blob its own array instead.
+reading it has run (:mod:`cct.infer.buffers`), and the direct convolutions share one set of buffers
+(:class:`cct.lowering.direct_layout.SharedScratch`); ``reuse=False`` gives every blob and layer its own.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import CctError, LayerError
+from ..lowering.direct_layout import SharedScratch
 from .buffers import SlotPlan, plan_slots, stage_key, storage_roots
 from .fragments import FragmentPooling
 from .geometry import NetGeometry
@@ -156,6 +158,8 @@ class PatchRunner:
             except (CctError, ValueError) as e:
                 raise LayerError(lp.name, lp.type, f"patch {list(self.run_shape)}: {e}") from e
             self.steps.append((i, runner, bottom, top))
+        if self.reuse:
+            self._share_conv_scratch()
         for name, view in views.items():
             if isinstance(name, str) and net.blobs[name].data is not view:  # pragma: no cover (a layer reallocated)
                 raise CctError(f"internal: blob '{name}' left its activation buffer during setup")
@@ -165,6 +169,16 @@ class PatchRunner:
             raise CctError(f"blob '{self.blob}' has shape {list(out.shape)}; expected {nfrag} fragments of "
                            f"{list(self.grid)} voxels (is it after the last convolution?)")
         self.channels = int(out.shape[1])
+
+    def _share_conv_scratch(self) -> None:
+        """One set of direct-convolution buffers (padded input, blocked output) for all the layers instead of one
+        per layer: they run one after another (a pipeline's stages run on two threads, whose buffers differ)."""
+        shared = SharedScratch()
+        for _i, runner, _b, _t in self.steps:
+            lowering = getattr(runner, "lowering", None)
+            inner = getattr(lowering, "inner", lowering)
+            if hasattr(inner, "share_scratch"):
+                inner.share_scratch(shared)
 
     # -- running ------------------------------------------------------------------------
     def check_patch(self, patch: np.ndarray) -> None:
