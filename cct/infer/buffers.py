@@ -89,9 +89,8 @@ def blob_depths(net, geom: NetGeometry) -> dict[str, int]:
     return depth
 
 
-def blob_shapes(net, geom: NetGeometry, run_shape: Sequence[int], mpf: Sequence[bool]) -> dict[str, tuple[int, ...]]:
-    """Every blob's shape for one run on an input of spatial ``run_shape`` (batch = fragments so far)."""
-    sizes = [tuple(run_shape)] + geom.layer_sizes(tuple(run_shape), tuple(mpf))
+def op_batches(geom: NetGeometry, mpf: Sequence[bool]) -> list[int]:
+    """The batch (fragments so far) of the input and after each spatial op."""
     batches, b, pool_i = [1], 1, 0
     for op in geom.ops:
         if op.kind == "pool":
@@ -99,6 +98,13 @@ def blob_shapes(net, geom: NetGeometry, run_shape: Sequence[int], mpf: Sequence[
                 b *= _prod(op.size)
             pool_i += 1
         batches.append(b)
+    return batches
+
+
+def blob_shapes(net, geom: NetGeometry, run_shape: Sequence[int], mpf: Sequence[bool]) -> dict[str, tuple[int, ...]]:
+    """Every blob's shape for one run on an input of spatial ``run_shape`` (batch = fragments so far)."""
+    sizes = [tuple(run_shape)] + geom.layer_sizes(tuple(run_shape), tuple(mpf))
+    batches = op_batches(geom, mpf)
     depth = blob_depths(net, geom)
     shapes = {}
     for name, blob in net.blobs.items():

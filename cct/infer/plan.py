@@ -30,7 +30,7 @@ from ..lowering.optimizer import machine_for_threads, predictions
 from ..lowering.partition import memory_budget
 from ..membudget import human
 from ..proto import caffe_pb2
-from .buffers import blob_depths, blob_shapes, plan_slots
+from .buffers import blob_shapes, op_batches, plan_slots
 from .geometry import NetGeometry
 
 
@@ -160,13 +160,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     mpf = tuple(mpf) if method == "mpf" else (False,) * len(geom.pools)
     run_shape = geom.input_size(tuple(grid), mpf)
     sizes = [run_shape] + geom.layer_sizes(run_shape, mpf)
-    batches, b, pool_i = [1], 1, 0
-    for op in geom.ops:
-        if op.kind == "pool":
-            if mpf[pool_i]:
-                b *= _prod(op.size)
-            pool_i += 1
-        batches.append(b)
+    batches = op_batches(geom, mpf)
     runs = 1
     for op, m in zip(geom.pools, mpf):
         if not m:
@@ -178,12 +172,8 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     else:
         tile = tuple(g * s for g, s in zip(grid, geom.stride))
         patch = tuple(t + f - 1 for t, f in zip(tile, geom.field_of_view))
-    depth = blob_depths(net, geom)
-    blob_bytes = 0
-    for name, blob in net.blobs.items():
-        d = depth.get(name, 0)
-        c = blob.shape[1] if blob.num_axes > 1 else 1
-        blob_bytes += batches[d] * c * _prod(sizes[d]) * itemsize
+    shapes = blob_shapes(net, geom, run_shape, mpf)
+    blob_bytes = sum(_prod(s) for s in shapes.values()) * itemsize
     layers, seconds, work, kept, roles = [], 0.0, 0, 0, [0, 0, 0]
     pool_i = 0
     for k, op in enumerate(geom.ops):
@@ -215,7 +205,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         work = max(work, transient)
     seconds += machine.streaming_seconds(blob_bytes / 2) if hasattr(machine, "streaming_seconds") else 0.0
     seconds *= runs
-    work = max(work, elementwise_temporaries(net, blob_shapes(net, geom, run_shape, mpf), itemsize))
+    work = max(work, elementwise_temporaries(net, shapes, itemsize))
     c_in = net.blobs[geom.input_blob].shape[1]
     c_out = net.blobs[geom.output_blob].shape[1]
     io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
