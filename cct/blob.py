@@ -105,6 +105,14 @@ class Blob:
         if self._diff_source is not None and tuple(self._diff_source[1]) != shape:
             self._diff_source = None
 
+    def bind_data(self, array) -> None:
+        """Make ``data`` the caller's ``array`` (its shape becomes the blob's): storage owned elsewhere, e.g.
+        a pool of activation buffers reused across layers (:mod:`cct.infer.buffers`)."""
+        self._shape = tuple(int(d) for d in array.shape)
+        self.data = array
+        self._diff = None
+        self._diff_source = None
+
     def share_diff(self, other: Blob, shape: Sequence[int] | None = None) -> None:
         """Make ``diff`` a view of another blob's diff (optionally with a new shape)."""
         shape = other.shape if shape is None else tuple(int(d) for d in shape)

@@ -211,4 +211,4 @@ def test_predicted_peak_is_within_15_percent_of_measured():
     finally:
         tracemalloc.stop()
     peak -= result.nbytes  # __call__'s result array holds the whole output, not part of the plan
-    assert abs(peak - di.plan.peak_bytes) <= 0.15 * di.plan.peak_bytes, (peak, di.plan.peak_bytes)
+    assert abs(peak - di.plan.peak_bytes) <= 0.15 * di.plan.peak_bytes, (peak, di.plan.describe())

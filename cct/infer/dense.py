@@ -11,7 +11,10 @@ it is ``prod(p)`` runs of the plain net (patch inference without MPF). ``method=
 run of the plain net and returns its own strided output (every ``stride``-th window position).
 
 Shapes are fixed at construction (the convolutions plan their lowering then, for the batch sizes the
-fragments create); :meth:`PatchRunner.run` only computes.
+fragments create); :meth:`PatchRunner.run` only computes. The activations (every blob's data and the MPF
+layers' stride-1 buffers) live in one pool allocated at construction, a slot reused once the last layer
+reading it has run (:mod:`cct.infer.buffers`), and the direct convolutions share one set of buffers
+(:class:`cct.lowering.direct_layout.SharedScratch`); ``reuse=False`` gives every blob and layer its own.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import CctError, LayerError
+from ..lowering.direct_layout import SharedScratch
+from .buffers import SlotPlan, plan_slots, stage_key, storage_roots
 from .fragments import FragmentPooling
 from .geometry import NetGeometry
 
@@ -40,11 +45,13 @@ class PatchRunner:
     ``grid``: output voxels per fragment and axis (the patch shape follows from it and ``mpf``);
     ``mpf``: per pooling layer, fragments (True) or plain strided pooling (False); ``method``: ``"mpf"``
     or ``"shift"`` (dense output; ``"shift"`` forces every ``mpf`` False) or ``"strided"``.
-    ``blob``: the output blob (default the net's last output).
+    ``blob``: the output blob (default the net's last output); ``reuse``: activation buffers reused across
+    layers (default); ``theta``: the two-stage pipeline's split (:mod:`cct.infer.stages`; 0: one stage), whose
+    stages then get separate buffers since they run at the same time.
     """
 
     def __init__(self, net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool] | None = None,
-                 method: str = "mpf", blob: str | None = None) -> None:
+                 method: str = "mpf", blob: str | None = None, reuse: bool = True, theta: int = 0) -> None:
         if method not in METHODS:
             raise CctError(f"unknown dense-inference method '{method}' (use {', '.join(METHODS)})")
         npool = len(geom.pools)
@@ -55,6 +62,10 @@ class PatchRunner:
         if len(mpf) != npool:
             raise CctError(f"mpf has {len(mpf)} entries for {npool} pooling layers")
         self.net, self.geom, self.method = net, geom, method
+        self.reuse, self.theta = bool(reuse), int(theta)
+        if self.theta and not 1 <= self.theta < len(geom.ops):
+            raise CctError(f"pipeline theta {theta}: the net has {len(geom.ops)} convolution/pooling layers, so theta "
+                           f"must be 1..{len(geom.ops) - 1}")
         self.mpf = tuple(bool(m) for m in mpf)
         self.grid = tuple(int(g) for g in grid)
         self.blob = blob or geom.output_blob
@@ -97,10 +108,33 @@ class PatchRunner:
             radix = [r * p for r, p in zip(radix, op.size)]
         return shifts, starts
 
+    def _bind_pool(self) -> dict:
+        """Allocate the activation pool and bind every storage's blob to its slot (before any layer reshapes,
+        so no blob allocates an array of its own); the views by storage key."""
+        net, geom = self.net, self.geom
+        split = geom.ops[self.theta].layer if self.theta else None
+        self.slots, _steps, shape_of = plan_slots(net, geom, self.run_shape, self.mpf, self.blob, split)
+        inp = net.blobs[geom.input_blob]
+        self.pool = [inp.xp.zeros(n, dtype=net.dtype) for n in self.slots.sizes]
+        views = {}
+        for key, slot in self.slots.slot_of.items():
+            shape = shape_of[key]
+            count = 1
+            for d in shape:
+                count *= d
+            views[key] = self.pool[slot][:count].reshape(shape)
+        for name, root in storage_roots(net).items():
+            if root == name and name in views:
+                net.blobs[name].bind_data(views[name])
+        return views
+
     def _setup(self) -> None:
         net, geom = self.net, self.geom
         inp = net.blobs[geom.input_blob]
         shape = tuple(inp.shape)
+        self.slots = SlotPlan()
+        self.pool: list = []
+        views = self._bind_pool() if self.reuse else {}
         inp.reshape((1, shape[1]) + self.run_shape)
         pools = {op.layer: (op, i) for i, op in enumerate(geom.pools)}
         self.steps: list[tuple[int, object, list, list]] = []
@@ -112,6 +146,8 @@ class PatchRunner:
             runner: object = layer
             if i in pools and self.mpf[pools[i][1]]:
                 runner = FragmentPooling(lp, pools[i][0].size, bottom[0])
+                if views:
+                    runner.stages = [views[stage_key(i, a)] for a in range(geom.num_spatial)]
             try:
                 if isinstance(runner, FragmentPooling):
                     runner.reshape(bottom[0], top[0])
@@ -122,12 +158,27 @@ class PatchRunner:
             except (CctError, ValueError) as e:
                 raise LayerError(lp.name, lp.type, f"patch {list(self.run_shape)}: {e}") from e
             self.steps.append((i, runner, bottom, top))
+        if self.reuse:
+            self._share_conv_scratch()
+        for name, view in views.items():
+            if isinstance(name, str) and net.blobs[name].data is not view:  # pragma: no cover (a layer reallocated)
+                raise CctError(f"internal: blob '{name}' left its activation buffer during setup")
         out = net.blobs[self.blob]
         nfrag = len(self.frag_starts)
         if out.shape[0] != nfrag or tuple(out.shape[2:]) != self.grid:
             raise CctError(f"blob '{self.blob}' has shape {list(out.shape)}; expected {nfrag} fragments of "
                            f"{list(self.grid)} voxels (is it after the last convolution?)")
         self.channels = int(out.shape[1])
+
+    def _share_conv_scratch(self) -> None:
+        """One set of direct-convolution buffers (padded input, blocked output) for all the layers instead of one
+        per layer: they run one after another (a pipeline's stages run on two threads, whose buffers differ)."""
+        shared = SharedScratch()
+        for _i, runner, _b, _t in self.steps:
+            lowering = getattr(runner, "lowering", None)
+            inner = getattr(lowering, "inner", lowering)
+            if hasattr(inner, "share_scratch"):
+                inner.share_scratch(shared)
 
     # -- running ------------------------------------------------------------------------
     def check_patch(self, patch: np.ndarray) -> None:

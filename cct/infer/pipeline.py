@@ -100,7 +100,8 @@ class DenseInference:
             self.plan = self.make_plan(spatial)
             self.plan.notes = list(self.notes)
             log.debug("%s", self.plan.describe())
-            self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob)
+            self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob,
+                                      theta=self.plan.theta)
             self.stages = TwoStagePipeline(self.runner, self.plan.theta) if self.plan.theta else None
             self._prepared_for = spatial
         r = self.runner

@@ -7,12 +7,14 @@ cct's optimizer and cost model (:func:`cct.lowering.optimizer.predictions` of th
 priced at the batch the fragments create), its predicted seconds and workspace. It keeps the candidate with the most
 predicted output voxels per second whose predicted peak memory fits the budget.
 
-Predicted peak bytes = every blob's data (a forward-only net never allocates a diff: :class:`cct.Blob` does
-on first use; in-place layers share one blob), the per-axis stride-1 pooling buffers of each MPF layer, the
-buffers each convolution keeps between calls plus the largest transient workspace (:func:`conv_memory`), the
-index array MAX pooling keeps, the input patch and the output tile. Predicted time = the convolutions' forward
-passes times the number of shifted runs (plain pooling layers need one run per offset), plus one streaming pass
-over each blob.
+Predicted peak bytes = the activation pool: every blob's data and the per-axis stride-1 pooling buffers of each
+MPF layer in slots reused once their last reader has run, the same slot plan the runner allocates
+(:func:`cct.infer.buffers.plan_slots`; a forward-only net never allocates a diff: :class:`cct.Blob` does on
+first use), the buffers each convolution keeps between calls (the direct kernels' once: the layers share one
+set) plus the largest transient (a convolution's workspace, :func:`conv_memory`, or a per-voxel layer's
+temporaries, :func:`elementwise_temporaries`), the index array MAX pooling keeps, the input patch and the output
+tile. Predicted time = the convolutions' forward passes times the number of shifted runs
+(plain pooling layers need one run per offset), plus one streaming pass over each blob.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from ..lowering.optimizer import machine_for_threads, predictions
 from ..lowering.partition import memory_budget
 from ..membudget import human
 from ..proto import caffe_pb2
+from .buffers import blob_shapes, op_batches, plan_slots
 from .geometry import NetGeometry
 
 
@@ -62,6 +65,7 @@ class InferencePlan:
     one_stage_seconds: float = 0.0  # the one-stage prediction when ``theta`` is set
     stage_seconds: tuple[float, float] = (0.0, 0.0)  # per run, each stage on half the BLAS threads
     notes: list[str] = field(default_factory=list)  # e.g. InnerProduct layers run as convolutions
+    shared_scratch: int = 0  # the direct convolutions' buffers, one set shared by the layers (per thread)
 
     @property
     def voxels_per_second(self) -> float:
@@ -93,16 +97,40 @@ class InferencePlan:
 
 def conv_memory(name: str, cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, int]:
     """``(kept, transient)`` bytes of a convolution's forward pass by strategy ``name``: the direct kernels
-    keep their padded input (and, for a layout that drops positions, output) buffer between calls, one
-    per layer; the other strategies' workspace (:func:`cct.lowering.cost_model.workspace_bytes`) is
-    counted as kept for FFT (its transforms are cached) and as transient for the lowered GEMMs."""
+    keep their padded input (and, for a layout that drops positions, output) buffer between calls
+    (:func:`predict` counts the largest once: the layers share one set); the other strategies' workspace
+    (:func:`cct.lowering.cost_model.workspace_bytes`) is counted as kept for FFT (its transforms are cached)
+    and as transient for the lowered GEMMs."""
     if name == "direct":
-        lay = dl.plan_layout(cg, 64 // itemsize)
-        if lay is not None and dl.phase_geometry(cg) is None:
-            out = batch * cg.channels_out * cg.out_size / lay.efficiency if lay.efficiency < 1 else 0
-            return int(itemsize * (batch * cg.channels_in * lay.x_cs + out + _prod(cg.weight_shape))), 0
+        buffers = direct_buffers(cg, batch, itemsize)
+        if buffers is not None:
+            return sum(buffers), 0
     ws = workspace_bytes(name, cg, batch, itemsize)
     return (ws, 0) if name.startswith("fft") else (0, ws)
+
+
+def direct_buffers(cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, int, int] | None:
+    """Bytes of the direct kernels' ``(padded input, blocked output, blocked weights)`` buffers, or None when
+    the register-blocked kernels do not run ``cg``."""
+    lay = dl.plan_layout(cg, 64 // itemsize)
+    if lay is None or dl.phase_geometry(cg) is not None:
+        return None
+    out = batch * cg.channels_out * cg.out_size / lay.efficiency if lay.efficiency < 1 else 0
+    return itemsize * batch * cg.channels_in * lay.x_cs, int(itemsize * out), itemsize * _prod(cg.weight_shape)
+
+
+# Per-voxel layers that write their top in one pass (a compiled kernel or a ufunc with ``out=``); the others
+# (Sigmoid, ELU, Scale, BatchNorm, ...) compute through numpy temporaries.
+_ONE_PASS = frozenset({"ReLU", "TanH", "AbsVal", "Dropout", "Split", "Silence", "Input", "Convolution", "Pooling"})
+
+
+def elementwise_temporaries(net, shapes: dict[str, tuple[int, ...]], itemsize: int) -> int:
+    """The largest transient of the per-voxel layers that compute through temporaries: two arrays of the top's size."""
+    out = 0
+    for lp, tnames in zip(net.param.layer, net.top_names):
+        if lp.type not in _ONE_PASS:
+            out = max([out] + [2 * _prod(shapes[t]) * itemsize for t in tnames if t in shapes])
+    return out
 
 
 def _prod(v: Sequence[int]) -> int:
@@ -112,19 +140,12 @@ def _prod(v: Sequence[int]) -> int:
     return out
 
 
-def blob_depths(net, geom: NetGeometry) -> dict[str, int]:
-    """Number of spatial ops (convolutions and poolings) on the path to each blob of the chain."""
-    spatial = {op.layer: k for k, op in enumerate(geom.ops)}
-    depth = {geom.input_blob: 0}
-    for i, (bnames, tnames) in enumerate(zip(net.bottom_names, net.top_names)):
-        if not bnames:
-            continue
-        d = max(depth.get(b, 0) for b in bnames)
-        if i in spatial:
-            d = spatial[i] + 1
-        for t in tnames:
-            depth[t] = d
-    return depth
+def activation_bytes(net, geom: NetGeometry, run_shape: Sequence[int], mpf: Sequence[bool], theta: int = 0,
+                     itemsize: int | None = None) -> int:
+    """Bytes of the activation pool of one run (``theta``: a two-stage pipeline's split, its stages pooled apart)."""
+    split = geom.ops[theta].layer if theta else None
+    slots, _steps, _shapes = plan_slots(net, geom, run_shape, mpf, geom.output_blob, split)
+    return slots.elements * (itemsize or net.dtype.itemsize)
 
 
 def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], method: str = "mpf",
@@ -139,13 +160,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     mpf = tuple(mpf) if method == "mpf" else (False,) * len(geom.pools)
     run_shape = geom.input_size(tuple(grid), mpf)
     sizes = [run_shape] + geom.layer_sizes(run_shape, mpf)
-    batches, b, pool_i = [1], 1, 0
-    for op in geom.ops:
-        if op.kind == "pool":
-            if mpf[pool_i]:
-                b *= _prod(op.size)
-            pool_i += 1
-        batches.append(b)
+    batches = op_batches(geom, mpf)
     runs = 1
     for op, m in zip(geom.pools, mpf):
         if not m:
@@ -157,13 +172,9 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     else:
         tile = tuple(g * s for g, s in zip(grid, geom.stride))
         patch = tuple(t + f - 1 for t, f in zip(tile, geom.field_of_view))
-    depth = blob_depths(net, geom)
-    blob_bytes = 0
-    for name, blob in net.blobs.items():
-        d = depth.get(name, 0)
-        c = blob.shape[1] if blob.num_axes > 1 else 1
-        blob_bytes += batches[d] * c * _prod(sizes[d]) * itemsize
-    layers, seconds, work, kept = [], 0.0, 0, 0
+    shapes = blob_shapes(net, geom, run_shape, mpf)
+    blob_bytes = sum(_prod(s) for s in shapes.values()) * itemsize
+    layers, seconds, work, kept, roles = [], 0.0, 0, 0, [0, 0, 0]
     pool_i = 0
     for k, op in enumerate(geom.ops):
         lp = net.param.layer[op.layer]
@@ -171,12 +182,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         shape = (batches[k], bottom.shape[1]) + tuple(sizes[k])
         if op.kind == "pool":
             is_max = lp.pooling_param.pool == caffe_pb2.PoolingParameter.MAX
-            if mpf[pool_i]:  # the per-axis stride-1 pooled buffers
-                cur = list(shape)
-                for a, p in enumerate(op.size):
-                    cur[2 + a] -= p - 1
-                    kept += _prod(cur) * itemsize
-            elif is_max:  # the net's own MAX pooling keeps an int32 index per maximum, compares via a mask
+            if not mpf[pool_i] and is_max:  # the net's MAX pooling keeps an int32 index per maximum, compares by mask
                 count = batches[k + 1] * shape[1] * _prod(sizes[k + 1])
                 kept += 4 * count
                 work = max(work, count)
@@ -191,15 +197,22 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         kept_ws, transient = conv_memory(name, cg, shape[0], itemsize)
         layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient))
         seconds += t
-        kept += kept_ws
+        buffers = direct_buffers(cg, shape[0], itemsize) if name == "direct" else None
+        if buffers is not None:  # one buffer per role shared by the layers (SharedScratch), the largest request
+            roles = [max(r, b) for r, b in zip(roles, buffers)]
+        else:
+            kept += kept_ws
         work = max(work, transient)
     seconds += machine.streaming_seconds(blob_bytes / 2) if hasattr(machine, "streaming_seconds") else 0.0
     seconds *= runs
+    work = max(work, elementwise_temporaries(net, shapes, itemsize))
     c_in = net.blobs[geom.input_blob].shape[1]
     c_out = net.blobs[geom.output_blob].shape[1]
     io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
-    peak = blob_bytes + kept + work + io_bytes
-    return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers)
+    shared = sum(roles)
+    peak = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize) + kept + shared + work + io_bytes
+    return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers,
+                         shared_scratch=shared)
 
 
 def parse_pipeline(text: str | int | None) -> str | int:
@@ -222,7 +235,8 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
     """``plan`` as a two-stage pipeline (ZNNi VII): ``half`` is the same candidate priced on half the BLAS
     threads (its seconds times ``scale``, see :func:`half_machine`); ``pipeline`` is ``"auto"`` (the best
     theta, kept only when predicted faster than one stage) or a theta. A run then takes the slower stage's
-    time; the peak adds the hand-off buffer and the second stage's copy of the boundary blob. ``"off"``
+    time; the peak adds the hand-off buffer and the second stage's copy of the boundary blob, and the stages'
+    activations are pooled apart (they run at the same time). ``"off"``
     returns ``plan`` unchanged."""
     nops = len(geom.ops)
     if pipeline == "off" or plan.method == "strided" and pipeline == "auto":
@@ -252,7 +266,9 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
     channels = net.bottom_vecs[geom.ops[best].layer][0].shape[1]
     handoff = 2 * batch * channels * _prod(size) * net.dtype.itemsize
     plan.one_stage_seconds, plan.seconds, plan.theta, plan.stage_seconds = plan.seconds, seconds, best, stages
-    plan.peak_bytes += handoff
+    plan.peak_bytes += handoff + activation_bytes(net, geom, run_shape, plan.mpf, best) \
+        - activation_bytes(net, geom, run_shape, plan.mpf)  # the stages' activations are pooled apart
+    plan.peak_bytes += plan.shared_scratch  # and each stage's thread has its own set of direct buffers
     return plan
 
 

@@ -41,6 +41,9 @@ class TwoStagePipeline:
         if not 1 <= theta < len(ops):
             raise CctError(f"pipeline theta {theta}: the net has {len(ops)} convolution/pooling layers, so theta "
                            f"must be 1..{len(ops) - 1}")
+        if runner.reuse and runner.theta != theta:
+            raise CctError(f"pipeline theta {theta}: the patch runner's activation buffers were planned for theta "
+                           f"{runner.theta} (build it with theta={theta}: the stages run at the same time)")
         self.runner, self.theta = runner, int(theta)
         self.threads_per_stage = threads_per_stage or max(1, get_num_threads() // 2)
         last_first = ops[theta - 1].layer

@@ -63,6 +63,11 @@ class DirectConvolution(LoweringStrategy):
     def __init__(self) -> None:
         self._scratch = dl.Scratch()
 
+    def share_scratch(self, scratch: dl.SharedScratch) -> None:
+        """Take the reused buffers from ``scratch``, shared with other convolutions that never run at the same
+        time (dense inference's layers), instead of keeping this layer's own."""
+        self._scratch = scratch
+
     def supports(self, geom: ConvGeometry) -> bool:
         """1-, 2- and 3-D convolutions with a non-empty output."""
         return 1 <= geom.num_spatial <= 3 and geom.out_size > 0

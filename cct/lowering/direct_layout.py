@@ -95,6 +95,41 @@ class Scratch:
         return buf
 
 
+class SharedScratch:
+    """A :class:`Scratch` for convolutions that never run at the same time on one thread (the layers of one
+    forward-only pass): one buffer per role (the tag's first element, e.g. ``"xpad"``) and thread, shared by
+    all of them and as large as the largest request, instead of one buffer per layer. A buffer last handed out
+    for another tag or shape is zeroed again before it is handed out, so what a caller never writes is zero as
+    with :class:`Scratch`."""
+
+    def __init__(self) -> None:
+        self._bufs: dict = {}
+        self._lock = threading.Lock()
+
+    def zeros(self, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
+        """The zeroed-once buffer of ``tag``'s role for ``shape`` (see the class docstring)."""
+        role = tag[0] if isinstance(tag, tuple) else tag
+        key = (role, np.dtype(dtype), xp.__name__, threading.get_ident())
+        count = 1
+        for d in shape:
+            count *= int(d)
+        owner = (tag, tuple(shape))
+        with self._lock:
+            entry = self._bufs.get(key)
+            if entry is None or entry[0].size < count:
+                entry = None
+                self._bufs.pop(key, None)  # the smaller buffer goes before the larger one is allocated
+                entry = [xp.zeros(count, dtype=dtype), owner]
+                self._bufs[key] = entry
+                return entry[0][:count].reshape(shape)
+            fresh = entry[1] != owner
+            entry[1] = owner
+        view = entry[0][:count].reshape(shape)
+        if fresh:
+            view.fill(0)
+        return view
+
+
 def scratch_zeros(scratch: Scratch | None, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
     """``scratch``'s buffer for ``tag`` (zeroed when created), or a fresh zeroed array without one."""
     return xp.zeros(shape, dtype=dtype) if scratch is None else scratch.zeros(tag, shape, dtype, xp)
