@@ -38,10 +38,13 @@ layer { name: "fc7b" type: "InnerProduct" bottom: "fc6" top: "fc7b"
         inner_product_param { num_output: 32 weight_filler { type: "gaussian" std: 0.05 } } }
 layer { name: "fc7" type: "Eltwise" bottom: "fc7a" bottom: "fc7b" top: "fc7" eltwise_param { coeff: 1 coeff: -0.5 } }"""
 #: CAFFENET_LIKE with conv2 the Concat of a plain and a grouped convolution (6 + 10 channels), its second LRN
-#: within channels, and fc7 a weighted sum (Eltwise) of two InnerProducts of fc6
+#: within channels followed by a Softmax over channels, and fc7 a weighted sum (Eltwise) of two InnerProducts of fc6
+SOFTMAX2 = 'layer { name: "soft2" type: "Softmax" bottom: "norm2" top: "soft2" }\n'
 NET = (CAFFENET_LIKE.replace(CONV2, CONCAT2).replace(FC7, ELTWISE7)
-       .replace('top: "norm2" lrn_param {', 'top: "norm2" lrn_param { norm_region: WITHIN_CHANNEL'))
-assert NET.count("conv2a") == 3 and NET.count("fc7a") == 3 and "WITHIN" in NET
+       .replace('top: "norm2" lrn_param {', 'top: "norm2" lrn_param { norm_region: WITHIN_CHANNEL')
+       .replace('layer { name: "pool2" type: "Pooling" bottom: "norm2"', SOFTMAX2 + 'layer { name: "pool2" type: '
+                '"Pooling" bottom: "soft2"'))
+assert NET.count("conv2a") == 3 and NET.count("fc7a") == 3 and "WITHIN" in NET and NET.count("soft2") == 3
 
 
 def _spatial_arg(splits):
@@ -55,7 +58,7 @@ def test_lrn_regions_are_the_planners_channel_and_spatial_halos(case, monkeypatc
     """norm1 (ACROSS_CHANNELS, local_size 3) split c=2 reads its 4 channels and 1 halo channel; norm2
     (WITHIN_CHANNEL) split h=3 reads its rows and one halo row each side (clipped at the edges); the copy runs
     on the frame and its box is cut out of the result. A Concat's box reads each input's channels inside it;
-    a Concat along another axis is refused by name."""
+    a Concat or Softmax along another axis is refused by name."""
     monkeypatch.chdir(case)
     (case / "net.prototxt").write_text(NET)
     net = cct.Net("net.prototxt", "TRAIN")
@@ -80,6 +83,10 @@ def test_lrn_regions_are_the_planners_channel_and_spatial_halos(case, monkeypatc
     net = cct.Net("net.prototxt", "TRAIN")
     with pytest.raises(PlanError, match=r"layer 'conv2' n=1 h=1 w=1 c=2: only a Concat along channels \(axis: 1\)"):
         PerLayerExecutor(net, _Rank(2), {"conv2": Split(c=2)})
+    (case / "net.prototxt").write_text(NET.replace('top: "soft2" }', 'top: "soft2" softmax_param { axis: 2 } }'))
+    net = cct.Net("net.prototxt", "TRAIN")
+    with pytest.raises(PlanError, match=r"layer 'soft2' n=1 h=1 w=2 c=1: only a Softmax over channels \(axis: 1\)"):
+        PerLayerExecutor(net, _Rank(2), {"soft2": Split(w=2)})
 
 
 @needs_mpi()
@@ -87,12 +94,13 @@ def test_lrn_regions_are_the_planners_channel_and_spatial_halos(case, monkeypatc
     # the Concat by width from a channel and a height split; the Eltwise by channel from a channel and a
     # sample split
     (2, {"conv1": Split(h=2), "norm1": Split(c=2), "pool1": Split(c=2), "conv2a": Split(c=2), "conv2b": Split(h=2),
-         "conv2": Split(w=2), "norm2": Split(w=2), "pool2": Split(h=2), "fc6": Split(c=2), "fc7a": Split(c=2),
-         "fc7": Split(c=2), "fc8": Split(c=2)}),
+         "conv2": Split(w=2), "norm2": Split(w=2), "soft2": Split(h=2), "pool2": Split(h=2), "fc6": Split(c=2),
+         "fc7a": Split(c=2), "fc7": Split(c=2), "fc8": Split(c=2)}),
     # the Concat by channel (16 as 5/5/6: rank 1's box straddles both inputs) from a height and a sample
     # split; the Eltwise whole on rank 0 (ranks 1, 2 idle for it) from a channel and a sample split
     (3, {"conv1": Split(w=3), "norm1": Split(c=3), "pool1": Split(h=3), "conv2a": Split(h=3), "conv2": Split(c=3),
-         "norm2": Split(h=3), "fc6": Split(c=3), "fc7b": Split(c=3), "fc7": Split(), "fc8": Split(c=3)}),
+         "norm2": Split(h=3), "soft2": Split(w=3), "fc6": Split(c=3), "fc7b": Split(c=3), "fc7": Split(),
+         "fc8": Split(c=3)}),
 ], ids=["two", "three"])
 def test_caffenet_like_net_with_lrn_under_mixed_splits_equals_one_process(case, monkeypatch, ranks, splits):
     """5 SGD iterations (momentum, weight decay) at batch 2 per rank under a mixed plan end with one

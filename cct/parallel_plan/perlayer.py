@@ -54,7 +54,9 @@ log = logging.getLogger("cct")
 
 Shape4 = tuple[int, int, int, int]
 #: the layer types a configuration other than the sample split runs on
-SPLIT_TYPES = ("Convolution", "Pooling", "InnerProduct", "LRN", "Concat", "Eltwise")
+SPLIT_TYPES = ("Convolution", "Pooling", "InnerProduct", "LRN", "Softmax", "Concat", "Eltwise")
+#: the layers computed whole on their input region (halo included; the planner's region rule), their box cut out
+REGION_TYPES = ("LRN", "Softmax")
 #: the graph nodes joining several inputs, each fetched from its own split to the node's box
 JOIN_TYPES = ("Concat", "Eltwise")
 
@@ -106,7 +108,7 @@ class Step:
     padded: bool = False            # the frame reaches past the input (explicit zero padding)
     idle: bool = False              # this rank holds no box of the layer (a configuration on fewer ranks)
     gather: BoxExchange | None = None  # the output box -> the net's blob by sample
-    frame_out: Blob | None = None   # an LRN copy's output over its whole input frame (halo included) ...
+    frame_out: Blob | None = None   # a REGION_TYPES copy's output over its whole input frame (halo included) ...
     crop: tuple[slice, ...] = ()    # ... and this rank's box in it
 
 
@@ -173,6 +175,9 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
         p = layer.param.inner_product_param
         if p.transpose or p.axis != 1:
             return "only InnerProduct layers on axis 1 without transpose are split"
+    elif layer.type == "Softmax":
+        if layer.param.softmax_param.axis != 1 or len(layer.param.bottom) != 1:
+            return "only a Softmax over channels (axis: 1) is split"
     elif layer.type == "Concat":
         p = layer.param.concat_param
         if p.HasField("concat_dim") or p.axis != 1:
@@ -294,7 +299,7 @@ class PerLayerExecutor:
                 raise _refuse(name, split, f"its output has {out_shape[a]} along {d}, fewer than its "
                                            f"{split.degree(d)} parts")
         out_boxes = rank_boxes(split, out_shape, self.size)
-        if layer.type == "LRN":  # the planner's region: the channel or spatial halo, clipped to the input
+        if layer.type in REGION_TYPES:  # the planner's region (LRN's halo, Softmax's channels), clipped
             need = region_rule(layer, [in_shape], 4)[2].needed(out_boxes, 0, in_shape)
             self._add_step(i, name, split, placed, readers, out_boxes, need, need)
             return
@@ -341,7 +346,7 @@ class PerLayerExecutor:
         lo, hi = (int(v) for v in out_boxes[me, 1])
         want = tuple(int(v) for v in out_boxes[me, :, 1] - out_boxes[me, :, 0])
         frame_out, crop = None, ()
-        if layer.type == "LRN":  # runs on its whole frame; its box is cut out of the result
+        if layer.type in REGION_TYPES:  # runs on its whole frame; its box is cut out of the result
             frame_out = Blob((1,), net.dtype, name=f"{name}_frame_out")
             part = layer_copy(layer, lambda _param: None, inp, frame_out)
             crop = at_box(out_boxes[me], frame[me, :, 0])
