@@ -1,6 +1,6 @@
-"""Any per-layer mix of DeePa's configurations on MPI ranks: each Convolution, Pooling and InnerProduct layer
-split ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of them, every layer between two configurations
-moved by one point-to-point exchange of exactly the regions each rank needs.
+"""Any per-layer mix of DeePa's configurations on MPI ranks: each Convolution, Pooling, InnerProduct, LRN,
+Softmax, Concat and Eltwise layer split ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of them, every
+layer between two configurations moved by one point-to-point exchange of exactly the regions each rank needs.
 
 :class:`PerLayerExecutor` runs a data-parallel solver's train net (each rank reads its ``b`` samples of the
 global batch ``N*b``; the layers not configured run on them as under data parallelism). A configured layer with
@@ -8,7 +8,12 @@ global batch ``N*b``; the layers not configured run on them as under data parall
 ranks from ``s.workers`` on are idle for the layer: they send their part of its input and compute nothing)
 computes rank r's box of its global output -- samples, output channels, rows and columns -- with a copy of the
 layer resized to the box (``num_output`` the channel slice, the padding of a split height or width made explicit
-as zero rows and columns of its input frame) fed the channel slice of the weights:
+as zero rows and columns of its input frame) fed the channel slice of the weights. An LRN or a Softmax
+(:data:`REGION_TYPES`) runs whole on its input region -- the planner's: ``local_size // 2`` halo channels of
+an LRN across channels, halo rows and columns of one within channels, every channel of a Softmax -- and its
+box is cut out of the result (the halo's outputs, another rank's, get no gradient). A Concat (along
+channels) or an Eltwise (:class:`JoinStep`) moves each input from its own split to its region of the box: a
+Concat straight into its channels of the output box, an Eltwise into inputs of a copy of the layer.
 
 * forward: the input frame is filled by a :class:`~.boxexchange.BoxExchange` from wherever the producer's
   output lives -- the net's blob by sample, or the producer's boxes under its own configuration, whatever
@@ -28,11 +33,12 @@ as zero rows and columns of its input frame) fed the channel slice of the weight
 N ranks at batch b then train as one process at batch N*b, and the bytes each rank receives in the
 exchanges equal the planner's transfer count (:mod:`.transfer`; the reductions of slices are the update's).
 Refused with a :class:`PlanError` naming the layer and its configuration: a worker count not dividing the
-ranks, a data layer not split by sample, a configured layer of another type (LRN, Concat, Eltwise,
-Softmax, a loss), grouped convolutions split by channel, dilated or 3-D convolutions and global or padded
-poolings split by height or width, InnerProduct layers with ``transpose`` or an axis other than 1,
-BatchNorm or a layer with parameters following a channel-split layer, a configured layer's output read by
-two layers, in-place configured layers, ``--devices`` and unequal batch shares.
+ranks, a data layer not split by sample, a configured layer of another type (losses, Split, BatchNorm, ...),
+a Concat or a Softmax along an axis other than channels, grouped convolutions split by channel, dilated or
+3-D convolutions and global or padded poolings split by height or width, InnerProduct layers with
+``transpose`` or an axis other than 1, BatchNorm or a layer with parameters following a channel-split
+layer, a configured layer's output read by two layers, in-place configured layers, ``--devices`` and
+unequal batch shares.
 """
 from __future__ import annotations
 
