@@ -26,7 +26,7 @@ def intersect(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     return np.stack([lo, hi], axis=1)
 
 
-def _at(box: np.ndarray, origin: np.ndarray) -> tuple[slice, ...]:
+def at_box(box: np.ndarray, origin: np.ndarray) -> tuple[slice, ...]:
     """Index of global ``box`` in a local array whose element ``[0, 0, 0, 0]`` is at global ``origin``."""
     return tuple(slice(int(lo - o), int(hi - o)) for (lo, hi), o in zip(box, origin))
 
@@ -59,7 +59,7 @@ class BoxExchange:
             reqs.append(self.comm.irecv(buf, q, TAG))
             got.append((box, buf))
         for q, box in outgoing:
-            reqs.append(self.comm.isend(np.ascontiguousarray(src[_at(box, src_origin)]), q, TAG))
+            reqs.append(self.comm.isend(np.ascontiguousarray(src[at_box(box, src_origin)]), q, TAG))
         for r in reqs:
             r.wait()
         return got
@@ -69,9 +69,9 @@ class BoxExchange:
         outside the tensor are left as they are (the caller's padding). Returns the bytes received."""
         got = self._move(src, self.own_origin, self.sends, self.recvs)
         if self.local is not None:
-            dst[_at(self.local, self.need_origin)] = src[_at(self.local, self.own_origin)]
+            dst[at_box(self.local, self.need_origin)] = src[at_box(self.local, self.own_origin)]
         for box, buf in got:
-            dst[_at(box, self.need_origin)] = buf
+            dst[at_box(box, self.need_origin)] = buf
         return sum(buf.nbytes for _, buf in got)
 
     def backward(self, dst_grad: np.ndarray, src_grad: np.ndarray) -> int:
@@ -80,7 +80,7 @@ class BoxExchange:
         got = self._move(dst_grad, self.need_origin, self.recvs, self.sends)
         src_grad[...] = 0
         if self.local is not None:
-            src_grad[_at(self.local, self.own_origin)] += dst_grad[_at(self.local, self.need_origin)]
+            src_grad[at_box(self.local, self.own_origin)] += dst_grad[at_box(self.local, self.need_origin)]
         for box, buf in got:
-            src_grad[_at(box, self.own_origin)] += buf
+            src_grad[at_box(box, self.own_origin)] += buf
         return sum(buf.nbytes for _, buf in got)

@@ -1,16 +1,15 @@
 """Which plans ``cct train`` executes, and setting a distributed solver up for one (``--parallel``).
 
-A plan file runs layer by layer (:mod:`.perlayer`): every Convolution, Pooling and InnerProduct layer under
-its own configuration ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of them (mixed factorisations
-included), every other
-layer by sample, each change of configuration one exchange of exactly the planner's regions; what cannot
-run is refused naming the file, the layer and its configuration. ``auto`` prices the fixed family -- the
-fully-connected tail's InnerProduct layers split ``n=a, c=N/a`` (``a = N``: data parallelism, ``a = 1``:
-OWT) -- and DeePa's optimum with the cost model, then measures them on the ranks (:mod:`.measured`): the
-family, the optimum's convolution channel splits (``conv c=N``) and height/width splits (``spatial``)
-alone, and the optimum itself layer by layer (``deepa``), each by :mod:`.perlayer`; it runs data parallelism unless
-another candidate is measured faster by a margin (so ``auto`` is never meaningfully slower than data
-parallelism).
+A plan file runs layer by layer (:mod:`.perlayer`): every Convolution, Pooling, InnerProduct, LRN, Softmax,
+Concat and Eltwise layer under its own configuration ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of
+them (mixed factorisations included), every other layer by sample, each change of configuration one exchange
+of exactly the planner's regions; what cannot run is refused naming the file, the layer and its configuration.
+``auto`` prices the fixed family -- the fully-connected tail's InnerProduct layers split ``n=a, c=N/a``
+(``a = N``: data parallelism, ``a = 1``: OWT) -- and DeePa's optimum with the cost model, then measures them on the
+ranks (:mod:`.measured`): the family, the optimum's convolution channel splits (``conv c=N``) and height/width
+splits (``spatial``) alone, and the optimum itself layer by layer (``deepa``), each by :mod:`.perlayer`; it
+runs data parallelism unless another candidate is measured faster by a margin (so ``auto`` is never
+meaningfully slower than data parallelism).
 """
 from __future__ import annotations
 

@@ -91,7 +91,9 @@ def _learnable_bytes(layer, itemsize: int) -> int:
     return total
 
 
-def _rule_for(layer, in_shapes: list[Shape4], in_ndim: int) -> tuple[str, tuple[str, ...], RegionRule]:
+def region_rule(layer, in_shapes: list[Shape4], in_ndim: int) -> tuple[str, tuple[str, ...], RegionRule]:
+    """``(kind, split axes, region rule)`` of ``layer`` on inputs of ``in_shapes`` (the first of ``in_ndim``
+    axes): what the planner prices and :mod:`.perlayer` reads."""
     t = layer.type
     if t in SOURCES:
         return "source", DIMS, SameBox()
@@ -161,7 +163,7 @@ def graph_from_net(net: Net, batch: int | None = None) -> PlanGraph:
         kind_probe = layer.type.endswith("Loss") or layer.type == "Accuracy" or not tops
         out_shape = in_shapes[0] if (kind_probe and in_shapes) else (tops[0] if tops else (1, 1, 1, 1))
         in_ndim = len(net.blobs[bnames[0]].shape) if bnames else 0
-        kind, dims, rule = _rule_for(layer, in_shapes, in_ndim)
+        kind, dims, rule = region_rule(layer, in_shapes, in_ndim)
         node = PlanNode(name=lname, kind=kind, layers=[lname], types=[layer.type], out_shape=out_shape, dims=dims,
                         rule=rule, param_bytes=_learnable_bytes(layer, itemsize), top_shapes=tops,
                         inputs=[owner[b] for b in bnames], in_shapes=in_shapes)

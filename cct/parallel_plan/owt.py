@@ -287,13 +287,15 @@ class ChannelSplitExecutor:
         self.gather_bytes += gather_rows(self.comm, self.net, self.fcs, history)
 
 
-def layer_copy(layer: Layer, edit: Callable[[caffe_pb2.LayerParameter], None], inp: Blob, out: Blob) -> Layer:
-    """A copy of ``layer`` whose parameter ``edit`` changed (in place), set up on ``inp`` -> ``out``."""
+def layer_copy(layer: Layer, edit: Callable[[caffe_pb2.LayerParameter], None], inp: Blob | list[Blob],
+               out: Blob) -> Layer:
+    """A copy of ``layer`` whose parameter ``edit`` changed (in place), set up on ``inp`` (a blob or the
+    list of its bottoms) -> ``out``."""
     param = caffe_pb2.LayerParameter()
     param.CopyFrom(layer.param)
     edit(param)
     part = create_layer(param)
-    part.setup([inp], [out])
+    part.setup(inp if isinstance(inp, list) else [inp], [out])
     part.param_propagate_down = list(layer.param_propagate_down)
     return part
 

@@ -1,6 +1,6 @@
-"""Any per-layer mix of DeePa's configurations on MPI ranks: each Convolution, Pooling and InnerProduct layer
-split ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of them, every layer between two configurations
-moved by one point-to-point exchange of exactly the regions each rank needs.
+"""Any per-layer mix of DeePa's configurations on MPI ranks: each Convolution, Pooling, InnerProduct, LRN,
+Softmax, Concat and Eltwise layer split ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of them, every
+layer between two configurations moved by one point-to-point exchange of exactly the regions each rank needs.
 
 :class:`PerLayerExecutor` runs a data-parallel solver's train net (each rank reads its ``b`` samples of the
 global batch ``N*b``; the layers not configured run on them as under data parallelism). A configured layer with
@@ -8,7 +8,12 @@ global batch ``N*b``; the layers not configured run on them as under data parall
 ranks from ``s.workers`` on are idle for the layer: they send their part of its input and compute nothing)
 computes rank r's box of its global output -- samples, output channels, rows and columns -- with a copy of the
 layer resized to the box (``num_output`` the channel slice, the padding of a split height or width made explicit
-as zero rows and columns of its input frame) fed the channel slice of the weights:
+as zero rows and columns of its input frame) fed the channel slice of the weights. An LRN or a Softmax
+(:data:`REGION_TYPES`) runs whole on its input region -- the planner's: ``local_size // 2`` halo channels of
+an LRN across channels, halo rows and columns of one within channels, every channel of a Softmax -- and its
+box is cut out of the result (the halo's outputs, another rank's, get no gradient). A Concat (along
+channels) or an Eltwise (:class:`JoinStep`) moves each input from its own split to its region of the box: a
+Concat straight into its channels of the output box, an Eltwise into inputs of a copy of the layer.
 
 * forward: the input frame is filled by a :class:`~.boxexchange.BoxExchange` from wherever the producer's
   output lives -- the net's blob by sample, or the producer's boxes under its own configuration, whatever
@@ -28,11 +33,12 @@ as zero rows and columns of its input frame) fed the channel slice of the weight
 N ranks at batch b then train as one process at batch N*b, and the bytes each rank receives in the
 exchanges equal the planner's transfer count (:mod:`.transfer`; the reductions of slices are the update's).
 Refused with a :class:`PlanError` naming the layer and its configuration: a worker count not dividing the
-ranks, a data layer not split by sample, a configured layer of another type (LRN, Concat, Eltwise,
-Softmax, a loss), grouped convolutions split by channel, dilated or 3-D convolutions and global or padded
-poolings split by height or width, InnerProduct layers with ``transpose`` or an axis other than 1,
-BatchNorm or a layer with parameters following a channel-split layer, a configured layer's output read by
-two layers, in-place configured layers, ``--devices`` and unequal batch shares.
+ranks, a data layer not split by sample, a configured layer of another type (losses, Split, BatchNorm, ...),
+a Concat or a Softmax along an axis other than channels, grouped convolutions split by channel, dilated or
+3-D convolutions and global or padded poolings split by height or width, InnerProduct layers with
+``transpose`` or an axis other than 1, BatchNorm or a layer with parameters following a channel-split
+layer, a configured layer's output read by two layers, in-place configured layers, ``--devices`` and
+unequal batch shares.
 """
 from __future__ import annotations
 
@@ -45,8 +51,8 @@ import numpy as np
 from ..blob import Blob
 from ..layers.base import Layer
 from ..proto import caffe_pb2
-from .boxexchange import BoxExchange
-from .graph import ELEMENTWISE, SOURCES
+from .boxexchange import BoxExchange, at_box
+from .graph import ELEMENTWISE, SOURCES, region_rule
 from .owt import ChannelSlice, attach, gather_rows, layer_copy, splittable
 from .split import PlanError, Split, part_bounds, worker_boxes
 
@@ -54,7 +60,11 @@ log = logging.getLogger("cct")
 
 Shape4 = tuple[int, int, int, int]
 #: the layer types a configuration other than the sample split runs on
-SPLIT_TYPES = ("Convolution", "Pooling", "InnerProduct")
+SPLIT_TYPES = ("Convolution", "Pooling", "InnerProduct", "LRN", "Softmax", "Concat", "Eltwise")
+#: the layers computed whole on their input region (halo included; the planner's region rule), their box cut out
+REGION_TYPES = ("LRN", "Softmax")
+#: the graph nodes joining several inputs, each fetched from its own split to the node's box
+JOIN_TYPES = ("Concat", "Eltwise")
 
 
 def view4(a: np.ndarray) -> np.ndarray:
@@ -104,6 +114,34 @@ class Step:
     padded: bool = False            # the frame reaches past the input (explicit zero padding)
     idle: bool = False              # this rank holds no box of the layer (a configuration on fewer ranks)
     gather: BoxExchange | None = None  # the output box -> the net's blob by sample
+    frame_out: Blob | None = None   # a REGION_TYPES copy's output over its whole input frame (halo included) ...
+    crop: tuple[slice, ...] = ()    # ... and this rank's box in it
+
+
+@dataclass
+class JoinStep:
+    """A Concat or Eltwise node run on its box: each input moved from its own split (or the samples) to
+    its region of the box -- Eltwise: the box of every input, fed to a copy of the layer; Concat along
+    channels: the input's channels inside the box, written straight into the output box (no copy)."""
+
+    index: int
+    split: Split
+    part: Layer | None              # Eltwise's copy on the box; None for Concat
+    inputs: list[Blob]              # Eltwise: each input's box
+    out: Blob
+    fetches: list[BoxExchange]      # input k's split -> its region of the box
+    sources: list[Placed | None]    # input k's boxes, None when it runs by sample
+    views: list[tuple[slice, ...]]  # Concat: input k's channels in the output box
+    idle: bool = False
+    gather: BoxExchange | None = None
+
+    def dst(self, k: int, diff: bool = False) -> np.ndarray:
+        """Where input ``k``'s region lands (its data or gradient; a placeholder on a rank idle for it)."""
+        if self.idle:
+            return self.out.diff if diff else self.out.data
+        if self.part is not None:
+            return self.inputs[k].diff if diff else self.inputs[k].data
+        return view4(self.out.diff if diff else self.out.data)[self.views[k]]
 
 
 def _refuse(name: str, split: Split, why: str) -> PlanError:
@@ -139,10 +177,17 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
             if d > 1 and not layer.global_pooling and layer.pad[a]:
                 return f"pools with padding {layer.pad[a]} along the split {'height' if a == 0 else 'width'}; " \
                        "not supported"
-    else:
+    elif layer.type == "InnerProduct":
         p = layer.param.inner_product_param
         if p.transpose or p.axis != 1:
             return "only InnerProduct layers on axis 1 without transpose are split"
+    elif layer.type == "Softmax":
+        if layer.param.softmax_param.axis != 1 or len(layer.param.bottom) != 1:
+            return "only a Softmax over channels (axis: 1) is split"
+    elif layer.type == "Concat":
+        p = layer.param.concat_param
+        if p.HasField("concat_dim") or p.axis != 1:
+            return "only a Concat along channels (axis: 1) is split"
     return None
 
 
@@ -206,7 +251,7 @@ class PerLayerExecutor:
             split_at[i] = s
         #: the configured layers (layer index -> Split), in net order
         self.splits = dict(sorted(split_at.items()))
-        self.steps: dict[int, Step] = {}
+        self.steps: dict[int, Step | JoinStep] = {}
         self._build()
         #: bytes this rank received in the exchanges of forward and backward passes (the planner's transfers)
         self.bytes_moved = 0
@@ -226,7 +271,9 @@ class PerLayerExecutor:
         readers: dict[str, int] = {}     # blob name -> the step reading it
         for i, layer in enumerate(net.layers):
             name, bottoms, tops = net.layer_names[i], net.bottom_names[i], net.top_names[i]
-            if i in self.splits:
+            if i in self.splits and layer.type in JOIN_TYPES:
+                self._join_step(i, name, self.splits[i], placed, readers)
+            elif i in self.splits:
                 self._split_step(i, name, self.splits[i], placed, readers)
             elif layer.type in ELEMENTWISE and len(bottoms) == 1 and len(tops) == 1 and bottoms[0] in placed:
                 self._follower_step(i, name, placed, readers)
@@ -257,9 +304,12 @@ class PerLayerExecutor:
             if split.degree(d) > out_shape[a]:
                 raise _refuse(name, split, f"its output has {out_shape[a]} along {d}, fewer than its "
                                            f"{split.degree(d)} parts")
-        windows = _windows(layer, in_shape)
         out_boxes = rank_boxes(split, out_shape, self.size)
-        idle = self.rank >= split.workers
+        if layer.type in REGION_TYPES:  # the planner's region (LRN's halo, Softmax's channels), clipped
+            need = region_rule(layer, [in_shape], 4)[2].needed(out_boxes, 0, in_shape)
+            self._add_step(i, name, split, placed, readers, out_boxes, need, need)
+            return
+        windows = _windows(layer, in_shape)
         need = np.empty_like(out_boxes)   # what each rank reads (the planner's region, clipped to the input)
         frame = np.empty_like(out_boxes)  # the copy's input: split axes unclipped (explicit padding)
         need[:, 0] = frame[:, 0] = out_boxes[:, 0]
@@ -275,6 +325,17 @@ class PerLayerExecutor:
                 frame[:, a, 1] = hi if layer.type == "Convolution" else np.minimum(hi, in_shape[a])
             else:
                 frame[:, a] = (0, in_shape[a])
+        self._add_step(i, name, split, placed, readers, out_boxes, need, frame)
+
+    def _add_step(self, i: int, name: str, split: Split, placed: dict[str, Placed], readers: dict[str, int],
+                  out_boxes: np.ndarray, need: np.ndarray, frame: np.ndarray) -> None:
+        """The step of layer ``i`` computing ``out_boxes`` from the input regions ``need``, each rank's
+        held in its ``frame`` (``need`` with explicit padding where the copy does not pad)."""
+        net, layer = self.net, self.net.layers[i]
+        bottoms, tops = net.bottom_names[i], net.top_names[i]
+        x = net.blobs[bottoms[0]]
+        in_shape = global_shape(x.shape, self.size, f"layer '{name}' bottom '{bottoms[0]}'")
+        idle = self.rank >= split.workers
         me = self.rank
         source = self._read(i, bottoms[0], placed, readers)
         own = source.boxes if source is not None else self._sample_boxes(x, f"layer '{name}' bottom '{bottoms[0]}'")
@@ -289,13 +350,56 @@ class PerLayerExecutor:
                    net.dtype, name=f"{name}_box_in")
         out = Blob((1,), net.dtype, name=f"{name}_box_out")
         lo, hi = (int(v) for v in out_boxes[me, 1])
-        part = _part_copy(layer, split, hi - lo, inp, out)
         want = tuple(int(v) for v in out_boxes[me, :, 1] - out_boxes[me, :, 0])
+        frame_out, crop = None, ()
+        if layer.type in REGION_TYPES:  # runs on its whole frame; its box is cut out of the result
+            frame_out = Blob((1,), net.dtype, name=f"{name}_frame_out")
+            part = layer_copy(layer, lambda _param: None, inp, frame_out)
+            crop = at_box(out_boxes[me], frame[me, :, 0])
+            out.reshape(want)
+        else:
+            part = _part_copy(layer, split, hi - lo, inp, out)
         if tuple(view4(out.data).shape) != want:
             raise _refuse(name, split, f"the copy for a box computes {list(out.shape)}, not the box's {list(want)}")
         padded = bool(np.any(frame[me, :, 0] < 0) or np.any(frame[me, :, 1] > np.array(in_shape)))
         self.steps[i] = Step(i, split, part, inp, out, BoxExchange(self.comm, own, need, frame[me, :, 0]), source,
-                             lo, hi, padded)
+                             lo, hi, padded, frame_out=frame_out, crop=crop)
+        placed[tops[0]] = Placed(out, out_boxes, i)
+
+    def _join_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
+                   readers: dict[str, int]) -> None:
+        net, layer = self.net, self.net.layers[i]
+        bottoms, tops = net.bottom_names[i], net.top_names[i]
+        if len(tops) != 1 or tops[0] in bottoms:
+            raise _refuse(name, split, "a split join must have one (other) top")
+        shapes = [global_shape(net.blobs[b].shape, self.size, f"layer '{name}' bottom '{b}'") for b in bottoms]
+        out_shape = global_shape(net.blobs[tops[0]].shape, self.size, f"layer '{name}' top '{tops[0]}'")
+        for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
+            if split.degree(d) > out_shape[a]:
+                raise _refuse(name, split, f"its output has {out_shape[a]} along {d}, fewer than its "
+                                           f"{split.degree(d)} parts")
+        rule = region_rule(layer, shapes, len(net.blobs[bottoms[0]].shape))[2]
+        out_boxes = rank_boxes(split, out_shape, self.size)
+        me, idle = self.rank, self.rank >= split.workers
+        want = tuple(int(v) for v in out_boxes[me, :, 1] - out_boxes[me, :, 0])
+        out = Blob(want[:len(net.blobs[tops[0]].shape)] if not idle else (1,), net.dtype, name=f"{name}_box_out")
+        fetches, sources, inputs, views = [], [], [], []
+        for k, b in enumerate(bottoms):
+            need = rule.needed(out_boxes, k, shapes[k])
+            source = self._read(i, b, placed, readers)
+            own = source.boxes if source is not None else self._sample_boxes(net.blobs[b], f"bottom '{b}'")
+            fetches.append(BoxExchange(self.comm, own, need, need[me, :, 0]))
+            sources.append(source)
+            if layer.type == "Concat":  # input k's channels [off, off + C_k) of the output, inside the box
+                off = int(rule.offsets[k])
+                lo = int(np.clip(out_boxes[me, 1, 0], off, off + shapes[k][1]) - out_boxes[me, 1, 0])
+                views.append((slice(None), slice(lo, lo + int(need[me, 1, 1] - need[me, 1, 0]))))
+            elif not idle:
+                inputs.append(Blob(out.shape, net.dtype, name=f"{name}_box_in{k}"))
+        part = None
+        if layer.type == "Eltwise" and not idle:
+            part = layer_copy(layer, lambda _param: None, inputs, out)
+        self.steps[i] = JoinStep(i, split, part, inputs, out, fetches, sources, views, idle)
         placed[tops[0]] = Placed(out, out_boxes, i)
 
     def _follower_step(self, i: int, name: str, placed: dict[str, Placed], readers: dict[str, int]) -> None:
@@ -333,8 +437,8 @@ class PerLayerExecutor:
 
     def setup_groups(self) -> None:
         """Make the sub-communicators of the channel-split configurations (a collective: every rank)."""
-        for s in self.splits.values():
-            if s.c > 1:
+        for i, s in self.splits.items():
+            if s.c > 1 and self.net.layers[i].blobs:
                 self._groups(s)
 
     def owned_param_ids(self) -> list[int]:
@@ -350,6 +454,9 @@ class PerLayerExecutor:
         if step is None:
             layer.forward(bottom, top)
             return
+        if isinstance(step, JoinStep):
+            self._join_forward(step, bottom, top)
+            return
         if step.idle:
             if step.fetch is not None:
                 src = step.source.blob.data if step.source is not None else bottom[0].data
@@ -364,8 +471,12 @@ class PerLayerExecutor:
             self.bytes_moved += step.fetch.forward(view4(src), view4(step.inp.data))
             for full, part in zip(layer.blobs, step.part.blobs):
                 part.data[...] = full.data[step.lo:step.hi] if step.split.c > 1 else full.data
-            step.part.reshape([step.inp], [step.out])
-            step.part.forward([step.inp], [step.out])
+            if step.frame_out is None:
+                step.part.reshape([step.inp], [step.out])
+                step.part.forward([step.inp], [step.out])
+            else:
+                step.part.forward([step.inp], [step.frame_out])
+                step.out.data[...] = step.frame_out.data[step.crop]
         if step.gather is not None:
             self.bytes_moved += step.gather.forward(view4(step.out.data), view4(top[0].data))
 
@@ -375,6 +486,9 @@ class PerLayerExecutor:
         step = self.steps.get(i)
         if step is None:
             layer.backward(top, propagate_down, bottom)
+            return
+        if isinstance(step, JoinStep):
+            self._join_backward(step, top, propagate_down, bottom)
             return
         if step.gather is not None:
             self.bytes_moved += step.gather.backward(view4(top[0].diff), view4(step.out.diff))
@@ -388,8 +502,13 @@ class PerLayerExecutor:
             return
         for blob in step.part.blobs:
             blob.diff[...] = 0
-        step.part.backward([step.out], [bool(propagate_down[0])], [step.inp])
-        if step.split.c > 1:
+        if step.frame_out is None:
+            step.part.backward([step.out], [bool(propagate_down[0])], [step.inp])
+        else:  # the halo's outputs belong to other ranks: no gradient here
+            step.frame_out.diff[...] = 0
+            step.frame_out.diff[step.crop] = step.out.diff
+            step.part.backward([step.frame_out], [bool(propagate_down[0])], [step.inp])
+        if step.split.c > 1 and layer.blobs:
             same, _rows = self._groups(step.split)
             scale = self.net.dtype.type(1.0 / self.size)
             for full, part in zip(layer.blobs, step.part.blobs):
@@ -404,6 +523,27 @@ class PerLayerExecutor:
         if propagate_down[0]:
             dst = step.source.blob.diff if step.source is not None else bottom[0].diff
             self.bytes_moved += step.fetch.backward(view4(step.inp.diff), view4(dst))
+
+    def _join_forward(self, step: JoinStep, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
+        for k, fetch in enumerate(step.fetches):
+            src = step.sources[k].blob.data if step.sources[k] is not None else bottom[k].data
+            self.bytes_moved += fetch.forward(view4(src), view4(step.dst(k)))
+        if step.part is not None:
+            step.part.reshape(step.inputs, [step.out])
+            step.part.forward(step.inputs, [step.out])
+        if step.gather is not None:
+            self.bytes_moved += step.gather.forward(view4(step.out.data), view4(top[0].data))
+
+    def _join_backward(self, step: JoinStep, top: Sequence[Blob], propagate_down: Sequence[bool],
+                       bottom: Sequence[Blob]) -> None:
+        if step.gather is not None:
+            self.bytes_moved += step.gather.backward(view4(top[0].diff), view4(step.out.diff))
+        if step.part is not None:
+            step.part.backward([step.out], [bool(d) for d in propagate_down], step.inputs)
+        for k, fetch in enumerate(step.fetches):
+            if propagate_down[k]:
+                dst = step.sources[k].blob.diff if step.sources[k] is not None else bottom[k].diff
+                self.bytes_moved += fetch.backward(view4(step.dst(k, diff=True)), view4(dst))
 
     def finish_backward(self) -> None:
         """Nothing is left to finish (the exchanges are synchronous)."""
