@@ -46,7 +46,7 @@ except Exception:  # pragma: no cover - no GPU stack on CI machines
 
 
 def _shape_tuple(shape: Sequence[int] | int) -> tuple[int, ...]:
-    return (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+    return (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
 
 
 class Workspaces:
@@ -71,17 +71,20 @@ class Workspaces:
         """``(buffer, created)``: the buffer of ``key`` in ``device``'s memory (see the class docstring) and
         whether this request allocated it."""
         shape, dtype = _shape_tuple(shape), np.dtype(dtype)
-        count = math.prod(shape)
+        count = math.prod(shape) if grow else 0
         with self._lock:
-            buf = self._bufs.pop(key, None)
+            buf = self._bufs.get(key)
             created = buf is None or buf.dtype != dtype or (buf.size < count if grow else buf.shape != shape)
             if created:
-                buf = None  # the old buffer goes before the new one is allocated
+                self._bufs.pop(key, None)  # the old buffer goes before the new one is allocated
+                buf = None
                 alloc_shape = (count,) if grow else shape
                 buf = device.zeros(alloc_shape, dtype) if zeroed else device.empty(alloc_shape, dtype)
-            self._bufs[key] = buf
-            while self.capacity is not None and len(self._bufs) > self.capacity:
-                self._bufs.popitem(last=False)
+                self._bufs[key] = buf
+                while self.capacity is not None and len(self._bufs) > self.capacity:
+                    self._bufs.popitem(last=False)
+            else:
+                self._bufs.move_to_end(key)  # the most recently used
         return (buf[:count].reshape(shape) if grow else buf), created
 
     def get(self, device: Device, key: Hashable, shape: Sequence[int] | int, dtype=np.float32,

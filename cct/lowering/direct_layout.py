@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..device.driver import Workspaces, array_module, module_device
+from ..device.driver import HostDevice, Workspaces, array_module, module_device
 from ..kernels import simd_tiles
 from .geometry import ConvGeometry
 
@@ -79,6 +79,7 @@ class Scratch:
     def __init__(self, capacity: int = 48):
         self.capacity = capacity
         self._pool = Workspaces(capacity)
+        self._host = HostDevice()
 
     def __len__(self) -> int:
         """The number of buffers kept."""
@@ -87,9 +88,9 @@ class Scratch:
     def zeros(self, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
         """The buffer for ``tag`` (include what fixes the untouched elements, e.g. the geometry), an
         array of the array module ``xp`` (on its current device)."""
-        device = module_device(xp)
+        device = self._host if xp is np else module_device(xp)
         key = (tag, tuple(shape), np.dtype(dtype), device.name, threading.get_ident())
-        return self._pool.get(device, key, shape, dtype, zeroed=True)
+        return self._pool.take(device, key, shape, dtype, zeroed=True)[0]
 
 
 class SharedScratch:
@@ -103,6 +104,7 @@ class SharedScratch:
         self._pool = Workspaces()
         self._owners: dict = {}  # pool key -> (tag, shape) it was last handed out for
         self._lock = threading.Lock()
+        self._host = HostDevice()
 
     def __len__(self) -> int:
         """The number of buffers kept."""
@@ -111,7 +113,7 @@ class SharedScratch:
     def zeros(self, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
         """The zeroed-once buffer of ``tag``'s role for ``shape`` (see the class docstring)."""
         role = tag[0] if isinstance(tag, tuple) else tag
-        device = module_device(xp)
+        device = self._host if xp is np else module_device(xp)
         key = (role, np.dtype(dtype), device.name, threading.get_ident())
         owner = (tag, tuple(shape))
         view, created = self._pool.take(device, key, shape, dtype, zeroed=True, grow=True)
