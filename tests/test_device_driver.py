@@ -4,6 +4,7 @@ layers and the scheduler. The GPU device's paths run in tests/test_gpu_*.py (ski
 import ast
 import pathlib
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -11,8 +12,19 @@ import pytest
 from cct import kernels
 from cct.blob import Blob
 from cct.device import driver
-from cct.device.driver import HostDevice, array_address, array_module, device_of, host_kernels_usable, to_host
+from cct.device.driver import (
+    HostDevice,
+    Workspaces,
+    array_address,
+    array_module,
+    device_of,
+    host_kernels_usable,
+    module_device,
+    to_host,
+)
+from cct.device.random import CounterRandom, philox4x32_10, round_keys
 from cct.errors import CctError
+from cct.lowering.direct_layout import Scratch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -54,6 +66,65 @@ def test_workspace_is_allocated_once_per_owner_and_shape():
     assert dev.workspace(("pool1", "argmax"), (4, 3), np.int32) is bigger
     assert dev.workspace(("pool1", "argmax"), (4, 3), np.float32) is not bigger  # another dtype
     assert dev.workspace("flat", 5).shape == (5,)
+
+
+def test_workspace_zeroed_when_created_only():
+    dev = HostDevice()
+    a = dev.workspace("xpad", (3, 4), np.float32, zeroed=True)
+    assert not a.any()
+    a[1] = 5.0  # a caller writes the same elements every step: the rest stays zero
+    assert dev.workspace("xpad", (3, 4), np.float32, zeroed=True) is a and a[1].tolist() == [5.0] * 4
+
+
+def test_workspaces_keep_the_newest_capacity_keys():
+    pool, dev = Workspaces(capacity=2), HostDevice()
+    a, created = pool.take(dev, "a", 3)
+    assert created and a.shape == (3,) and a.dtype == np.float32
+    b = pool.get(dev, "b", 3)
+    assert pool.take(dev, "a", 3) == (a, False)  # "a" used last: "b" is the oldest now
+    pool.get(dev, "c", 3)
+    assert len(pool) == 2
+    assert pool.get(dev, "a", 3) is a and pool.get(dev, "b", 3) is not b  # "b" was dropped and made anew
+
+
+def test_workspaces_grow_hand_out_views_of_one_flat_buffer():
+    pool, dev = Workspaces(), HostDevice()
+    big, created = pool.take(dev, "role", (4, 5), np.float64, zeroed=True, grow=True)
+    assert created and big.shape == (4, 5) and not big.any()
+    big[...] = 1.0
+    small, created = pool.take(dev, "role", (2, 3), np.float64, zeroed=True, grow=True)  # fits: the same memory
+    assert not created and small.shape == (2, 3) and np.shares_memory(small, big) and (small == 1.0).all()
+    bigger, created = pool.take(dev, "role", (5, 5), np.float64, zeroed=True, grow=True)  # more: a new buffer
+    assert created and not np.shares_memory(bigger, big) and not bigger.any()
+    assert pool.take(dev, "role", (2, 3), np.float32, grow=True)[1]  # another dtype: a new buffer
+
+
+def test_scratch_is_per_thread_and_zeroed_once():
+    scratch = Scratch(capacity=4)
+    mine = scratch.zeros(("xpad", 1), (2, 2), np.float32)
+    mine[0, 0] = 3.0
+    assert scratch.zeros(("xpad", 1), (2, 2), np.float32) is mine and mine[0, 0] == 3.0
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append(scratch.zeros(("xpad", 1), (2, 2), np.float32)))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not mine and not theirs[0].any() and len(scratch) == 2
+    assert module_device(np) == HostDevice()
+
+
+def test_random_stream_of_a_device_draws_philox_in_its_memory():
+    dev = HostDevice()
+    gen = dev.random_stream((7, 8), 3)
+    assert isinstance(gen, CounterRandom) and gen.device is dev and isinstance(gen.position, np.ndarray)
+    words = gen.words(6)
+    lanes = philox4x32_10(np, (np.arange(2, dtype=np.uint32), np.uint32(0), np.uint32(3), np.uint32(0)),
+                          round_keys((7, 8)))
+    np.testing.assert_array_equal(words, np.stack(lanes, axis=1).reshape(-1)[:6])  # word j: lane j % 4 of j // 4
+    assert int(gen.position[0]) == 6
+    x = np.zeros(4, np.float32)
+    assert dev.runs_host_kernels(x, contiguous=True) == host_kernels_usable(x, contiguous=True)
+    assert not dev.runs_host_kernels(x[::2], contiguous=True)
+    assert dev.locate(x) == dev
 
 
 def test_device_of_host_arrays(tmp_path):

@@ -13,7 +13,8 @@ import pytest
 import cct
 from cct import kernels, rng
 from cct.blob import Blob
-from cct.device.random import CounterRandom, NetRandom, key_from_host, philox4x32_10, round_keys
+from cct.device.driver import HostDevice
+from cct.device.random import NetRandom, key_from_host, philox4x32_10, round_keys
 from cct.errors import CctError
 from cct.io.prototxt import parse_text
 from cct.layers import create_layer
@@ -25,6 +26,8 @@ from cct.testing import check_gradient, make_blob
 M32 = 0xFFFFFFFF
 
 # Random123's tests/kat_vectors, the three "philox4x32 10" lines: counter, key, expected output.
+HOST = HostDevice()  # the streams of these tests live in host memory
+
 PHILOX_KAT = [
     ((0x00000000, 0x00000000, 0x00000000, 0x00000000), (0x00000000, 0x00000000),
      (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
@@ -77,7 +80,7 @@ def test_philox_vectorized_matches_naive_on_random_counters():
 # -- the stream -----------------------------------------------------------------------------------
 def test_words_follow_the_counter_layout_and_advance_the_position():
     key, stream = (0x12345678, 0x9ABCDEF0), (7 << 32) + 5
-    gen = CounterRandom(key, stream)
+    gen = HOST.random_stream(key, stream)
     np.testing.assert_array_equal(gen.words(10), naive_words(key, stream, 0, 10))
     assert gen.position.dtype == np.uint64 and int(gen.position[0]) == 10
     np.testing.assert_array_equal(gen.words(7), naive_words(key, stream, 10, 7))  # starts mid-block
@@ -85,27 +88,27 @@ def test_words_follow_the_counter_layout_and_advance_the_position():
 
 
 def test_draws_concatenate_to_one_draw():
-    a, b = CounterRandom((1, 2), 3), CounterRandom((1, 2), 3)
+    a, b = HOST.random_stream((1, 2), 3), HOST.random_stream((1, 2), 3)
     parts = np.concatenate([a.words(n) for n in (5, 1, 13, 4, 9)])
     np.testing.assert_array_equal(parts, b.words(32))
 
 
 def test_a_high_position_crosses_the_32_bit_block_boundary():
-    gen = CounterRandom((9, 8), 1)
+    gen = HOST.random_stream((9, 8), 1)
     start = 4 * (2 ** 32) - 6  # the draw runs from block 2^32 - 2 into block 2^32
     gen.set_state({**gen.state(), "position": start})
     np.testing.assert_array_equal(gen.words(12), naive_words((9, 8), 1, start, 12))
 
 
 def test_streams_and_keys_give_different_words():
-    base = CounterRandom((1, 2), 0).words(64)
-    assert not np.array_equal(base, CounterRandom((1, 2), 1).words(64))
-    assert not np.array_equal(base, CounterRandom((1, 3), 0).words(64))
-    np.testing.assert_array_equal(base, CounterRandom((1, 2), 0).words(64))  # run to run: the same
+    base = HOST.random_stream((1, 2), 0).words(64)
+    assert not np.array_equal(base, HOST.random_stream((1, 2), 1).words(64))
+    assert not np.array_equal(base, HOST.random_stream((1, 3), 0).words(64))
+    np.testing.assert_array_equal(base, HOST.random_stream((1, 2), 0).words(64))  # run to run: the same
 
 
 def test_uniform_float32_is_the_top_24_bits():
-    gen, twin = CounterRandom((5, 6), 2), CounterRandom((5, 6), 2)
+    gen, twin = HOST.random_stream((5, 6), 2), HOST.random_stream((5, 6), 2)
     out = np.empty((3, 7), dtype=np.float32)
     gen.uniform_(out)
     want = (twin.words(21) >> 8).astype(np.float64) / 2 ** 24
@@ -114,7 +117,7 @@ def test_uniform_float32_is_the_top_24_bits():
 
 
 def test_uniform_float64_takes_53_bits_from_two_words():
-    gen, twin = CounterRandom((5, 6), 2), CounterRandom((5, 6), 2)
+    gen, twin = HOST.random_stream((5, 6), 2), HOST.random_stream((5, 6), 2)
     out = np.empty(6, dtype=np.float64)
     gen.uniform_(out)
     w = twin.words(12).astype(np.uint64).reshape(-1, 2)
@@ -126,7 +129,7 @@ def test_uniform_float64_takes_53_bits_from_two_words():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_uniform_statistics(dtype):
     u = np.empty(1_000_000, dtype=dtype)
-    CounterRandom((42, 43), 0).uniform_(u)
+    HOST.random_stream((42, 43), 0).uniform_(u)
     assert 0.0 <= u.min() and u.max() < 1.0
     assert abs(u.mean() - 0.5) < 2e-3  # standard error 2.9e-4
     assert abs(u.var() - 1 / 12) < 1e-3
@@ -136,14 +139,14 @@ def test_uniform_statistics(dtype):
 
 def test_bernoulli_is_a_float32_uniform_below_p():
     p = 0.7
-    gen, twin = CounterRandom((3, 4), 9), CounterRandom((3, 4), 9)
+    gen, twin = HOST.random_stream((3, 4), 9), HOST.random_stream((3, 4), 9)
     mask = np.empty((50, 40), dtype=np.float32)
     gen.bernoulli_(mask, p, 2.5)
     u = np.empty_like(mask)
     twin.uniform_(u)
     np.testing.assert_array_equal(mask, np.where(u < np.float32(p), np.float32(2.5), np.float32(0)))
     # a float64 array gets the same mask from the same words
-    again = CounterRandom((3, 4), 9)
+    again = HOST.random_stream((3, 4), 9)
     m64 = np.empty((50, 40), dtype=np.float64)
     again.bernoulli_(m64, p, 2.5)
     np.testing.assert_array_equal(m64 != 0, mask != 0)
@@ -152,11 +155,11 @@ def test_bernoulli_is_a_float32_uniform_below_p():
 
 def test_bernoulli_edge_probabilities_and_rate():
     m = np.empty(200_000, dtype=np.float32)
-    CounterRandom((1, 1), 0).bernoulli_(m, 1.0, 1.0)
+    HOST.random_stream((1, 1), 0).bernoulli_(m, 1.0, 1.0)
     assert m.min() == 1.0
-    CounterRandom((1, 1), 0).bernoulli_(m, 0.0, 1.0)
+    HOST.random_stream((1, 1), 0).bernoulli_(m, 0.0, 1.0)
     assert m.max() == 0.0
-    CounterRandom((1, 1), 0).bernoulli_(m, 0.3, 1.0)
+    HOST.random_stream((1, 1), 0).bernoulli_(m, 0.3, 1.0)
     assert abs(m.mean() - 0.3) < 5e-3
 
 
@@ -166,7 +169,7 @@ def test_bernoulli_edge_probabilities_and_rate():
 def test_compiled_draws_equal_the_array_module_path(dtype, start):
     """On numpy arrays the draws run one compiled pass (cct.kernels.philox): the same bits, the same position."""
     for n in (1, 3, 6, 16389, 40001):  # 16389: past one kernel task (16384), odd ends
-        fast, slow = CounterRandom((21, 22), 5), CounterRandom((21, 22), 5)
+        fast, slow = HOST.random_stream((21, 22), 5), HOST.random_stream((21, 22), 5)
         for g in (fast, slow):
             g.set_state({**g.state(), "position": start})
         a, b = np.empty(n, dtype), np.empty(n, dtype)
@@ -182,7 +185,7 @@ def test_compiled_draws_equal_the_array_module_path(dtype, start):
 
 
 def test_state_round_trip_and_errors():
-    gen = CounterRandom((11, 12), 4)
+    gen = HOST.random_stream((11, 12), 4)
     gen.words(9)
     state = gen.state()
     assert state == {"key": [11, 12], "stream": 4, "position": 9}
@@ -211,7 +214,7 @@ def test_key_from_host_is_seeded_and_leaves_the_host_stream_alone():
 
 
 def test_net_random_owns_one_stream_per_layer():
-    nr = NetRandom(np.random.default_rng(1))
+    nr = NetRandom(np.random.default_rng(1), HOST)
     assert nr.key is None and nr.state() == {}
     a, b = nr.stream(2, "drop1"), nr.stream(5, "drop2")
     assert a.key == b.key == nr.key and (a.stream, b.stream) == (2, 5)
@@ -246,7 +249,7 @@ def test_dropout_forward_backward_against_a_direct_reference(dtype, in_place):
     t = b if in_place else Blob((), dtype=dtype)
     rng.set_random_seed(4)
     layer.setup([b], [t])
-    twin = CounterRandom(layer.random.key, layer.random.stream)
+    twin = HOST.random_stream(layer.random.key, layer.random.stream)
     twin.set_state(layer.random.state())
     mask = np.empty(x.shape, dtype=dtype)
     ratio = float(np.float32(0.35))  # dropout_ratio is a float field
@@ -309,7 +312,7 @@ def test_stochastic_pooling_draws_one_uniform_per_output_from_its_stream():
     np.testing.assert_array_equal(t.data, first)  # the same draws, the same picks
     # each pick is the first window position whose running sum reaches u * sum (u from the stream)
     u = np.empty(t.shape, np.float32)
-    twin = CounterRandom(layer.random.key, layer.random.stream)
+    twin = HOST.random_stream(layer.random.key, layer.random.stream)
     twin.set_state(state)
     twin.uniform_(u)
     win = x.reshape(2, 3, 2, 2, 2, 2).transpose(0, 1, 2, 4, 3, 5).reshape(2, 3, 2, 2, 4)

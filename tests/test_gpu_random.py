@@ -6,8 +6,8 @@ import pytest
 import cct
 from cct import scheduler
 from cct.config import Config, using_config
-from cct.device.driver import cupy_available, to_host
-from cct.device.random import CounterRandom, philox4x32_10, round_keys
+from cct.device.driver import CupyDevice, HostDevice, cupy_available, to_host
+from cct.device.random import philox4x32_10, round_keys
 from cct.io.prototxt import parse_text
 from cct.proto import caffe_pb2
 
@@ -31,7 +31,7 @@ def test_philox_known_answer_on_the_gpu():
 
 def test_numpy_and_cupy_streams_give_identical_bits():
     cp = _cupy()
-    host, dev = CounterRandom(KEY, STREAM, np), CounterRandom(KEY, STREAM, cp)
+    host, dev = HostDevice().random_stream(KEY, STREAM), CupyDevice(0).random_stream(KEY, STREAM)
     for n in (1, 7, 4096, 100_003):  # odd sizes: every later draw starts mid-block
         np.testing.assert_array_equal(host.words(n), to_host(dev.words(n)))
     for dtype in (np.float32, np.float64):
@@ -48,7 +48,7 @@ def test_numpy_and_cupy_streams_give_identical_bits():
 def test_a_captured_draw_replays_and_advances_its_device_counter():
     """The draw holds no host read: captured once as a CUDA graph, each replay draws the next mask."""
     cp = _cupy()
-    dev, host = CounterRandom(KEY, STREAM, cp), CounterRandom(KEY, STREAM, np)
+    dev, host = CupyDevice(0).random_stream(KEY, STREAM), HostDevice().random_stream(KEY, STREAM)
     mask = cp.empty((64, 1000), cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:

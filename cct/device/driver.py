@@ -5,22 +5,31 @@ or :class:`CupyDevice` (one CUDA GPU through CuPy, an optional dependency: ``pip
 answers everything a layer, a net or the scheduler asks about memory:
 
 * ``xp``: the array module layers are written against (one implementation per layer for numpy and CuPy);
-* :func:`device_of`: where an array lives (THE answer to "is this on a GPU": ``device_of(a).is_gpu``);
+* :func:`device_of` (``Device.locate``): where an array lives (THE answer to "is this on a GPU":
+  ``device_of(a).is_gpu``); :func:`module_device`: the device an array module allocates on now;
 * ``upload`` / ``download``: host -> device and device -> host copies (into ``out=`` when given; on a GPU on
   a CUDA ``stream`` when given, synchronous on the host); ``empty`` / ``zeros``: allocation in its memory;
-* ``workspace``: a scratch array allocated once per owner and handed back on every later call (allocate at
-  setup, reuse in the step); the workspaces belong to the Device object, so ask a lasting one (``blob.device``,
-  ``net.device``), not a fresh ``device_of(array)``;
-* :func:`host_kernels_usable`: whether cct's compiled host kernels (:mod:`cct.kernels`, numba) may run on
-  arrays; false on a GPU's, where CuPy (and cuBLAS, :mod:`cct.device.cublas`) run instead.
+* ``workspace``: a scratch array allocated once per owner (zeroed when created, if asked) and handed back on
+  every later call (allocate at setup, reuse in the step); the workspaces belong to the Device object, so ask
+  a lasting one (``blob.device``, ``net.device``), not a fresh ``device_of(array)``. :class:`Workspaces` is
+  the one allocator of scratch memory: a Device's workspaces and the lowerings' per-thread, capacity-capped
+  buffers (:class:`cct.lowering.direct_layout.Scratch`, ``SharedScratch``) are all pools of it;
+* ``random_stream``: a device random stream (:class:`cct.device.random.CounterRandom`, Philox4x32-10) whose
+  read position lives in this device's memory; the net's streams (:class:`~cct.device.random.NetRandom`) and
+  a layer's own come from its device. :mod:`cct.device.random` takes its device as given (it asks it
+  ``locate`` and ``runs_host_kernels``) and imports nothing of this module, so the imports go one way;
+* :func:`host_kernels_usable` (``Device.runs_host_kernels``): whether cct's compiled host kernels
+  (:mod:`cct.kernels`, numba) may run on arrays; false on a GPU's, where CuPy (and cuBLAS,
+  :mod:`cct.device.cublas`) run instead.
 
-A new device kind is a subclass with its ``kind``, ``xp`` and copies, and a branch in :func:`device_of`.
-The device random streams (:mod:`cct.device.random`: a :class:`~cct.device.random.CounterRandom` per layer, in
-the net's array module) build on this module, so it has no ``random_stream`` of its own (the import would go
-both ways).
+A new device kind is a subclass with its ``kind``, ``xp``, copies and ``runs_host_kernels``, and a branch in
+:func:`device_of` and :func:`module_device`.
 """
 from __future__ import annotations
 
+import math
+import threading
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -28,11 +37,60 @@ import numpy as np
 
 from .. import kernels
 from ..errors import CctError
+from .random import CounterRandom
 
 try:  # CuPy is optional (``pip install cct[gpu]``).
     import cupy as _cupy  # type: ignore
 except Exception:  # pragma: no cover - no GPU stack on CI machines
     _cupy = None
+
+
+def _shape_tuple(shape: Sequence[int] | int) -> tuple[int, ...]:
+    return (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+
+
+class Workspaces:
+    """The allocator of scratch memory: one buffer per key, allocated on the first request (zeroed when
+    created if ``zeroed``: callers that write the same elements every time keep what they never write at
+    zero) and handed back on every later request; a request of another dtype, or another shape, replaces it
+    (with ``grow``: a flat buffer reused while it holds enough elements, handed out as a view of the request's
+    shape). With ``capacity`` only the newest ``capacity`` keys are kept (the least recently used dropped
+    first). Thread-safe; a caller that wants a buffer per thread puts the thread in its key."""
+
+    def __init__(self, capacity: int | None = None):
+        self.capacity = capacity
+        self._bufs: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """The number of buffers kept."""
+        return len(self._bufs)
+
+    def take(self, device: Device, key: Hashable, shape: Sequence[int] | int, dtype=np.float32,
+             zeroed: bool = False, grow: bool = False) -> tuple[Any, bool]:
+        """``(buffer, created)``: the buffer of ``key`` in ``device``'s memory (see the class docstring) and
+        whether this request allocated it."""
+        shape, dtype = _shape_tuple(shape), np.dtype(dtype)
+        count = math.prod(shape) if grow else 0
+        with self._lock:
+            buf = self._bufs.get(key)
+            created = buf is None or buf.dtype != dtype or (buf.size < count if grow else buf.shape != shape)
+            if created:
+                self._bufs.pop(key, None)  # the old buffer goes before the new one is allocated
+                buf = None
+                alloc_shape = (count,) if grow else shape
+                buf = device.zeros(alloc_shape, dtype) if zeroed else device.empty(alloc_shape, dtype)
+                self._bufs[key] = buf
+                while self.capacity is not None and len(self._bufs) > self.capacity:
+                    self._bufs.popitem(last=False)
+            else:
+                self._bufs.move_to_end(key)  # the most recently used
+        return (buf[:count].reshape(shape) if grow else buf), created
+
+    def get(self, device: Device, key: Hashable, shape: Sequence[int] | int, dtype=np.float32,
+            zeroed: bool = False, grow: bool = False) -> Any:
+        """The buffer of ``key`` (:meth:`take` without the flag)."""
+        return self.take(device, key, shape, dtype, zeroed, grow)[0]
 
 
 class Device:
@@ -43,7 +101,7 @@ class Device:
     kind: str = ""
     is_gpu: bool = False
     index: int = 0
-    _workspaces: dict[Hashable, Any] | None = None  # made by the first workspace() call (device_of is cheap)
+    _workspaces: Workspaces | None = None  # made by the first workspace() call (device_of is cheap)
 
     def __init__(self, index: int = 0):
         self.index = int(index)
@@ -67,18 +125,28 @@ class Device:
         """A zeroed array in this device's memory."""
         return self.xp.zeros(shape, dtype=dtype)
 
-    def workspace(self, owner_key: Hashable, shape: Sequence[int] | int, dtype=np.float32):
+    def workspace(self, owner_key: Hashable, shape: Sequence[int] | int, dtype=np.float32, zeroed: bool = False):
         """Scratch of ``shape``/``dtype`` for ``owner_key``: allocated on the first call (and when the owner
-        asks for another shape or dtype, i.e. after a reshape), the same array on every later call."""
-        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
-        dtype = np.dtype(dtype)
+        asks for another shape or dtype, i.e. after a reshape; zeroed then with ``zeroed``), the same array on
+        every later call (this device's :class:`Workspaces`)."""
         if self._workspaces is None:
-            self._workspaces = {}
-        buf = self._workspaces.get(owner_key)
-        if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = self.empty(shape, dtype)
-            self._workspaces[owner_key] = buf
-        return buf
+            self._workspaces = Workspaces()
+        return self._workspaces.get(self, owner_key, shape, dtype, zeroed=zeroed)
+
+    # -- random numbers and kernels ----------------------------------------------------------------
+    def random_stream(self, key: tuple[int, int], stream: int) -> CounterRandom:
+        """Philox4x32-10 stream ``stream`` under ``key``, its read position in this device's memory
+        (:class:`cct.device.random.CounterRandom`: the same bits on every device)."""
+        return CounterRandom(key, stream, self)
+
+    def locate(self, array: Any) -> Device:
+        """The device whose memory holds ``array`` (:func:`device_of`)."""
+        return device_of(array)
+
+    def runs_host_kernels(self, *arrays: Any, contiguous: bool = False) -> bool:
+        """Whether this device's work on ``arrays`` may run cct's compiled host kernels
+        (:func:`host_kernels_usable` on the host; never on a GPU)."""
+        return False
 
     # -- copies ----------------------------------------------------------------------------------
     def upload(self, host: Any, out: Any = None, stream: Any = None):
@@ -128,6 +196,9 @@ class HostDevice(Device):
             return np.asarray(array)
         np.copyto(out, array, casting="unsafe")
         return out
+
+    def runs_host_kernels(self, *arrays: Any, contiguous: bool = False) -> bool:
+        return host_kernels_usable(*arrays, contiguous=contiguous)
 
 
 class CupyDevice(Device):
@@ -184,6 +255,13 @@ def device_of(array: Any) -> Device:
     (numpy arrays, memmaps, views, scalars and lists)."""
     if _cupy is not None and isinstance(array, _cupy.ndarray):
         return CupyDevice(array.device.id)
+    return HostDevice()
+
+
+def module_device(xp: Any) -> Device:
+    """The device the array module ``xp`` allocates on now: the host for numpy, the current GPU for cupy."""
+    if _cupy is not None and xp is _cupy:
+        return CupyDevice(_cupy.cuda.runtime.getDevice())
     return HostDevice()
 
 

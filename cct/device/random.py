@@ -10,19 +10,23 @@ counter moves on without the host. Only :meth:`CounterRandom.state` reads it (a 
 
 All arithmetic is unsigned integer (the 32x32->64 multiply in uint64), so numpy and CuPy give the same
 bits for the same key, stream and position; on numpy arrays a draw is one compiled pass
-(:mod:`cct.kernels.philox`, the same bits). Keys are host constants (baked into a captured graph): they
+(:mod:`cct.kernels.philox`, the same bits). A stream is made by its device (:meth:`cct.device.driver.Device.
+random_stream`) and asks that device where arrays live and whether the host kernels may run, so this module
+imports nothing of the driver (the driver imports it). Keys are host constants (baked into a captured graph): they
 change only between iterations (``set_state`` on resume, ``NetRandom.rekey`` for another rank).
 """
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import kernels
 from ..errors import CctError
-from .driver import device_of, host_kernels_usable
+
+if TYPE_CHECKING:  # the driver makes the streams (Device.random_stream), so this module takes its device as given
+    from .driver import Device
 
 PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # Weyl key increments
@@ -76,22 +80,24 @@ def key_from_host(host: np.random.Generator) -> tuple[int, int]:
 
 
 class CounterRandom:
-    """One Philox4x32-10 stream (``key``, ``stream``) whose read position lives in ``xp`` memory.
+    """One Philox4x32-10 stream (``key``, ``stream``) whose read position lives in ``device``'s memory
+    (made by :meth:`cct.device.driver.Device.random_stream`; ``xp`` is the device's array module).
 
     ``uniform_(out)`` fills a float32/float64 array with values in [0, 1); ``bernoulli_(out, p, scale)``
     writes ``scale`` where a float32 uniform is below ``p`` and 0 elsewhere. ``state()`` /
     ``set_state()`` snapshot and restore key, stream and position (host reads: call them between
     iterations only)."""
 
-    def __init__(self, key: tuple[int, int], stream: int, xp=np):
-        self.xp = xp
+    def __init__(self, key: tuple[int, int], stream: int, device: Device):
+        self.device = device
+        self.xp = device.xp
         self.key = (int(key[0]) & _MASK32, int(key[1]) & _MASK32)
         if not 0 <= int(stream) < 2 ** 64:
             raise CctError(f"random stream {stream} is outside [0, 2^64)")
         self.stream = int(stream)
         self._keys = round_keys(self.key)
         self._stream_words = (np.uint32(self.stream & _MASK32), np.uint32(self.stream >> 32))
-        self.position = xp.zeros(1, dtype=xp.uint64)  # the next word to hand out (device memory on a GPU)
+        self.position = device.zeros(1, dtype=np.uint64)  # the next word to hand out (device memory on a GPU)
 
     # -- drawing ------------------------------------------------------------------------------------
     def words(self, n: int):
@@ -157,7 +163,7 @@ class CounterRandom:
     def _kernels(self, out):
         """:mod:`cct.kernels.philox` for a C-contiguous numpy float array drawn by a numpy generator
         (the same bits in one compiled pass), else None."""
-        if not device_of(self.position).is_gpu and host_kernels_usable(out, contiguous=True):
+        if self.device.runs_host_kernels(out, contiguous=True):
             return kernels.get("philox")
         return None
 
@@ -166,7 +172,8 @@ class CounterRandom:
         another device) is drawn here and copied over."""
         if not out.flags.c_contiguous:
             raise CctError("a random draw needs a C-contiguous output array")
-        mine, theirs = device_of(self.position), device_of(out)
+        mine = self.device
+        theirs = mine.locate(out)
         if theirs == mine:
             draw(out.reshape(-1))
         else:
@@ -199,12 +206,12 @@ class CounterRandom:
 
 class NetRandom:
     """The random streams a net owns: one key per net, one :class:`CounterRandom` per layer that draws
-    (its stream number: the layer's index in the net). The key is taken from the host generator when the
-    first stream is asked for, so a net without random layers leaves it untouched."""
+    (its stream number: the layer's index in the net), made by the net's ``device``. The key is taken from
+    the host generator when the first stream is asked for, so a net without random layers leaves it untouched."""
 
-    def __init__(self, host: np.random.Generator, xp=np):
+    def __init__(self, host: np.random.Generator, device: Device):
         self.host = host
-        self.xp = xp
+        self.device = device
         self.key: tuple[int, int] | None = None
         self.streams: dict[str, CounterRandom] = {}  # layer name -> its generator
 
@@ -212,7 +219,7 @@ class NetRandom:
         """The generator of the layer ``name`` at ``index`` in the net."""
         if self.key is None:
             self.key = key_from_host(self.host)
-        gen = CounterRandom(self.key, index, self.xp)
+        gen = self.device.random_stream(self.key, index)
         self.streams[name] = gen
         return gen
 

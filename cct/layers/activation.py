@@ -482,7 +482,7 @@ class DropoutLayer(NeuronLayer):
         self.mask = None
         self._drawn = False
         if self.draws_random():
-            self.random_stream(bottom[0].xp)
+            self.random_stream(bottom[0].device)
 
     def draws_random(self) -> bool:
         return self.phase == caffe_pb2.TRAIN

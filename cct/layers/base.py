@@ -33,6 +33,7 @@ from ..proto import caffe_pb2
 
 if TYPE_CHECKING:
     from ..device.deferred import DeviceChecks
+    from ..device.driver import Device
     from ..random_source import RandomSource
 
 log = logging.getLogger("cct")
@@ -186,11 +187,11 @@ class Layer:
         current configuration's (:func:`cct.config.current`)."""
         return self.random_source if self.random_source is not None else current().random
 
-    def random_stream(self, xp) -> CounterRandom:
+    def random_stream(self, device: Device) -> CounterRandom:
         """The layer's random stream: the one its net handed it, else (a layer set up on its own) a new
-        one (stream 0) keyed from the layer's host random source."""
+        one (stream 0) of ``device`` (its bottom's) keyed from the layer's host random source."""
         if self.random is None:
-            self.random = CounterRandom(key_from_host(self.host_random().generator), 0, xp)
+            self.random = device.random_stream(key_from_host(self.host_random().generator), 0)
         return self.random
 
     # -- the contract ------------------------------------------------------------

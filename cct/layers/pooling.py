@@ -126,7 +126,7 @@ class PoolingLayer(Layer):
         self.pool_size = None
         self.uniform = None  # STOCHASTIC TRAIN: the draws of one forward (allocated at reshape)
         if self.draws_random():
-            self.random_stream(bottom[0].xp)
+            self.random_stream(bottom[0].device)
 
     def draws_random(self) -> bool:
         return self.param.pooling_param.pool == _PP.STOCHASTIC and self.phase == caffe_pb2.TRAIN

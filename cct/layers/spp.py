@@ -55,7 +55,7 @@ class SPPLayer(Layer):
         self.height = int(p.pyramid_height)
         self._in_shape: tuple[int, ...] | None = None
         if self.draws_random():
-            self.random_stream(bottom[0].xp)
+            self.random_stream(bottom[0].device)
 
     def draws_random(self) -> bool:
         return self.param.spp_param.pool == _PP.STOCHASTIC and self.phase == caffe_pb2.TRAIN

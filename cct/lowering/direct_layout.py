@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..device.driver import array_module
+from ..device.driver import HostDevice, Workspaces, array_module, module_device
 from ..kernels import simd_tiles
 from .geometry import ConvGeometry
 
@@ -72,60 +71,56 @@ def forward_blocking(mg: int, nrow: int, tiles: dict[int, int] | None = None) ->
 
 class Scratch:
     """Buffers reused from call to call, per calling thread (fresh allocations of large temporaries
-    cost page faults that can exceed the kernel's own time). A buffer is zeroed once, when created:
-    callers write the same elements every time, so what they never write (padding, tails) stays
-    zero. The newest ``capacity`` buffers are kept."""
+    cost page faults that can exceed the kernel's own time): a view over a pool of the driver's scratch
+    allocator (:class:`cct.device.driver.Workspaces`). A buffer is zeroed once, when created: callers
+    write the same elements every time, so what they never write (padding, tails) stays zero. The newest
+    ``capacity`` buffers are kept."""
 
     def __init__(self, capacity: int = 48):
         self.capacity = capacity
-        self._bufs: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+        self._pool = Workspaces(capacity)
+        self._host = HostDevice()
+
+    def __len__(self) -> int:
+        """The number of buffers kept."""
+        return len(self._pool)
 
     def zeros(self, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
         """The buffer for ``tag`` (include what fixes the untouched elements, e.g. the geometry), an
-        array of the array module ``xp``."""
-        key = (tag, tuple(shape), np.dtype(dtype), xp.__name__, threading.get_ident())
-        with self._lock:
-            buf = self._bufs.pop(key, None)
-            if buf is None:
-                buf = xp.zeros(shape, dtype=dtype)
-            self._bufs[key] = buf
-            while len(self._bufs) > self.capacity:
-                self._bufs.popitem(last=False)
-        return buf
+        array of the array module ``xp`` (on its current device)."""
+        device = self._host if xp is np else module_device(xp)
+        key = (tag, tuple(shape), np.dtype(dtype), device.name, threading.get_ident())
+        return self._pool.take(device, key, shape, dtype, zeroed=True)[0]
 
 
 class SharedScratch:
     """A :class:`Scratch` for convolutions that never run at the same time on one thread (the layers of one
     forward-only pass): one buffer per role (the tag's first element, e.g. ``"xpad"``) and thread, shared by
-    all of them and as large as the largest request, instead of one buffer per layer. A buffer last handed out
-    for another tag or shape is zeroed again before it is handed out, so what a caller never writes is zero as
-    with :class:`Scratch`."""
+    all of them and as large as the largest request, instead of one buffer per layer (a growing pool of
+    :class:`cct.device.driver.Workspaces`). A buffer last handed out for another tag or shape is zeroed
+    again before it is handed out, so what a caller never writes is zero as with :class:`Scratch`."""
 
     def __init__(self) -> None:
-        self._bufs: dict = {}
+        self._pool = Workspaces()
+        self._owners: dict = {}  # pool key -> (tag, shape) it was last handed out for
         self._lock = threading.Lock()
+        self._host = HostDevice()
+
+    def __len__(self) -> int:
+        """The number of buffers kept."""
+        return len(self._pool)
 
     def zeros(self, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
         """The zeroed-once buffer of ``tag``'s role for ``shape`` (see the class docstring)."""
         role = tag[0] if isinstance(tag, tuple) else tag
-        key = (role, np.dtype(dtype), xp.__name__, threading.get_ident())
-        count = 1
-        for d in shape:
-            count *= int(d)
+        device = self._host if xp is np else module_device(xp)
+        key = (role, np.dtype(dtype), device.name, threading.get_ident())
         owner = (tag, tuple(shape))
+        view, created = self._pool.take(device, key, shape, dtype, zeroed=True, grow=True)
         with self._lock:
-            entry = self._bufs.get(key)
-            if entry is None or entry[0].size < count:
-                entry = None
-                self._bufs.pop(key, None)  # the smaller buffer goes before the larger one is allocated
-                entry = [xp.zeros(count, dtype=dtype), owner]
-                self._bufs[key] = entry
-                return entry[0][:count].reshape(shape)
-            fresh = entry[1] != owner
-            entry[1] = owner
-        view = entry[0][:count].reshape(shape)
-        if fresh:
+            fresh = self._owners.get(key) != owner
+            self._owners[key] = owner
+        if fresh and not created:
             view.fill(0)
         return view
 

@@ -154,7 +154,7 @@ class Net:
         self.blob_loss_weights: dict[str, float] = {}
         self.input_blob_names: list[str] = []
         # the net's random streams (Dropout, stochastic pooling): one key per net, one stream per such layer
-        self.random = NetRandom(self.random_source.generator, self.xp)
+        self.random = NetRandom(self.random_source.generator, self.device)
         # parameters
         # every layer param blob, shared ones repeated (Caffe's params_); ``params`` is pycaffe's dict
         self._all_params: list[Blob] = []
