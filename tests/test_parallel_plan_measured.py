@@ -74,7 +74,7 @@ def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_p
     data = json.loads(cache_file.read_text())
     for entry in data["entries"].values():
         if "deepa" in entry["seconds"]:
-            entry["seconds"]["deepa"] = 0.5 * entry["seconds"]["data"]
+            entry["seconds"]["deepa"] = 0.5 * min(entry["seconds"].values())  # the fastest by far, whatever the load
     cache_file.write_text(json.dumps(data))
     args[5] = str(case / "deepa.caffemodel")
     p = run_mpi(2, args[:-1] + [OPTIMUM], timeout=180, env=env)
