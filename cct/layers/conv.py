@@ -61,6 +61,7 @@ class _BaseConvolution(Layer):
         self._geom_key: tuple | None = None
         self._itemsize = 4  # of the bottom's dtype, for the lowering's chunking (set by reshape)
         self.num = 0  # images per pass (the axes before the channel axis), set by reshape
+        self._settled: tuple | None = None  # (lowering, geometry, num, itemsize) the lowering was last settled for
 
     @property
     def lowering(self) -> LoweringStrategy:
@@ -111,6 +112,7 @@ class _BaseConvolution(Layer):
         ``backward`` only execute (called by ``reshape``, and by whoever changes the lowering afterwards)."""
         if self._device_xp is None and self.geom is not None:
             self._lowering.prepare_for(self.geom, self.num, self._itemsize)
+            self._settled = (self._lowering, self.geom, self.num, self._itemsize)
 
     def _passes(self) -> tuple[str, ...]:
         """The passes the plan is priced on: no gradient to the bottom when the net says it needs none
@@ -173,7 +175,8 @@ class _BaseConvolution(Layer):
         self._device_xp = bottom[0].xp if device_of(bottom[0].data).is_gpu else None
         self._itemsize = bottom[0].dtype.itemsize
         self._plan_lowering()
-        self.prepare_lowering()
+        if (self._lowering, geom, self.num, self._itemsize) != self._settled:  # the reshape of every forward: once
+            self.prepare_lowering()
         spatial = geom.in_shape if self.reverse else geom.out_shape
         top_shape = tuple(shape[: self.channel_axis]) + (self.num_output,) + tuple(spatial)
         for t in top:
