@@ -3,10 +3,9 @@ ITERS iterations at BATCH samples per rank from its init weights under each per-
 
 * ``sync``: ``overlap=False`` (each slice's sum waited inside its layer's backward, data parallelism's buckets
   started after the whole backward);
-* ``overlap``: sums and buckets completed late (finish_backward, the solver's update);
-* ``late0`` / ``late1``: ``overlap`` with rank 0 (1) sleeping in the backward hook of every layer that started a
-  sum, so the sums complete in the other order (the sleeper's peers wait in finish_backward, the sleeper finds
-  them done).
+* ``late0`` / ``late1``: overlapped (sums completed in finish_backward, buckets in the solver's update) with
+  rank 0 (1) sleeping in the backward hook of every layer that started a sum, so the sums complete in the two
+  orders (the sleeper's peers wait for them in finish_backward, the sleeper finds them done).
 
 The root writes OUT/PLAN-MODE.npz (every learnable parameter after the slices are gathered, as p0, p1, ...) and
 OUT/PLAN-MODE.json (losses, bytes exchanged, bytes summed, bytes all-reduced, the slices' sums).
@@ -26,7 +25,7 @@ from cct.parallel_plan.perlayer import enable_per_layer
 from cct.parallel_plan.split import Split
 from cct.solver import get_solver, read_solver_param
 
-MODES = ("sync", "overlap", "late0", "late1")
+MODES = ("sync", "late0", "late1")
 workdir, batch, iters, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), os.path.abspath(sys.argv[4])
 plans = {name: {k: Split.parse(v) for k, _, v in (x.partition(":") for x in rest.split(","))}
          for name, _, rest in (a.partition("=") for a in sys.argv[5:])}
@@ -70,8 +69,6 @@ def run(name: str, splits: dict, mode: str) -> None:
                 "layer_diffs_final": solver.parallel.sync.layer_diffs_final}
         with open(os.path.join(out, f"{name}-{mode}.json"), "w") as f:
             json.dump(info, f)
-        if mode == "overlap":
-            solver.net.save(os.path.join(out, f"{name}.caffemodel"))
     ex.release()
 
 
