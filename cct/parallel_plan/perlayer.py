@@ -378,7 +378,7 @@ class PerLayerExecutor:
         source = self._read(i, bottoms[0], placed, readers)
         own = source.boxes if source is not None else self._sample_boxes(x, f"layer '{name}' bottom '{bottoms[0]}'")
         if idle:  # sends its part of the others' inputs, computes nothing
-            fetch = BoxExchange(self.comm, own, need, np.zeros(4, np.int64))
+            fetch = BoxExchange(self.comm, own, need, np.zeros(4, np.int64), net.dtype)
             self.steps[i] = Step(i, split, None, Blob((1,), net.dtype), Blob((1,), net.dtype), fetch, source,
                                  idle=True)
             placed[tops[0]] = Placed(self.steps[i].out, out_boxes, i)
@@ -400,8 +400,8 @@ class PerLayerExecutor:
         if tuple(view4(out.data).shape) != want:
             raise _refuse(name, split, f"the copy for a box computes {list(out.shape)}, not the box's {list(want)}")
         padded = bool(np.any(frame[me, :, 0] < 0) or np.any(frame[me, :, 1] > np.array(in_shape)))
-        self.steps[i] = Step(i, split, part, inp, out, BoxExchange(self.comm, own, need, frame[me, :, 0]), source,
-                             lo, hi, padded, frame_out=frame_out, crop=crop)
+        fetch = BoxExchange(self.comm, own, need, frame[me, :, 0], net.dtype)
+        self.steps[i] = Step(i, split, part, inp, out, fetch, source, lo, hi, padded, frame_out=frame_out, crop=crop)
         placed[tops[0]] = Placed(out, out_boxes, i)
 
     def _join_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
@@ -426,7 +426,7 @@ class PerLayerExecutor:
             need = rule.needed(out_boxes, k, shapes[k])
             source = self._read(i, b, placed, readers)
             own = source.boxes if source is not None else self._sample_boxes(net.blobs[b], f"bottom '{b}'")
-            fetches.append(BoxExchange(self.comm, own, need, need[me, :, 0]))
+            fetches.append(BoxExchange(self.comm, own, need, need[me, :, 0], net.dtype))
             sources.append(source)
             if layer.type == "Concat":  # input k's channels [off, off + C_k) of the output, inside the box
                 off = int(rule.offsets[k])
@@ -459,7 +459,8 @@ class PerLayerExecutor:
     def _gather_at(self, p: Placed, blob: str) -> None:
         """The step that last wrote ``blob`` returns it to the sample split (a layer outside reads it)."""
         need = self._sample_boxes(self.net.blobs[blob], f"blob '{blob}'")
-        self.steps[p.writer].gather = BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0])
+        self.steps[p.writer].gather = BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0],
+                                                    self.net.dtype)
 
     def _groups(self, split: Split):
         """``(slice_comm, row_comm)`` of a channel-split configuration: the ranks holding the same slice
