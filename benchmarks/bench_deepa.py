@@ -3,7 +3,7 @@ time of data parallelism, OWT and the DeePa choice for CaffeNet, VGG-16 and Ince
 (the paper's Figure 8 table), the search time, and the slow-network check on CaffeNet.
 
 ``python benchmarks/bench_deepa.py [--batch 512] [--speed 20] [--quick] [--measure] [--measure_modes data,owt,auto]
-[--measure_only] [--overlap on|off|both] [--out NAME]``
+[--measure_only] [--overlap on|off|both] [--rounds R] [--out NAME]``
 
 ``--measure`` also trains on this machine's MPI ranks (``mpiexec``): LeNet and CaffeNet (DummyData,
 per-rank batch 64 and 4) on 2 and 4 ranks under data parallelism and OWT (the executed plans), the
@@ -195,27 +195,42 @@ def measure(args) -> dict:
         for model, ranks, batch, iters in MEASURED:
             if model not in args.measure_models.split(",") or str(ranks) not in args.measure_ranks.split(","):
                 continue
-            for mode in overlap_modes(args.measure_modes.split(","), args.overlap):
-                out = Path(tmp) / f"{model}-{ranks}-{mode}.json"
-                p = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, __file__, "--rank_run",
-                                    f"{model},{batch},{mode},{iters},{out}"], env=env, capture_output=True, text=True)
-                if p.returncode != 0:
-                    why = [ln for ln in p.stderr.splitlines() if "OWT:" in ln or "error" in ln.lower()]
-                    print(f"# {model} {ranks} ranks {mode}: not run ({why[-1].strip() if why else p.returncode})")
-                    continue
-                got = json.loads(out.read_text())
-                pred = predicted(model, ranks, batch, got["links"]).get(got["ran"])  # auto: what it ran
-                points.append({"model": model, "ranks": ranks, "batch_per_rank": batch, "mode": mode,
-                               "ran": got["ran"], "setup_s": got["setup_s"],
-                               "measured_step_s": got["step_s"], "measured_runs": got["runs"],
-                               "measured_bytes": got["bytes_per_step"], "overlap": got["overlap"],
-                               "wait_s": got["wait_s"],
-                               "predicted_step_s": pred["seconds"] if pred else None,
-                               "predicted_bytes": pred["total_bytes"] if pred else None, "links": got["links"]})
-                shown = f"{pred['seconds'] * 1e3:9.1f} ms {pred['total_bytes'] / 2**20:8.2f} MiB" if pred else "-"
-                print(f"{model:<9s} {ranks:>2d} ranks {mode:<12s} ran {got['ran']:<9s} measured "
-                      f"{got['step_s'] * 1e3:9.1f} ms {got['bytes_per_step'] / 2**20:8.2f} MiB waited "
-                      f"{got['wait_s'] * 1e3:6.2f} ms | predicted {shown}", flush=True)
+            for rnd in range(args.rounds):  # rounds interleave the modes: the load's drift hits each alike
+                for mode in overlap_modes(args.measure_modes.split(","), args.overlap):
+                    out = Path(tmp) / f"{model}-{ranks}-{mode}-{rnd}.json"
+                    p = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, __file__, "--rank_run",
+                                        f"{model},{batch},{mode},{iters},{out}"], env=env, capture_output=True,
+                                       text=True)
+                    if p.returncode != 0:
+                        why = [ln for ln in p.stderr.splitlines() if "OWT:" in ln or "error" in ln.lower()]
+                        print(f"# {model} {ranks} ranks {mode}: not run ({why[-1].strip() if why else p.returncode})")
+                        continue
+                    got = json.loads(out.read_text())
+                    point = next((q for q in points if (q["model"], q["ranks"], q["mode"]) == (model, ranks, mode)),
+                                 None)
+                    if point is not None:  # a later round: every run of every round, median
+                        point["measured_runs"] += got["runs"]
+                        point["waits"].append(got["wait_s"])
+                        point["measured_step_s"] = statistics.median(point["measured_runs"])
+                        point["wait_s"] = statistics.median(point["waits"])
+                    else:
+                        pred = predicted(model, ranks, batch, got["links"]).get(got["ran"])  # auto: what it ran
+                        points.append({"model": model, "ranks": ranks, "batch_per_rank": batch, "mode": mode,
+                                       "ran": got["ran"], "setup_s": got["setup_s"],
+                                       "measured_step_s": got["step_s"], "measured_runs": list(got["runs"]),
+                                       "measured_bytes": got["bytes_per_step"], "overlap": got["overlap"],
+                                       "wait_s": got["wait_s"], "waits": [got["wait_s"]],
+                                       "predicted_step_s": pred["seconds"] if pred else None,
+                                       "predicted_bytes": pred["total_bytes"] if pred else None, "links": got["links"]})
+                    print(f"{model:<9s} {ranks:>2d} ranks {mode:<12s} round {rnd + 1} ran {got['ran']:<9s} measured "
+                          f"{got['step_s'] * 1e3:9.1f} ms {got['bytes_per_step'] / 2**20:8.2f} MiB waited "
+                          f"{got['wait_s'] * 1e3:6.2f} ms", flush=True)
+    for q in points:
+        pred = f"{q['predicted_step_s'] * 1e3:9.1f} ms {q['predicted_bytes'] / 2**20:8.2f} MiB" \
+            if q["predicted_step_s"] is not None else "-"
+        print(f"{q['model']:<9s} {q['ranks']:>2d} ranks {q['mode']:<12s} median of {len(q['measured_runs'])} runs "
+              f"{q['measured_step_s'] * 1e3:9.1f} ms {q['measured_bytes'] / 2**20:8.2f} MiB waited "
+              f"{q['wait_s'] * 1e3:6.2f} ms | predicted {pred}")
     ranked = [p for p in points if p["mode"] != "auto" and p["overlap"] and p["predicted_step_s"] is not None]
     corr = None
     if len(ranked) >= 3:
@@ -278,6 +293,8 @@ def main() -> int:
                     "LeNet only: spatial, conv, mixed, tailmix and on 4 ranks factored: see lenet_modes)")
     ap.add_argument("--measure_models", default="lenet,caffenet", help="--measure these nets")
     ap.add_argument("--measure_ranks", default="2,4", help="--measure on these rank counts")
+    ap.add_argument("--rounds", type=int, default=1, help="--measure every mode this many times, interleaved "
+                    "(each point: the median of every round's runs)")
     ap.add_argument("--measure_only", action="store_true", help="--measure without the cost-model table")
     ap.add_argument("--overlap", choices=("on", "off", "both"), default="on",
                     help="per-layer plans with communication overlapped with backward (on), synchronous (off: "

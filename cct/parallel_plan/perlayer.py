@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..blob import Blob
+from ..distributed.comm import Comm, Request
 from ..layers.base import Layer
 from ..proto import caffe_pb2
 from .boxexchange import BoxExchange, at_box
@@ -164,10 +165,10 @@ class SliceSum:
     :meth:`PerLayerExecutor.finish_backward` (else at once, inside the layer's backward)."""
 
     step: Step
-    comm: object                    # the ranks holding this slice (a sub-communicator)
+    comm: Comm                      # the ranks holding this slice (a sub-communicator)
     bufs: list[np.ndarray]          # per parameter: its slice's gradient scaled by 1/N, then the sum
     deferred: bool
-    requests: list = field(default_factory=list)  # the iallreduce requests in flight
+    requests: list[Request] = field(default_factory=list)  # the iallreduce requests in flight
 
 
 def _refuse(name: str, split: Split, why: str) -> PlanError:
@@ -602,6 +603,7 @@ class PerLayerExecutor:
         them at once unless deferred)."""
         if red.requests:  # the previous pass's, if its finish_backward was not called
             self._complete_sum(red)
+            self._in_flight.remove(red)
         scale = self.net.dtype.type(1.0 / self.size)
         for buf, part in zip(red.bufs, red.step.part.blobs):
             np.multiply(part.diff, scale, out=buf)
@@ -613,7 +615,7 @@ class PerLayerExecutor:
             self._complete_sum(red)
 
     def _complete_sum(self, red: SliceSum) -> None:
-        """Wait for the step's slice sums and add them into the layer's parameter diffs."""
+        """Wait for the step's slice sums and add them into the layer's parameter diffs (once per start)."""
         layer, step = self.net.layers[red.step.index], red.step
         for req in red.requests:
             req.wait()
