@@ -9,11 +9,6 @@ import numpy as np
 import pytest
 import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
-from test_parallel_plan_spatial import _Rank
-
-import cct
-from cct.parallel_plan.perlayer import PerLayerExecutor
-from cct.parallel_plan.split import Split
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
@@ -52,12 +47,3 @@ def test_overlapped_sums_equal_the_synchronous_path_bit_for_bit_in_both_orders(c
                 assert info[m][key] == info["sync"][key], f"{plan} {m}: {key}"
         assert np.allclose(info["late0"]["losses"], want_losses, rtol=1e-5)  # Caffe's first 3 iterations
 
-
-def test_overlap_switch_and_no_sum_where_a_rank_holds_its_slice_alone(case, monkeypatch):
-    """``overlap`` decides whether data parallelism's buckets start from the hooks; ip1 split c=N has no
-    sum to overlap (each rank holds its slice alone)."""
-    monkeypatch.chdir(case)
-    net = cct.Net("net.prototxt", "TRAIN")
-    ex = PerLayerExecutor(net, _Rank(2), {"ip1": Split(c=2)})
-    assert ex.overlap and ex.diffs_final_per_layer and not ex._sums
-    assert not PerLayerExecutor(net, _Rank(2), {"ip1": Split(c=2)}, overlap=False).diffs_final_per_layer
