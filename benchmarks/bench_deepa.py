@@ -3,7 +3,7 @@ time of data parallelism, OWT and the DeePa choice for CaffeNet, VGG-16 and Ince
 (the paper's Figure 8 table), the search time, and the slow-network check on CaffeNet.
 
 ``python benchmarks/bench_deepa.py [--batch 512] [--speed 20] [--quick] [--measure] [--measure_modes data,owt,auto]
-[--measure_only] [--out NAME]``
+[--measure_only] [--overlap on|off|both] [--rounds R] [--out NAME]``
 
 ``--measure`` also trains on this machine's MPI ranks (``mpiexec``): LeNet and CaffeNet (DummyData,
 per-rank batch 64 and 4) on 2 and 4 ranks under data parallelism and OWT (the executed plans), the
@@ -13,6 +13,9 @@ cost model's prediction for the same ranks (links measured by the ping-pong, lay
 one thread, N ranks sharing this machine's cores), and the rank correlation of predicted and measured.
 ``--measure_modes data,auto`` measures ``--parallel auto`` (what it ran after measuring the candidates
 on the ranks) beside data parallelism: its step time over data parallelism's (the 1.05x check).
+``--overlap both`` runs each LeNet per-layer plan (``mixed``, ``tailmix``, ...) twice side by side: with the
+per-layer executor's communication overlapped with backward (the default) and synchronous (``MODE-sync``:
+``overlap=False``), with the seconds per step the ranks waited for what was not hidden.
 
 THIS IS A MODEL, NOT A MEASUREMENT OF A CLUSTER. Each layer's forward + backward is measured once on
 this machine (``--reference_batch`` samples, cached per machine); a worker of the described cluster
@@ -118,14 +121,15 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
     param.net_param.CopyFrom(training_net(model, batch))
     solver = get_solver(param)
     comm, n = solver.comm, solver.comm.size
+    plan, sync = mode.removesuffix("-sync"), mode.endswith("-sync")  # MODE-sync: the executor without overlap
     with abort_on_error(comm):
         links = measure_links(comm)
         t = time.perf_counter()
         if mode == "auto":
             setup_parallel(solver, "auto")  # the model's pick checked by measuring the candidates on the ranks
             ex = solver.net.executor
-        elif mode in lenet_modes(n):
-            ex = enable_per_layer(solver, lenet_modes(n)[mode])
+        elif plan in lenet_modes(n):
+            ex = enable_per_layer(solver, lenet_modes(n)[plan], overlap=not sync)
         elif mode in ("owt", "data"):
             ex = enable_owt(solver) if mode == "owt" else None
         else:
@@ -142,13 +146,16 @@ def rank_run(model: str, batch: int, mode: str, iters: int, out: str) -> None:
         ring = 2.0 * (n - 1) / n * solver.parallel.sync.stats.bytes
         owt = ((ex.bytes_moved + getattr(ex, "update_bytes", 0)) / done) if ex is not None else 0.0  # + slice sums
         per_rank = comm.allgather_obj(ring + owt)
+        waited = (solver.parallel.sync.stats.wait_s + getattr(ex, "sum_wait_s", 0.0)) / done  # not hidden
+        wait_s = comm.allreduce_scalar(waited, op="max")
     if comm.is_root:
         groups = getattr(ex, "sample_groups", None)
         if ex is None or groups is not None:
             ran = "data" if ex is None else "owt" if groups == 1 else f"tail n={groups}"
         else:
-            ran = "deepa" if mode == "auto" else mode  # auto: the search's optimum, layer by layer
+            ran = "deepa" if mode == "auto" else plan  # auto: the search's optimum, layer by layer
         Path(out).write_text(json.dumps({"step_s": float(np.median(runs)), "runs": runs, "ran": ran,
+                                         "overlap": not sync, "wait_s": wait_s,
                                          "setup_s": setup_s, "bytes_per_step": float(sum(per_rank)),
                                          "links": links}))
 
@@ -186,29 +193,45 @@ def measure(args) -> dict:
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory() as tmp:
         for model, ranks, batch, iters in MEASURED:
-            if model not in args.measure_models.split(","):
+            if model not in args.measure_models.split(",") or str(ranks) not in args.measure_ranks.split(","):
                 continue
-            for mode in args.measure_modes.split(","):
-                out = Path(tmp) / f"{model}-{ranks}-{mode}.json"
-                p = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, __file__, "--rank_run",
-                                    f"{model},{batch},{mode},{iters},{out}"], env=env, capture_output=True, text=True)
-                if p.returncode != 0:
-                    why = [ln for ln in p.stderr.splitlines() if "OWT:" in ln or "error" in ln.lower()]
-                    print(f"# {model} {ranks} ranks {mode}: not run ({why[-1].strip() if why else p.returncode})")
-                    continue
-                got = json.loads(out.read_text())
-                pred = predicted(model, ranks, batch, got["links"]).get(got["ran"])  # auto: what it ran
-                points.append({"model": model, "ranks": ranks, "batch_per_rank": batch, "mode": mode,
-                               "ran": got["ran"], "setup_s": got["setup_s"],
-                               "measured_step_s": got["step_s"], "measured_runs": got["runs"],
-                               "measured_bytes": got["bytes_per_step"],
-                               "predicted_step_s": pred["seconds"] if pred else None,
-                               "predicted_bytes": pred["total_bytes"] if pred else None, "links": got["links"]})
-                shown = f"{pred['seconds'] * 1e3:9.1f} ms {pred['total_bytes'] / 2**20:8.2f} MiB" if pred else "-"
-                print(f"{model:<9s} {ranks:>2d} ranks {mode:<5s} ran {got['ran']:<9s} measured "
-                      f"{got['step_s'] * 1e3:9.1f} ms {got['bytes_per_step'] / 2**20:8.2f} MiB | predicted {shown}",
-                      flush=True)
-    ranked = [p for p in points if p["mode"] != "auto" and p["predicted_step_s"] is not None]
+            for rnd in range(args.rounds):  # rounds interleave the modes: the load's drift hits each alike
+                for mode in overlap_modes(args.measure_modes.split(","), args.overlap):
+                    out = Path(tmp) / f"{model}-{ranks}-{mode}-{rnd}.json"
+                    p = subprocess.run([mpiexec_path(), "-n", str(ranks), sys.executable, __file__, "--rank_run",
+                                        f"{model},{batch},{mode},{iters},{out}"], env=env, capture_output=True,
+                                       text=True)
+                    if p.returncode != 0:
+                        why = [ln for ln in p.stderr.splitlines() if "OWT:" in ln or "error" in ln.lower()]
+                        print(f"# {model} {ranks} ranks {mode}: not run ({why[-1].strip() if why else p.returncode})")
+                        continue
+                    got = json.loads(out.read_text())
+                    point = next((q for q in points if (q["model"], q["ranks"], q["mode"]) == (model, ranks, mode)),
+                                 None)
+                    if point is not None:  # a later round: every run of every round, median
+                        point["measured_runs"] += got["runs"]
+                        point["waits"].append(got["wait_s"])
+                        point["measured_step_s"] = statistics.median(point["measured_runs"])
+                        point["wait_s"] = statistics.median(point["waits"])
+                    else:
+                        pred = predicted(model, ranks, batch, got["links"]).get(got["ran"])  # auto: what it ran
+                        points.append({"model": model, "ranks": ranks, "batch_per_rank": batch, "mode": mode,
+                                       "ran": got["ran"], "setup_s": got["setup_s"],
+                                       "measured_step_s": got["step_s"], "measured_runs": list(got["runs"]),
+                                       "measured_bytes": got["bytes_per_step"], "overlap": got["overlap"],
+                                       "wait_s": got["wait_s"], "waits": [got["wait_s"]],
+                                       "predicted_step_s": pred["seconds"] if pred else None,
+                                       "predicted_bytes": pred["total_bytes"] if pred else None, "links": got["links"]})
+                    print(f"{model:<9s} {ranks:>2d} ranks {mode:<12s} round {rnd + 1} ran {got['ran']:<9s} measured "
+                          f"{got['step_s'] * 1e3:9.1f} ms {got['bytes_per_step'] / 2**20:8.2f} MiB waited "
+                          f"{got['wait_s'] * 1e3:6.2f} ms", flush=True)
+    for q in points:
+        pred = f"{q['predicted_step_s'] * 1e3:9.1f} ms {q['predicted_bytes'] / 2**20:8.2f} MiB" \
+            if q["predicted_step_s"] is not None else "-"
+        print(f"{q['model']:<9s} {q['ranks']:>2d} ranks {q['mode']:<12s} median of {len(q['measured_runs'])} runs "
+              f"{q['measured_step_s'] * 1e3:9.1f} ms {q['measured_bytes'] / 2**20:8.2f} MiB waited "
+              f"{q['wait_s'] * 1e3:6.2f} ms | predicted {pred}")
+    ranked = [p for p in points if p["mode"] != "auto" and p["overlap"] and p["predicted_step_s"] is not None]
     corr = None
     if len(ranked) >= 3:
         rho = spearmanr([p["predicted_step_s"] for p in ranked], [p["measured_step_s"] for p in ranked])
@@ -224,7 +247,30 @@ def measure(args) -> dict:
             same = " (the same plan as data: run-to-run spread)" if p["ran"] == "data" else ""
             print(f"auto on {p['model']} x {p['ranks']} ranks ran {p['ran']}: {ratio:.3f}x data parallelism's step "
                   f"({'within' if ratio <= 1.05 else 'OVER'} 1.05x){same}")
-    return {"points": points, "spearman": corr, "auto_vs_data": auto_vs_data}
+    overlap_vs_sync = {}
+    for p in points:
+        twin = next((q for q in points if q["mode"] == p["mode"] + "-sync" and q["ranks"] == p["ranks"]
+                     and q["model"] == p["model"]), None)
+        if twin is not None:
+            ratio = p["measured_step_s"] / twin["measured_step_s"]
+            overlap_vs_sync[f"{p['model']}-{p['ranks']}-{p['mode']}"] = ratio
+            print(f"{p['model']} x {p['ranks']} ranks {p['mode']}: overlapped {p['measured_step_s'] * 1e3:.1f} ms "
+                  f"(waited {p['wait_s'] * 1e3:.2f}) vs synchronous {twin['measured_step_s'] * 1e3:.1f} ms (waited "
+                  f"{twin['wait_s'] * 1e3:.2f}): {ratio:.3f}x")
+    return {"points": points, "spearman": corr, "auto_vs_data": auto_vs_data, "overlap_vs_sync": overlap_vs_sync}
+
+
+def overlap_modes(modes: list[str], overlap: str) -> list[str]:
+    """The measured modes under ``--overlap``: a per-layer plan as it is (overlapped), as ``PLAN-sync``
+    (``off``), or both side by side (``both``); data, OWT and auto as they are."""
+    out = []
+    for mode in modes:
+        per_layer = mode not in ("data", "owt", "auto")
+        if overlap != "off" or not per_layer:
+            out.append(mode)
+        if per_layer and overlap != "on":
+            out.append(f"{mode}-sync")
+    return out
 
 
 def main() -> int:
@@ -246,7 +292,13 @@ def main() -> int:
     ap.add_argument("--measure_modes", default="data,owt", help="--measure under these (data, owt, auto; "
                     "LeNet only: spatial, conv, mixed, tailmix and on 4 ranks factored: see lenet_modes)")
     ap.add_argument("--measure_models", default="lenet,caffenet", help="--measure these nets")
+    ap.add_argument("--measure_ranks", default="2,4", help="--measure on these rank counts")
+    ap.add_argument("--rounds", type=int, default=1, help="--measure every mode this many times, interleaved "
+                    "(each point: the median of every round's runs)")
     ap.add_argument("--measure_only", action="store_true", help="--measure without the cost-model table")
+    ap.add_argument("--overlap", choices=("on", "off", "both"), default="on",
+                    help="per-layer plans with communication overlapped with backward (on), synchronous (off: "
+                         "PLAN-sync), or both side by side")
     ap.add_argument("--out", default=None, help="result file name under results/ (default bench_deepa.json)")
     ap.add_argument("--keep-env", action="store_true")
     args = ap.parse_args()

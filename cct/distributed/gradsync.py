@@ -11,8 +11,9 @@ buffer and starts a non-blocking all-reduce (sum), while backward goes on with t
 
 Only the last of ``iter_size`` passes is reduced (:meth:`arm` before it): the earlier passes
 accumulate locally, and the sum of the accumulated diffs is what a single process accumulates.
-With a device scheduler attached (``--devices``) the per-layer diffs are final only when the whole
-backward has finished, so every bucket starts then.
+With an executor attached to the net (``--devices``, a split) the per-layer diffs are final only when the
+whole backward has finished, so every bucket starts then, unless the executor says they are final per
+layer (``layer_diffs_final``: the per-layer executor with overlap).
 
 MPI progresses a non-blocking collective only inside MPI calls, so each hook also polls the
 requests in flight (``MPI_Test``): that is what moves the data while backward computes.
@@ -59,14 +60,17 @@ class GradientSync:
 
     ``overlap=False`` starts every bucket only in :meth:`finish` (blocking after backward: the
     baseline the overlap is measured against). ``exclude``: learnable-parameter indices left out (their
-    gradients stay local: a parameter slice owned by this rank alone).
+    gradients stay local: a parameter slice owned by this rank alone). ``layer_diffs_final``: the net's
+    executor leaves each layer's diffs final when its backward returns (the buckets start from the hooks
+    as without an executor).
     """
 
     def __init__(self, net, comm: Comm, bucket_bytes: int = 1 << 20, overlap: bool = True,
-                 exclude: Collection[int] = ()):
+                 exclude: Collection[int] = (), layer_diffs_final: bool = False):
         self.net = net
         self.comm = comm
         self.overlap = bool(overlap)
+        self.layer_diffs_final = bool(layer_diffs_final)
         self.scale_by = 1.0 / comm.size
         #: None: sum, then scale by 1/N (Caffe); a number: this rank's diffs are multiplied by it
         #: before the sum (unequal batch shares: share / global batch), and the sum is the result
@@ -124,8 +128,8 @@ class GradientSync:
                 if b.request is None:
                     self._launch(b)
             return
-        if self.net.executor is not None:
-            return  # diffs are final only after the device scheduler's finish_backward
+        if self.net.executor is not None and not self.layer_diffs_final:
+            return  # diffs are final only after the executor's finish_backward
         for b in self._by_trigger.get(layer_index, ()):
             self._launch(b)
         for b in self.buckets:  # drive MPI progress of the reductions in flight

@@ -189,15 +189,17 @@ class DataParallel:
                      ", ".join(f"rank {r} {x:.3g}" for r, x in enumerate(rates)))
         return shares
 
-    def keep_local(self, param_ids: Sequence[int]) -> None:
+    def keep_local(self, param_ids: Sequence[int], layer_diffs_final: bool = False) -> None:
         """Leave the learnable parameters ``param_ids`` out of the gradient all-reduce (slices this rank
-        owns alone: their gradients are reduced, if at all, by whoever split them)."""
+        owns alone: their gradients are reduced, if at all, by whoever split them); ``layer_diffs_final``:
+        the net's executor leaves each layer's diffs final when its backward returns (buckets start from
+        the backward hooks)."""
         net = self.solver.net
         if self.sync.hook in net.backward_hooks:
             net.backward_hooks.remove(self.sync.hook)
         weight = self.sync.weight
         self.sync = GradientSync(net, self.comm, bucket_bytes=self._bucket_bytes, overlap=self._overlap,
-                                 exclude=param_ids)
+                                 exclude=param_ids, layer_diffs_final=layer_diffs_final)
         self.sync.weight = weight
         net.backward_hooks.append(self.sync.hook)
 

@@ -8,11 +8,15 @@ pass is the transpose: the gradient of each needed element goes back to its owne
 every reader returns (overlapping halos are summed, elements nobody read get zero).
 
 The bytes a rank receives equal the planner's count (:mod:`.transfer`): the elements of the other
-ranks' boxes inside its need, forward, and the same elements' gradients, backward.
+ranks' boxes inside its need, forward, and the same elements' gradients, backward. The message buffers are
+made with the exchange (one per peer and direction, shared by forward and backward, which never run at
+once): a pass only copies into them.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from .split import PlanError
 
 #: the message tag of the exchanges (apart from any other point-to-point traffic on the communicator)
 TAG = 3217
@@ -31,14 +35,18 @@ def at_box(box: np.ndarray, origin: np.ndarray) -> tuple[slice, ...]:
     return tuple(slice(int(lo - o), int(hi - o)) for (lo, hi), o in zip(box, origin))
 
 
+def _extent(box: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(d) for d in box[:, 1] - box[:, 0])
+
+
 class BoxExchange:
     """Rank-to-rank moves from the split ``own`` to the regions ``need`` (see module docstring).
 
     ``own``, ``need``: ``(ranks, 4, 2)`` global boxes; ``need_origin``: the global position of the local
     destination array's first element (a frame larger than ``need[rank]``, with explicit padding, may
-    start before the tensor: negative coordinates)."""
+    start before the tensor: negative coordinates); ``dtype``: the tensor's (its message buffers')."""
 
-    def __init__(self, comm, own: np.ndarray, need: np.ndarray, need_origin: np.ndarray):
+    def __init__(self, comm, own: np.ndarray, need: np.ndarray, need_origin: np.ndarray, dtype=np.float32):
         self.comm, self.rank = comm, comm.rank
         self.own_origin = own[comm.rank, :, 0].copy()
         self.need_origin = np.asarray(need_origin, dtype=np.int64)
@@ -49,25 +57,29 @@ class BoxExchange:
         #: (peer, box): what this rank receives forward (the peer's own box inside this rank's need)
         self.recvs = [(q, box) for q in peers if (box := intersect(own[q], need[me])) is not None]
         self.local = intersect(own[me], need[me])
+        self.dtype = np.dtype(dtype)
+        #: (peer, box, buffer) of :attr:`sends` and of :attr:`recvs`: forward sends from the first and
+        #: receives into the second, backward the reverse
+        self._send_bufs = [(q, box, np.empty(_extent(box), self.dtype)) for q, box in self.sends]
+        self._recv_bufs = [(q, box, np.empty(_extent(box), self.dtype)) for q, box in self.recvs]
 
     def _move(self, src: np.ndarray, src_origin: np.ndarray, outgoing, incoming) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Post the sends of ``outgoing`` from ``src`` and the receives of ``incoming``; wait; return
-        ``(box, received array)`` pairs."""
-        reqs, got = [], []
-        for q, box in incoming:
-            buf = np.empty(tuple(int(d) for d in box[:, 1] - box[:, 0]), src.dtype)
-            reqs.append(self.comm.irecv(buf, q, TAG))
-            got.append((box, buf))
-        for q, box in outgoing:
-            reqs.append(self.comm.isend(np.ascontiguousarray(src[at_box(box, src_origin)]), q, TAG))
+        """Post the receives of ``incoming`` and the sends of ``outgoing`` from ``src`` (``(peer, box,
+        buffer)`` each); wait; return ``(box, received buffer)`` pairs."""
+        if src.dtype != self.dtype:
+            raise PlanError(f"per-layer split: an exchange made for {self.dtype} tensors was given {src.dtype}")
+        reqs = [self.comm.irecv(buf, q, TAG) for q, _box, buf in incoming]
+        for q, box, buf in outgoing:
+            np.copyto(buf, src[at_box(box, src_origin)])
+            reqs.append(self.comm.isend(buf, q, TAG))
         for r in reqs:
             r.wait()
-        return got
+        return [(box, buf) for _q, box, buf in incoming]
 
     def forward(self, src: np.ndarray, dst: np.ndarray) -> int:
         """Fill ``dst`` (the need frame) from every rank's ``src`` (its own box); elements of the frame
         outside the tensor are left as they are (the caller's padding). Returns the bytes received."""
-        got = self._move(src, self.own_origin, self.sends, self.recvs)
+        got = self._move(src, self.own_origin, self._send_bufs, self._recv_bufs)
         if self.local is not None:
             dst[at_box(self.local, self.need_origin)] = src[at_box(self.local, self.own_origin)]
         for box, buf in got:
@@ -77,7 +89,7 @@ class BoxExchange:
     def backward(self, dst_grad: np.ndarray, src_grad: np.ndarray) -> int:
         """``src_grad`` (this rank's own box) = the sum of every rank's ``dst_grad`` over it (the
         transpose of :meth:`forward`). Returns the bytes received."""
-        got = self._move(dst_grad, self.need_origin, self.recvs, self.sends)
+        got = self._move(dst_grad, self.need_origin, self._recv_bufs, self._send_bufs)
         src_grad[...] = 0
         if self.local is not None:
             src_grad[at_box(self.local, self.own_origin)] += dst_grad[at_box(self.local, self.need_origin)]

@@ -112,7 +112,7 @@ def measure_candidates(solver, candidates: dict[str, Candidate], passes: int = P
         for name, make in candidates.items():
             ex = make()
             net.executor = ex
-            par.keep_local(ex.owned_param_ids() if ex is not None else [])
+            par.keep_local(ex.owned_param_ids() if ex is not None else [], ex is not None and ex.diffs_final_per_layer)
             first = _pass(net, par)  # untimed: buffers, lowering plans
             count = max(1, min(passes, int(budget / max(first, 1e-9))))
             out[name] = statistics.median(_pass(net, par) for _ in range(count))

@@ -100,6 +100,9 @@ def tail_layers(net) -> list[int]:
 class ChannelSplitExecutor:
     """The net's executor under OWT (see module docstring): layers outside the tail run as they are."""
 
+    #: data parallelism's buckets start after the whole backward (as with every executor but the per-layer one)
+    diffs_final_per_layer = False
+
     def __init__(self, net, comm, sample_groups: int = 1):
         if sample_groups < 1 or comm.size % sample_groups:
             raise PlanError(f"the fully-connected tail's {sample_groups} sample group(s) must divide the "
@@ -372,7 +375,7 @@ def attach(solver, ex):
     all-reduce, its slices gathered before every snapshot and test. Returns ``ex``."""
     par = solver.parallel
     solver.net.executor = ex
-    par.keep_local(ex.owned_param_ids())
+    par.keep_local(ex.owned_param_ids(), ex.diffs_final_per_layer)
     par.share_slices.append(lambda: ex.gather_owned(solver.history))
     return ex
 

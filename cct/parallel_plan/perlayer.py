@@ -30,6 +30,17 @@ Concat straight into its channels of the output box, an Eltwise into inputs of a
   all-gathered among the ``c`` ranks of one box of the other axes before snapshots and tests (and broadcast
   from rank 0 to the ranks idle for the layer).
 
+Overlap (``overlap=True``, the default): a slice's sum is started non-blocking (``iallreduce`` in place on
+a buffer per parameter made at setup, :class:`SliceSum`) as soon as the layer's backward has computed it;
+every later layer's backward polls the sums in flight (MPI progresses only inside MPI calls) and
+:meth:`PerLayerExecutor.finish_backward` waits for them and adds them into the layers' diffs, before the
+update; the parameters all-reduced by data parallelism start from the net's backward hooks as soon as their
+layer is done (:attr:`PerLayerExecutor.diffs_final_per_layer`). ``overlap=False`` waits for each sum
+inside the layer's backward and starts data parallelism's buckets after the whole backward. Both run the
+same operations on the same buffers (only when they complete differs), so the weights are bit-identical
+and the bytes equal; a layer whose parameters another layer shares is always summed at once (its diff's
+order of additions is kept).
+
 N ranks at batch b then train as one process at batch N*b, and the bytes each rank receives in the
 exchanges equal the planner's transfer count (:mod:`.transfer`; the reductions of slices are the update's).
 Refused with a :class:`PlanError` naming the layer and its configuration: a worker count not dividing the
@@ -43,12 +54,15 @@ unequal batch shares.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..blob import Blob
+from ..distributed.comm import Comm, Request
 from ..layers.base import Layer
 from ..proto import caffe_pb2
 from .boxexchange import BoxExchange, at_box
@@ -144,6 +158,19 @@ class JoinStep:
         return view4(self.out.diff if diff else self.out.data)[self.views[k]]
 
 
+@dataclass
+class SliceSum:
+    """The sum of a channel-split step's parameter-slice gradients among the ranks holding the same slice:
+    one buffer per parameter (made at setup), summed in place; ``deferred``: completed by
+    :meth:`PerLayerExecutor.finish_backward` (else at once, inside the layer's backward)."""
+
+    step: Step
+    comm: Comm                      # the ranks holding this slice (a sub-communicator)
+    bufs: list[np.ndarray]          # per parameter: its slice's gradient scaled by 1/N, then the sum
+    deferred: bool
+    requests: list[Request] = field(default_factory=list)  # the iallreduce requests in flight
+
+
 def _refuse(name: str, split: Split, why: str) -> PlanError:
     return PlanError(f"per-layer split: layer '{name}' {split}: {why}")
 
@@ -233,10 +260,12 @@ def _part_copy(layer: Layer, split: Split, outputs: int, inp: Blob, out: Blob) -
 
 
 class PerLayerExecutor:
-    """The net's executor with every configured layer run on its box (see module docstring)."""
+    """The net's executor with every configured layer run on its box (see module docstring); ``overlap``:
+    the slices' sums and data parallelism's buckets run while backward goes on (see module docstring)."""
 
-    def __init__(self, net, comm, splits: Mapping[str, Split]):
+    def __init__(self, net, comm, splits: Mapping[str, Split], overlap: bool = True):
         self.net, self.comm = net, comm
+        self.overlap = bool(overlap)
         self.size, self.rank = comm.size, comm.rank
         split_at: dict[int, Split] = {}
         for name, s in splits.items():
@@ -259,7 +288,17 @@ class PerLayerExecutor:
         self.update_bytes = 0
         #: bytes this rank received gathering the slices (snapshots, tests)
         self.gather_bytes = 0
+        #: seconds finish_backward waited for the slices' sums (what the overlap did not hide)
+        self.sum_wait_s = 0.0
         self._comms: dict[Split, tuple] = {}
+        self._sums: dict[int, SliceSum] = {}     # layer index -> its slice sum (made by setup_groups)
+        self._in_flight: list[SliceSum] = []     # started in this backward, completed in finish_backward
+
+    @property
+    def diffs_final_per_layer(self) -> bool:
+        """Whether a layer's parameter diffs left to data parallelism are final when its backward returns
+        (its buckets may start from the net's backward hooks): with ``overlap``."""
+        return self.overlap
 
     # -- setup ---------------------------------------------------------------------------------------
     def _sample_boxes(self, blob: Blob, what: str) -> np.ndarray:
@@ -340,7 +379,7 @@ class PerLayerExecutor:
         source = self._read(i, bottoms[0], placed, readers)
         own = source.boxes if source is not None else self._sample_boxes(x, f"layer '{name}' bottom '{bottoms[0]}'")
         if idle:  # sends its part of the others' inputs, computes nothing
-            fetch = BoxExchange(self.comm, own, need, np.zeros(4, np.int64))
+            fetch = BoxExchange(self.comm, own, need, np.zeros(4, np.int64), net.dtype)
             self.steps[i] = Step(i, split, None, Blob((1,), net.dtype), Blob((1,), net.dtype), fetch, source,
                                  idle=True)
             placed[tops[0]] = Placed(self.steps[i].out, out_boxes, i)
@@ -362,8 +401,8 @@ class PerLayerExecutor:
         if tuple(view4(out.data).shape) != want:
             raise _refuse(name, split, f"the copy for a box computes {list(out.shape)}, not the box's {list(want)}")
         padded = bool(np.any(frame[me, :, 0] < 0) or np.any(frame[me, :, 1] > np.array(in_shape)))
-        self.steps[i] = Step(i, split, part, inp, out, BoxExchange(self.comm, own, need, frame[me, :, 0]), source,
-                             lo, hi, padded, frame_out=frame_out, crop=crop)
+        fetch = BoxExchange(self.comm, own, need, frame[me, :, 0], net.dtype)
+        self.steps[i] = Step(i, split, part, inp, out, fetch, source, lo, hi, padded, frame_out=frame_out, crop=crop)
         placed[tops[0]] = Placed(out, out_boxes, i)
 
     def _join_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
@@ -388,7 +427,7 @@ class PerLayerExecutor:
             need = rule.needed(out_boxes, k, shapes[k])
             source = self._read(i, b, placed, readers)
             own = source.boxes if source is not None else self._sample_boxes(net.blobs[b], f"bottom '{b}'")
-            fetches.append(BoxExchange(self.comm, own, need, need[me, :, 0]))
+            fetches.append(BoxExchange(self.comm, own, need, need[me, :, 0], net.dtype))
             sources.append(source)
             if layer.type == "Concat":  # input k's channels [off, off + C_k) of the output, inside the box
                 off = int(rule.offsets[k])
@@ -421,7 +460,8 @@ class PerLayerExecutor:
     def _gather_at(self, p: Placed, blob: str) -> None:
         """The step that last wrote ``blob`` returns it to the sample split (a layer outside reads it)."""
         need = self._sample_boxes(self.net.blobs[blob], f"blob '{blob}'")
-        self.steps[p.writer].gather = BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0])
+        self.steps[p.writer].gather = BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0],
+                                                    self.net.dtype)
 
     def _groups(self, split: Split):
         """``(slice_comm, row_comm)`` of a channel-split configuration: the ranks holding the same slice
@@ -436,10 +476,19 @@ class PerLayerExecutor:
         return self._comms[split]
 
     def setup_groups(self) -> None:
-        """Make the sub-communicators of the channel-split configurations (a collective: every rank)."""
+        """Make the sub-communicators of the channel-split configurations (a collective: every rank) and
+        the buffers of the slices' sums this rank takes part in."""
+        net = self.net
+        users = Counter(net.learnable_param_ids)
+        shared = {lid for nid, (lid, _pid) in enumerate(net.param_layer_indices)
+                  if users[net.learnable_param_ids[nid]] > 1}
         for i, s in self.splits.items():
-            if s.c > 1 and self.net.layers[i].blobs:
-                self._groups(s)
+            if s.c > 1 and net.layers[i].blobs:
+                same, _rows = self._groups(s)
+                step = self.steps[i]
+                if same is not None and not step.idle:
+                    self._sums[i] = SliceSum(step, same, [np.empty_like(p.diff) for p in step.part.blobs],
+                                             self.overlap and i not in shared)
 
     def owned_param_ids(self) -> list[int]:
         """The parameters of the layers split by channel (each rank owns a slice; reduced here)."""
@@ -483,6 +532,9 @@ class PerLayerExecutor:
     def backward(self, i: int, layer: Layer, top: Sequence[Blob], propagate_down: Sequence[bool],
                  bottom: Sequence[Blob]) -> None:
         """Back-propagate layer ``i`` (see module docstring)."""
+        for red in self._in_flight:  # drive MPI's progress of the sums in flight
+            for req in red.requests:
+                req.test()
         step = self.steps.get(i)
         if step is None:
             layer.backward(top, propagate_down, bottom)
@@ -509,14 +561,15 @@ class PerLayerExecutor:
             step.frame_out.diff[step.crop] = step.out.diff
             step.part.backward([step.frame_out], [bool(propagate_down[0])], [step.inp])
         if step.split.c > 1 and layer.blobs:
-            same, _rows = self._groups(step.split)
-            scale = self.net.dtype.type(1.0 / self.size)
-            for full, part in zip(layer.blobs, step.part.blobs):
-                contrib = part.diff * scale
-                if same is not None:  # the other ranks holding this slice
-                    same.allreduce(contrib, out=contrib)
-                    self.update_bytes += int(2 * (same.size - 1) / same.size * contrib.nbytes)
-                full.diff[step.lo:step.hi] += contrib
+            if i in self._sums:  # the other ranks holding this slice
+                self._start_sum(self._sums[i])
+            elif self._groups(step.split)[0] is not None:
+                raise PlanError(f"per-layer split: layer '{layer.name}' {step.split}: its slice's sum has no "
+                                "buffers (setup_groups() was not called)")
+            else:  # this rank holds the slice alone
+                scale = self.net.dtype.type(1.0 / self.size)
+                for full, part in zip(layer.blobs, step.part.blobs):
+                    full.diff[step.lo:step.hi] += part.diff * scale
         else:
             for full, part in zip(layer.blobs, step.part.blobs):
                 full.diff[...] += part.diff
@@ -545,8 +598,41 @@ class PerLayerExecutor:
                 dst = step.sources[k].blob.diff if step.sources[k] is not None else bottom[k].diff
                 self.bytes_moved += fetch.backward(view4(step.dst(k, diff=True)), view4(dst))
 
+    def _start_sum(self, red: SliceSum) -> None:
+        """Scale the step's slice gradients by 1/N into the sum's buffers and start their sums (complete
+        them at once unless deferred)."""
+        if red.requests:  # the previous pass's, if its finish_backward was not called
+            self._complete_sum(red)
+            self._in_flight.remove(red)
+        scale = self.net.dtype.type(1.0 / self.size)
+        for buf, part in zip(red.bufs, red.step.part.blobs):
+            np.multiply(part.diff, scale, out=buf)
+            red.requests.append(red.comm.iallreduce(buf, out=buf))
+            self.update_bytes += int(2 * (red.comm.size - 1) / red.comm.size * buf.nbytes)
+        if red.deferred:
+            self._in_flight.append(red)
+        else:
+            self._complete_sum(red)
+
+    def _complete_sum(self, red: SliceSum) -> None:
+        """Wait for the step's slice sums and add them into the layer's parameter diffs (once per start)."""
+        layer, step = self.net.layers[red.step.index], red.step
+        for req in red.requests:
+            req.wait()
+        red.requests.clear()
+        for full, buf in zip(layer.blobs, red.bufs):
+            full.diff[step.lo:step.hi] += buf
+
     def finish_backward(self) -> None:
-        """Nothing is left to finish (the exchanges are synchronous)."""
+        """Wait for the slices' sums started in this backward and add them into the diffs (before the
+        update; the time waited is :attr:`sum_wait_s`)."""
+        if not self._in_flight:
+            return
+        t = time.perf_counter()
+        for red in self._in_flight:
+            self._complete_sum(red)
+        self._in_flight.clear()
+        self.sum_wait_s += time.perf_counter() - t
 
     def release(self) -> None:
         """Free the sub-communicators (collective; the executor is not used again)."""
@@ -556,6 +642,7 @@ class PerLayerExecutor:
             if rows is not None and rows is not self.comm:
                 rows.free()
         self._comms.clear()
+        self._sums.clear()
 
     def gather_owned(self, history: Sequence[np.ndarray] = ()) -> None:
         """All-gather the channel slices of the weights (and of the solver ``history``) among the ranks
@@ -594,21 +681,22 @@ def describe_splits(ex: PerLayerExecutor) -> str:
     return ", ".join(f"{ex.net.layer_names[i]} {s}" for i, s in ex.splits.items())
 
 
-def build_per_layer(net, comm, splits: Mapping[str, Split]) -> PerLayerExecutor | None:
+def build_per_layer(net, comm, splits: Mapping[str, Split], overlap: bool = True) -> PerLayerExecutor | None:
     """A :class:`PerLayerExecutor` of ``splits`` with its sub-communicators made (collective), or None when
     every layer runs by sample."""
-    ex = PerLayerExecutor(net, comm, splits)
+    ex = PerLayerExecutor(net, comm, splits, overlap)
     if not ex.splits:
         return None
     ex.setup_groups()
     return ex
 
 
-def enable_per_layer(solver, splits: Mapping[str, Split]) -> PerLayerExecutor | None:
+def enable_per_layer(solver, splits: Mapping[str, Split], overlap: bool = True) -> PerLayerExecutor | None:
     """Run ``solver``'s train net with each layer of ``splits`` (layer name -> Split) on its
-    box over its data-parallel ranks (see module docstring); None when every layer runs by sample."""
+    box over its data-parallel ranks (see module docstring; ``overlap``: communication overlapped with
+    backward); None when every layer runs by sample."""
     par = splittable(solver, "per-layer split")
-    ex = build_per_layer(solver.net, par.comm, splits)
+    ex = build_per_layer(solver.net, par.comm, splits, overlap)
     if ex is None:
         return None
     attach(solver, ex)
