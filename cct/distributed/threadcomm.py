@@ -390,6 +390,11 @@ class ThreadComm(Comm):
         return self.recv_any(source, tag)[0]
 
 
+def ranks_word(comm: Comm) -> str:
+    """How the log names ``comm``'s members: "in-process workers" (a ThreadComm) or "MPI ranks"."""
+    return "in-process workers" if isinstance(comm, ThreadComm) else "MPI ranks"
+
+
 def thread_group(n: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[ThreadComm]:
     """``n`` workers' communicators of one new group (worker r's is element r); each is used by one thread."""
     if n < 1:
