@@ -73,7 +73,8 @@ def test_cli_devices_with_a_plan_file_run_the_plan_on_workers_and_equal_caffe(ca
     assert "on 2 in-process devices (cpu:0, cpu:1): one worker per device, each at the prototxt's batch" in log
     assert "Per-layer parallelism on 1 machine(s) x 2 worker(s), links " in log
     assert "Per-layer splits on 2 in-process workers: conv1 n=1 h=2 w=1 c=1, pool1" in log
-    assert log.count("Data parallel on 2 MPI ranks") + log.count("Data parallel on 2 in-process workers") == 1
+    assert log.count("Data parallel on 2 in-process workers: each worker batch 2, global batch 4") == 1
+    assert "MPI ranks" not in log
     assert log.count("Iteration 9 (") == 1 and log.count("Snapshotting to binary proto file snap/lenet_iter_10") == 1
     assert sorted(os.listdir(case / "snap")) == [f"lenet_iter_{i}.{e}" for i in (10, 5)
                                                  for e in ("caffemodel", "cctstate", "solverstate")]

@@ -58,7 +58,9 @@ def build_parser() -> FlagParser:
                         "(shares of the global batch in proportion to each rank's measured speed), or b0,b1,... "
                         "(per-rank batch sizes summing to N x batch_size); the update stays exact")
     p.add_argument("--parallel", default="data",
-                   help="under mpiexec -n N: data (every layer by sample, Caffe's multi-GPU rule), owt (layers below "
+                   help="under mpiexec -n N, or on N in-process --devices (one worker per device, each at the "
+                        "prototxt's batch, as N ranks): data (every layer by sample, Caffe's multi-GPU rule; on "
+                        "--devices the scheduler's split of the batch), owt (layers below "
                         "the fully-connected tail by sample, its InnerProduct layers by output channel), auto (the "
                         "tail splits n=a c=N/a and DeePa's optimum, layer by layer, measured on the ranks: data "
                         "unless another is >10%% faster; the cost model's pick logged), or a plan file "
