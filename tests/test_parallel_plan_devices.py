@@ -10,10 +10,13 @@ import sys
 import numpy as np
 import pytest
 import test_distributed_train as dp
+from test_distributed_shard import RECORDS, _labels, _layer, _lmdb
 from test_parallel_plan_perlayer import _plan_file
 from test_parallel_plan_spatial import _predicted
 
 from cct.config import Config
+from cct.data.db import OPEN_DATABASES
+from cct.distributed import run_workers
 from cct.io.prototxt import read_net_prototxt
 from cct.parallel_plan.inprocess import run_device_workers, worker_config
 from cct.parallel_plan.perlayer import enable_per_layer
@@ -79,3 +82,21 @@ def test_cli_devices_with_a_plan_file_run_the_plan_on_workers_and_equal_caffe(ca
     assert sorted(os.listdir(case / "snap")) == [f"lenet_iter_{i}.{e}" for i in (10, 5)
                                                  for e in ("caffemodel", "cctstate", "solverstate")]
     dp._compare(case / "snap" / "lenet_iter_10.caffemodel", case / "final.caffemodel", 1e-5)
+
+
+def test_workers_share_one_lmdb_handle_and_read_their_shards_as_ranks(tmp_path):
+    """Two workers' Data layers read one LMDB (one handle per process, shared and refcounted) on their own
+    threads at once: rank r's records r, r+2, ... as under MPI, batch by batch the one-process stream."""
+    spec = _lmdb(tmp_path)
+    whole = _labels(*_layer(spec(4)), RECORDS // 4 * 2)
+
+    def worker(comm):
+        layer, top = _layer(spec(2), comm.rank, comm.size)
+        comm.barrier()  # both open before either reads
+        readers = OPEN_DATABASES.readers("lmdb", os.path.realpath(tmp_path / "db"))
+        return readers, _labels(layer, top, RECORDS // 4 * 2)
+
+    (r0, a), (r1, b) = run_workers(2, worker, timeout_s=60)
+    assert r0 == r1 >= 2  # one handle, both workers' readers on it
+    assert [sorted(x + y) for x, y in zip(a, b)] == [sorted(w) for w in whole]
+    assert all(all(v % 2 == 0 for v in x) and all(v % 2 == 1 for v in y) for x, y in zip(a, b))

@@ -166,6 +166,7 @@ def _train_on_device_workers(args: argparse.Namespace, param, solver_path: str, 
              len(devices), ", ".join(d.name for d in devices), len(devices), len(devices))
 
     def worker(comm) -> None:
+        devices[comm.rank].bind_thread()  # its BLAS backend and thread budget on this thread
         solver = get_solver(param, _source=solver_path, config=worker_config(config, comm.rank), comm=comm,
                             phase_times=args.phase_times, tensorboard=args.tensorboard,
                             tensorboard_histograms=args.tensorboard_histograms)
