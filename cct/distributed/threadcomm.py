@@ -173,8 +173,9 @@ class ThreadComm(Comm):
         self.bytes_received = 0
 
     # -- collectives --------------------------------------------------------------------------------
-    def _post(self, what: str, part: Any, combine: Callable[[list], Any]) -> int:
-        """Deposit this worker's ``part`` of the next collective; the last worker combines. Returns its number."""
+    def _post(self, what: str, part: Any, combine: Callable[[list], Any]) -> tuple[int, _Slot]:
+        """Deposit this worker's ``part`` of the next collective; the last worker combines. Returns its number
+        and its slot (kept until every worker has collected it)."""
         g, seq = self._group, self._seq
         self._seq += 1
         with g.world.cond:
@@ -195,7 +196,7 @@ class ThreadComm(Comm):
                 slot.result, slot.ready = result, True
                 slot.parts = []
                 g.world.cond.notify_all()
-        return seq
+        return seq, slot
 
     def _collect(self, seq: int) -> Any:
         """Wait for collective ``seq``'s result (shared by every worker: copy what you keep)."""
@@ -209,7 +210,7 @@ class ThreadComm(Comm):
             return slot.result
 
     def _collective(self, what: str, part: Any, combine: Callable[[list], Any]) -> Any:
-        return self._collect(self._post(what, part, combine))
+        return self._collect(self._post(what, part, combine)[0])
 
     def barrier(self) -> None:
         self._collective("barrier", None, lambda parts: None)
@@ -233,8 +234,7 @@ class ThreadComm(Comm):
         combine = self._reduce(_check_op(op))
         if out is None:
             out = np.empty_like(array)
-        seq = self._post("allreduce", array, combine)
-        slot = self._group.slots[seq]
+        seq, slot = self._post("allreduce", array, combine)
         return Request(_Pending(self, lambda: slot.ready, "allreduce",
                                 lambda: np.copyto(out, self._collect(seq))), result=out, what="allreduce",
                        rank=self.rank)
