@@ -1,7 +1,7 @@
 """Per-layer plans on in-process devices (cct.parallel_plan.inprocess): the workers of a ThreadComm, one solver
 each, run the MPI executor unchanged; 2 workers at batch 2 equal real Caffe's batch-4 LeNet run, the bytes
 they copy equal the planner's count, and ``cct train --devices cpu,cpu:1 --parallel FILE`` does the same from
-the command line (worker 0 logs and snapshots)."""
+the command line (worker 0 logs and snapshots); OWT (collectives) equals Caffe's run too."""
 import json
 import os
 import subprocess
@@ -19,6 +19,7 @@ from cct.data.db import OPEN_DATABASES
 from cct.distributed import run_workers
 from cct.io.prototxt import read_net_prototxt
 from cct.parallel_plan.inprocess import run_device_workers, worker_config
+from cct.parallel_plan.owt import enable_owt
 from cct.parallel_plan.perlayer import enable_per_layer
 from cct.parallel_plan.split import PlanError, Split
 from cct.solver import get_solver, read_solver_param
@@ -29,9 +30,11 @@ pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference n
 MIXED = {"conv1": Split(h=2), "pool1": Split(h=2), "conv2": Split(c=2), "pool2": Split(c=2), "ip1": Split(c=2)}
 
 
-def test_mixed_plan_on_two_in_process_workers_equals_caffe_with_the_planned_bytes(case, monkeypatch):
-    """conv1 and pool1 by height, conv2, pool2 and ip1 by channel on 2 worker threads at batch 2: Caffe's
-    batch-4 weights and losses after 10 SGD iterations; each worker's in-process copies are the bytes the
+@pytest.mark.parametrize("plan", ["mixed", "owt"])
+def test_plans_on_two_in_process_workers_equal_caffe_with_the_planned_bytes(case, monkeypatch, plan):
+    """mixed: conv1 and pool1 by height, conv2, pool2 and ip1 by channel (point-to-point exchanges); owt: ip1
+    and ip2 by channel (all-gather, all-to-all, reduce-scatter): on 2 worker threads at batch 2, Caffe's
+    batch-4 weights and losses after 10 SGD iterations; the mixed plan's in-process copies are the bytes the
     executor counts, and their sum the planner's."""
     monkeypatch.chdir(case)
     param = read_solver_param("solver.prototxt")
@@ -45,7 +48,7 @@ def test_mixed_plan_on_two_in_process_workers_equals_caffe_with_the_planned_byte
     def worker(comm):
         solver = get_solver(param, config=worker_config(config, comm.rank), comm=comm)
         solver.net.copy_from("init.caffemodel")
-        ex = enable_per_layer(solver, MIXED)
+        ex = enable_per_layer(solver, MIXED) if plan == "mixed" else enable_owt(solver)
         if comm.is_root:
             solver.add_callback(on_gradients_ready=lambda: losses.append(solver.smoothed_loss))
         solver.solve()
@@ -60,6 +63,9 @@ def test_mixed_plan_on_two_in_process_workers_equals_caffe_with_the_planned_byte
     moved = run_device_workers(2, worker, timeout_s=120)
     dp._compare(case / "two.caffemodel", case / "final.caffemodel", 1e-5)
     assert np.allclose(losses, json.loads((case / "losses.json").read_text())["losses"], rtol=1e-5)
+    if plan == "owt":
+        assert moved[0][0] > 0 and moved[0][1] == 0  # collectives only
+        return
     step, forward = _predicted(case / "net.prototxt", 2, 2, MIXED)
     assert all(executor == copied for executor, copied in moved)
     assert sum(executor for executor, _ in moved) == 10 * step + forward
