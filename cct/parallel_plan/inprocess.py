@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..config import Config
-from ..distributed.threadcomm import DEFAULT_TIMEOUT_S, ThreadComm, run_workers
+from ..distributed.threadcomm import ThreadComm, run_workers
 from ..random_source import RandomSource
 from .split import PlanError
 
@@ -28,6 +28,9 @@ log = logging.getLogger("cct")
 
 #: the thread names of the workers (worker 0's log passes, the others' only from WARNING on)
 WORKER_PREFIX = "cct-device-worker-"
+#: seconds a training worker waits for the others in one operation: long, as the others wait for worker 0's
+#: TEST passes and snapshots (a failed worker ends the others at once; the deadline catches one that hangs)
+TRAIN_WAIT_S = 4 * 3600.0
 
 
 class _RootWorkerOnly(logging.Filter):
@@ -67,8 +70,7 @@ def check_cpu_devices(devices: Sequence[Any]) -> None:
                         "the scheduler's split, or mpiexec with one GPU per rank)")
 
 
-def run_device_workers(n: int, body: Callable[[ThreadComm], Any],
-                       timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+def run_device_workers(n: int, body: Callable[[ThreadComm], Any], timeout_s: float = TRAIN_WAIT_S) -> list[Any]:
     """``body(comm)`` on ``n`` worker threads of one :class:`ThreadComm` group, worker 0's log alone passing
     INFO; returns the results by worker. A worker's error ends the others and is raised here."""
     if n < 2:
