@@ -119,6 +119,9 @@ def test_cct_train_parallel_auto_and_omnivore_refused(case):
     p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", "owt", "--groups",
                     "2"], cwd=str(case), timeout=60, check=False)
     assert p.returncode == 1 and "cannot be combined with Omnivore's --groups" in p.stderr
+    p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", "owt", "--devices",
+                    "cpu,cpu:1"], cwd=str(case), timeout=60, check=False)  # in-process workers inside a rank: refused
+    assert p.returncode != 0 and "--parallel owt with several --devices per MPI rank is not supported" in p.stderr
 
 
 def test_a_killed_rank_ends_an_owt_job_quickly(case):

@@ -9,6 +9,7 @@ from ..errors import CctError
 from ..flags import FlagParser, command_parser
 from ..omnivore.train import omnivore_train
 from ..parallel_plan.execute import setup_parallel
+from ..parallel_plan.inprocess import check_cpu_devices, run_device_workers, worker_config
 from ..progress import Progress
 from ..proto import caffe_pb2
 from ..runsetup import (
@@ -57,7 +58,9 @@ def build_parser() -> FlagParser:
                         "(shares of the global batch in proportion to each rank's measured speed), or b0,b1,... "
                         "(per-rank batch sizes summing to N x batch_size); the update stays exact")
     p.add_argument("--parallel", default="data",
-                   help="under mpiexec -n N: data (every layer by sample, Caffe's multi-GPU rule), owt (layers below "
+                   help="under mpiexec -n N, or on N in-process --devices (one worker per device, each at the "
+                        "prototxt's batch, as N ranks): data (every layer by sample, Caffe's multi-GPU rule; on "
+                        "--devices the scheduler's split of the batch), owt (layers below "
                         "the fully-connected tail by sample, its InnerProduct layers by output channel), auto (the "
                         "tail splits n=a c=N/a and DeePa's optimum, layer by layer, measured on the ranks: data "
                         "unless another is >10%% faster; the cost model's pick logged), or a plan file "
@@ -127,6 +130,12 @@ def run(args: argparse.Namespace) -> int:
         return omnivore_train(param, solver_path, config, args.groups, args.omnivore_epoch, resume=args.snapshot,
                               fail_rank=args.omnivore_fail_rank, fail_kill=args.omnivore_fail_kill)
     handler = signals.SignalHandler(args.sigint_effect, args.sighup_effect)
+    devices = config.devices.devices if config.devices is not None else []
+    if args.parallel != "data" and len(devices) > 1:
+        if comm is not None:
+            raise CctError(f"--parallel {args.parallel} with several --devices per MPI rank is not supported: give "
+                           "each rank one device (mpiexec -n N*D), or leave out --devices, or use --parallel data")
+        return _train_on_device_workers(args, param, solver_path, config, handler, devices)
     solver = get_solver(param, _source=solver_path, config=config, comm=comm, phase_times=args.phase_times,
                         shares=batch_shares(args.batch_shares), tensorboard=args.tensorboard,
                         tensorboard_histograms=args.tensorboard_histograms)
@@ -142,4 +151,36 @@ def run(args: argparse.Namespace) -> int:
                       initial=solver.iter) as bar:
             solver.add_callback(on_start=lambda: bar.set(solver.iter))
             solver.solve()
+    return 0
+
+
+def _train_on_device_workers(args: argparse.Namespace, param, solver_path: str, config, handler, devices) -> int:
+    """``--devices`` with ``--parallel`` other than data (no mpiexec): one solver per device, each on a worker
+    thread, the workers of a ThreadComm running the plan as MPI ranks would (:mod:`cct.parallel_plan.inprocess`)."""
+    check_cpu_devices(devices)
+    if args.batch_shares != "equal" or getattr(args, "share", None):
+        raise CctError(f"--parallel {args.parallel} on --devices: every worker reads the prototxt's batch; "
+                       "--batch_shares and --share do not apply")
+    log.info("--parallel %s on %d in-process devices (%s): one worker per device, each at the prototxt's batch "
+             "(the global batch is %d x it, as mpiexec -n %d); arrays move by in-process copies", args.parallel,
+             len(devices), ", ".join(d.name for d in devices), len(devices), len(devices))
+
+    def worker(comm) -> None:
+        devices[comm.rank].bind_thread()  # its BLAS backend and thread budget on this thread
+        solver = get_solver(param, _source=solver_path, config=worker_config(config, comm.rank), comm=comm,
+                            phase_times=args.phase_times, tensorboard=args.tensorboard,
+                            tensorboard_histograms=args.tensorboard_histograms)
+        solver.set_action_function(handler.get_action_function())
+        setup_parallel(solver, args.parallel)
+        if args.snapshot:
+            log.info("Resuming from %s", args.snapshot)
+            solver.restore(args.snapshot)
+        log.info("Starting Optimization")
+        with Progress(param.max_iter, "train", unit="iter", enabled=wants_progress(args) and comm.is_root,
+                      initial=solver.iter) as bar:
+            solver.add_callback(on_start=lambda: bar.set(solver.iter))
+            solver.solve()
+
+    with handler:
+        run_device_workers(len(devices), worker)
     return 0

@@ -36,6 +36,7 @@ from ..solver import signals
 from .comm import Comm
 from .errors import DistributedError
 from .gradsync import GradientSync
+from .threadcomm import ThreadComm, ranks_word
 
 log = logging.getLogger("cct")
 
@@ -102,13 +103,15 @@ class DataParallel:
 
         where = comm.gather_obj((os.getpid(), socket.gethostname()), root=0)
         if comm.is_root:
-            log.info("MPI ranks: %s", ", ".join(f"{r}=pid {p}@{h}" for r, (p, h) in enumerate(where)))
+            if not isinstance(comm, ThreadComm):  # the workers of a ThreadComm are threads of this process
+                log.info("MPI ranks: %s", ", ".join(f"{r}=pid {p}@{h}" for r, (p, h) in enumerate(where)))
             b = _train_batch(solver.net)
             each = f"batch {b}" if b else "its batch"
             if self.shares is not None:
                 each = "batch " + "/".join(map(str, self.shares)) + " (by rank)"
-            log.info("Data parallel on %d MPI ranks: each rank %s, global batch %s; gradients summed in %d "
-                     "bucket(s) of %d bytes in all", self.size, each,
+            unit = "worker" if isinstance(comm, ThreadComm) else "rank"
+            log.info("Data parallel on %d %s: each %s %s, global batch %s; gradients summed in %d "
+                     "bucket(s) of %d bytes in all", self.size, ranks_word(comm), unit, each,
                      f"{b * self.size}" if b else f"{self.size} x batch", len(self.sync.buckets),
                      self.sync.stats.bytes)
 

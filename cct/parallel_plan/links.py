@@ -1,5 +1,6 @@
-"""Link bandwidths measured on this machine: an in-process copy, and an MPI ping-pong between ranks
-(shared memory between ranks of one host, the network between hosts); cached per machine.
+"""Link bandwidths measured on this machine: an in-process copy (between devices of one process: the workers
+of a ThreadComm), and an MPI ping-pong between ranks (shared memory between ranks of one host, the network
+between hosts); cached per machine.
 
 :func:`measure_links` runs on every rank of a communicator: rank 0 ping-pongs with the first rank of
 its own host (``shm``) and with the first rank of another host (``network``), and the result is
@@ -14,6 +15,7 @@ import numpy as np
 
 from .. import blas
 from ..distributed.comm import Comm
+from ..distributed.threadcomm import ThreadComm
 from .cluster import Cluster
 from .split import PlanError
 
@@ -62,7 +64,11 @@ def _cache_name() -> str:
 
 def measure_links(comm: Comm, cache: bool = True) -> dict[str, float]:
     """``{"copy", "shm", "network"}`` bytes/s among ``comm``'s ranks (a kind absent from the job is left
-    out); the same answer on every rank. Cached per machine when every rank is on this host."""
+    out); the same answer on every rank. Cached per machine when every rank is on this host. The workers of a
+    :class:`~cct.distributed.threadcomm.ThreadComm` (in-process devices) are linked by the in-process copy
+    alone (measured by worker 0)."""
+    if isinstance(comm, ThreadComm):
+        return {"copy": comm.bcast_obj(copy_bandwidth() if comm.rank == 0 else None)}
     hosts = comm.allgather_obj(socket.gethostname())
     one_host = len(set(hosts)) == 1
     stamp = f"{LINKS_VERSION}|{comm.size}"

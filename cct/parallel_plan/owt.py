@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..blob import Blob
+from ..distributed.threadcomm import ranks_word
 from ..layers.base import Layer, create_layer
 from ..proto import caffe_pb2
 from .graph import ELEMENTWISE
@@ -390,8 +391,8 @@ def enable_owt(solver, sample_groups: int = 1) -> ChannelSplitExecutor:
     if par.is_root:
         names = ", ".join(f"{solver.net.layer_names[i]} ({fc.hi - fc.lo} of {fc.layer.blobs[0].shape[0]} outputs "
                           f"per rank)" for i, fc in ex.fcs.items())
-        log.info("%s on %d MPI ranks: layers below %s by sample, %s by output channel%s",
+        log.info("%s on %d %s: layers below %s by sample, %s by output channel%s",
                  "OWT" if sample_groups == 1 else f"Tail split n={sample_groups} c={par.size // sample_groups}",
-                 par.size, solver.net.layer_names[ex.chain[0]], names,
+                 par.size, ranks_word(par.comm), solver.net.layer_names[ex.chain[0]], names,
                  f" within {sample_groups} groups of samples" if sample_groups > 1 else "")
     return ex

@@ -48,8 +48,9 @@ ranks, a data layer not split by sample, a configured layer of another type (los
 a Concat or a Softmax along an axis other than channels, grouped convolutions split by channel, dilated or
 3-D convolutions and global or padded poolings split by height or width, InnerProduct layers with
 ``transpose`` or an axis other than 1, BatchNorm or a layer with parameters following a channel-split
-layer, a configured layer's output read by two layers, in-place configured layers, ``--devices`` and
-unequal batch shares.
+layer, a configured layer's output read by two layers, in-place configured layers, the scheduler's
+``--devices`` split inside a rank and unequal batch shares. In-process devices run a plan as the workers of a
+:class:`~cct.distributed.threadcomm.ThreadComm` instead, one per device (:mod:`.inprocess`).
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ import numpy as np
 
 from ..blob import Blob
 from ..distributed.comm import Comm, Request
+from ..distributed.threadcomm import ranks_word
 from ..layers.base import Layer
 from ..proto import caffe_pb2
 from .boxexchange import BoxExchange, at_box
@@ -701,5 +703,6 @@ def enable_per_layer(solver, splits: Mapping[str, Split], overlap: bool = True) 
         return None
     attach(solver, ex)
     if par.is_root:
-        log.info("Per-layer splits on %d MPI ranks: %s; every other layer by sample", par.size, describe_splits(ex))
+        log.info("Per-layer splits on %d %s: %s; every other layer by sample", par.size, ranks_word(par.comm),
+                 describe_splits(ex))
     return ex

@@ -88,6 +88,11 @@ class Device:
     def _init_thread(self) -> None:
         """Runs once in the worker thread (thread-local library settings)."""
 
+    def bind_thread(self) -> None:
+        """Apply this device's thread-local settings (BLAS backend and thread count) to the calling thread: a
+        thread of the caller's that computes this device's part itself (an in-process worker)."""
+        self._init_thread()
+
     def _executor(self) -> cf.ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
