@@ -52,7 +52,9 @@ from ..blob import Blob
 from ..layers.base import Layer
 from ..proto import caffe_pb2
 from .boxexchange import BoxExchange, at_box
+from .fanout import FanOutStep
 from .graph import ELEMENTWISE, SOURCES, region_rule
+from .losssplit import LOSS_TYPES, LossStep, label_shape, loss_refusal
 from .owt import ChannelSlice, attach, gather_rows, layer_copy, splittable
 from .split import PlanError, Split, part_bounds, worker_boxes
 
@@ -60,7 +62,7 @@ log = logging.getLogger("cct")
 
 Shape4 = tuple[int, int, int, int]
 #: the layer types a configuration other than the sample split runs on
-SPLIT_TYPES = ("Convolution", "Pooling", "InnerProduct", "LRN", "Softmax", "Concat", "Eltwise")
+SPLIT_TYPES = ("Convolution", "Pooling", "InnerProduct", "LRN", "Softmax", "Concat", "Eltwise", "Split")
 #: the layers computed whole on their input region (halo included; the planner's region rule), their box cut out
 REGION_TYPES = ("LRN", "Softmax")
 #: the graph nodes joining several inputs, each fetched from its own split to the node's box
@@ -158,6 +160,8 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
         return f"uses {split.workers} workers, which does not divide the {ranks} ranks"
     if layer.type in SOURCES:
         return f"a data layer is read by sample (n={ranks}) by cct train"
+    if layer.type in LOSS_TYPES:
+        return loss_refusal(layer)
     if layer.type not in SPLIT_TYPES:
         return f"a {layer.type} layer runs by sample (n={ranks}) only; {', '.join(SPLIT_TYPES)} layers take other " \
                "configurations"
@@ -169,7 +173,7 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
         if spatial and any(d != 1 for d in g.dilation):
             return f"dilated (dilation {list(g.dilation)}) convolutions are not split by height or width"
         if split.c > 1 and group != 1:
-            return f"a grouped convolution (group: {group}) is not split by channel"
+            return group_refusal(g.channels_out, group, split.c)
     elif layer.type == "Pooling":
         if layer.global_pooling and spatial:
             return "a global pooling (its window is the whole input) is not split by height or width"
@@ -189,6 +193,25 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
         if p.HasField("concat_dim") or p.axis != 1:
             return "only a Concat along channels (axis: 1) is split"
     return None
+
+
+def group_refusal(channels_out: int, group: int, c: int) -> str | None:
+    """Why a convolution of ``group`` groups cannot split its ``channels_out`` outputs ``c`` ways (None: every
+    slice is whole groups -- c dividing the groups -- or lies inside one group -- the groups dividing c)."""
+    per_out = channels_out // group
+    for lo, hi in part_bounds(channels_out, c).tolist():
+        if lo // per_out != (hi - 1) // per_out and (lo % per_out or hi % per_out):
+            return f"a grouped convolution (group: {group}) split c={c}: its output channels [{lo}, {hi}) " \
+                   f"cross a group boundary; split by a divisor or a multiple of the groups"
+    return None
+
+
+def conv_groups(layer: Layer, lo: int, hi: int) -> int:
+    """The groups a copy computing output channels ``[lo, hi)`` of a convolution has (its whole groups, or 1
+    inside one group; :func:`group_refusal` checked)."""
+    group = layer.param.convolution_param.group or 1
+    per_out = layer.geom.channels_out // group
+    return (hi - lo) // per_out if lo // per_out != (hi - 1) // per_out else 1
 
 
 def follower_refusal(layer: Layer, split: Split) -> str | None:
@@ -211,10 +234,10 @@ def _windows(layer: Layer, in_shape: Shape4) -> list[tuple[int, int, int]]:
     return [(in_shape[2], 1, 0), (in_shape[3], 1, 0)]
 
 
-def _part_copy(layer: Layer, split: Split, outputs: int, inp: Blob, out: Blob) -> Layer:
+def _part_copy(layer: Layer, split: Split, lo: int, hi: int, inp: Blob, out: Blob) -> Layer:
     """A copy of ``layer`` for one box: ``outputs`` output channels (Convolution, InnerProduct), no padding
-    along a split height or width (its frame carries the zeros), fillers cleared (it takes the layer's
-    weights)."""
+    along a split height or width (its frame carries the zeros), the groups of its slice, fillers cleared (it
+    takes the layer's weights)."""
     def edit(param: caffe_pb2.LayerParameter) -> None:
         if layer.type == "InnerProduct":
             sub = param.inner_product_param
@@ -224,8 +247,10 @@ def _part_copy(layer: Layer, split: Split, outputs: int, inp: Blob, out: Blob) -
             sub.ClearField("pad")
             sub.pad_h = 0 if split.h > 1 else int(pads[0])
             sub.pad_w = 0 if split.w > 1 else int(pads[1])
+        if layer.type == "Convolution":
+            sub.group = conv_groups(layer, lo, hi)
         if layer.type != "Pooling":
-            sub.num_output = outputs
+            sub.num_output = hi - lo
             for filler in (sub.weight_filler, sub.bias_filler):
                 filler.Clear()
 
@@ -251,7 +276,8 @@ class PerLayerExecutor:
             split_at[i] = s
         #: the configured layers (layer index -> Split), in net order
         self.splits = dict(sorted(split_at.items()))
-        self.steps: dict[int, Step | JoinStep] = {}
+        self.steps: dict[int, Step | JoinStep | LossStep | FanOutStep] = {}
+        self._label_shapes: dict[int, tuple[int, int, int, int]] = {}  # a split loss's labels (N, 1, H, W)
         self._build()
         #: bytes this rank received in the exchanges of forward and backward passes (the planner's transfers)
         self.bytes_moved = 0
@@ -273,6 +299,10 @@ class PerLayerExecutor:
             name, bottoms, tops = net.layer_names[i], net.bottom_names[i], net.top_names[i]
             if i in self.splits and layer.type in JOIN_TYPES:
                 self._join_step(i, name, self.splits[i], placed, readers)
+            elif i in self.splits and layer.type in LOSS_TYPES:
+                self._loss_step(i, name, self.splits[i], placed, readers)
+            elif i in self.splits and layer.type == "Split":
+                self._fanout_step(i, name, self.splits[i], placed, readers)
             elif i in self.splits:
                 self._split_step(i, name, self.splits[i], placed, readers)
             elif layer.type in ELEMENTWISE and len(bottoms) == 1 and len(tops) == 1 and bottoms[0] in placed:
@@ -314,6 +344,8 @@ class PerLayerExecutor:
         frame = np.empty_like(out_boxes)  # the copy's input: split axes unclipped (explicit padding)
         need[:, 0] = frame[:, 0] = out_boxes[:, 0]
         need[:, 1] = frame[:, 1] = out_boxes[:, 1] if layer.type == "Pooling" else (0, in_shape[1])
+        if layer.type == "Convolution" and (layer.param.convolution_param.group or 1) > 1:  # its groups' inputs
+            need[:, 1] = frame[:, 1] = region_rule(layer, [in_shape], 4)[2].needed(out_boxes, 0, in_shape)[:, 1]
         for a, d in ((2, split.h), (3, split.w)):
             ext, stride, pad = windows[a - 2]
             lo = out_boxes[:, a, 0] * stride - pad
@@ -358,7 +390,7 @@ class PerLayerExecutor:
             crop = at_box(out_boxes[me], frame[me, :, 0])
             out.reshape(want)
         else:
-            part = _part_copy(layer, split, hi - lo, inp, out)
+            part = _part_copy(layer, split, lo, hi, inp, out)
         if tuple(view4(out.data).shape) != want:
             raise _refuse(name, split, f"the copy for a box computes {list(out.shape)}, not the box's {list(want)}")
         padded = bool(np.any(frame[me, :, 0] < 0) or np.any(frame[me, :, 1] > np.array(in_shape)))
@@ -402,6 +434,64 @@ class PerLayerExecutor:
         self.steps[i] = JoinStep(i, split, part, inputs, out, fetches, sources, views, idle)
         placed[tops[0]] = Placed(out, out_boxes, i)
 
+    def _fanout_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
+                     readers: dict[str, int]) -> None:
+        """A Split layer on its box (:mod:`.fanout`): one box per top, each placed for its reader."""
+        net = self.net
+        bottom, tops = net.bottom_names[i][0], net.top_names[i]
+        shape = global_shape(net.blobs[bottom].shape, self.size, f"layer '{name}' bottom '{bottom}'")
+        for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
+            if split.degree(d) > shape[a]:
+                raise _refuse(name, split, f"its input has {shape[a]} along {d}, fewer than its "
+                                           f"{split.degree(d)} parts")
+        boxes = rank_boxes(split, shape, self.size)
+        me, idle = self.rank, self.rank >= split.workers
+        source = self._read(i, bottom, placed, readers)
+        own = source.boxes if source is not None else self._sample_boxes(net.blobs[bottom], f"bottom '{bottom}'")
+        want = tuple(int(v) for v in boxes[me, :, 1] - boxes[me, :, 0])[:len(net.blobs[bottom].shape)]
+        want = want if not idle else (1,)
+        step = FanOutStep(i, split, Blob(want, net.dtype, name=f"{name}_box_in"),
+                          [Blob(want, net.dtype, name=f"{name}_box_{t}") for t in tops],
+                          BoxExchange(self.comm, own, boxes, boxes[me, :, 0]), source, idle)
+        self.steps[i] = step
+        for t, out in zip(tops, step.outs):
+            placed[t] = Placed(out, boxes, i)
+
+    def _loss_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
+                   readers: dict[str, int]) -> None:
+        """A SoftmaxWithLoss on its box of the scores (:mod:`.losssplit`), its labels fetched by sample."""
+        net, layer = self.net, self.net.layers[i]
+        bottoms = net.bottom_names[i]
+        scores = global_shape(net.blobs[bottoms[0]].shape, self.size, f"layer '{name}' bottom '{bottoms[0]}'")
+        for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
+            if split.degree(d) > scores[a]:
+                raise _refuse(name, split, f"its input has {scores[a]} along {d}, fewer than its "
+                                           f"{split.degree(d)} parts")
+        try:
+            labels = label_shape(net.blobs[bottoms[1]].shape, scores, f"bottom '{bottoms[1]}'")
+        except ValueError as e:
+            raise _refuse(name, split, str(e)) from None
+        boxes = rank_boxes(split, scores, self.size)
+        me, idle = self.rank, self.rank >= split.workers
+        source = self._read(i, bottoms[0], placed, readers)
+        if self._read(i, bottoms[1], placed, readers) is not None:
+            raise _refuse(name, split, f"its labels '{bottoms[1]}' come from a split layer; they are read by sample")
+        own = source.boxes if source is not None else worker_boxes(Split(n=self.size), scores)
+        label_need = boxes.copy()
+        label_need[:, 1] = (0, 1)
+        label_need[split.workers:] = 0
+        want = tuple(int(v) for v in boxes[me, :, 1] - boxes[me, :, 0]) if not idle else (1, 1, 1, 1)
+        lab_want = (want[0], 1) + want[2:]
+        step = LossStep(i, split, layer, Blob(want, net.dtype, name=f"{name}_box_in"),
+                        Blob(lab_want, net.dtype, name=f"{name}_box_labels"),
+                        BoxExchange(self.comm, own, boxes, boxes[me, :, 0]),
+                        BoxExchange(self.comm, worker_boxes(Split(n=self.size), labels), label_need,
+                                    label_need[me, :, 0]),
+                        source, (int(boxes[me, 1, 0]), int(boxes[me, 1, 1])), scores, self.comm, idle=idle,
+                        first_of_row=me % split.c == 0)
+        self.steps[i] = step
+        self._label_shapes[i] = labels
+
     def _follower_step(self, i: int, name: str, placed: dict[str, Placed], readers: dict[str, int]) -> None:
         net, layer = self.net, self.net.layers[i]
         bottom, top = net.bottom_names[i][0], net.top_names[i][0]
@@ -421,7 +511,11 @@ class PerLayerExecutor:
     def _gather_at(self, p: Placed, blob: str) -> None:
         """The step that last wrote ``blob`` returns it to the sample split (a layer outside reads it)."""
         need = self._sample_boxes(self.net.blobs[blob], f"blob '{blob}'")
-        self.steps[p.writer].gather = BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0])
+        step, back = self.steps[p.writer], BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0])
+        if isinstance(step, FanOutStep):
+            step.gathers[self.net.top_names[p.writer].index(blob)] = back
+        else:
+            step.gather = back
 
     def _groups(self, split: Split):
         """``(slice_comm, row_comm)`` of a channel-split configuration: the ranks holding the same slice
@@ -438,7 +532,9 @@ class PerLayerExecutor:
     def setup_groups(self) -> None:
         """Make the sub-communicators of the channel-split configurations (a collective: every rank)."""
         for i, s in self.splits.items():
-            if s.c > 1 and self.net.layers[i].blobs:
+            if s.c > 1 and isinstance(self.steps[i], LossStep):
+                self.steps[i].row = self._groups(s)[1]
+            elif s.c > 1 and self.net.layers[i].blobs:
                 self._groups(s)
 
     def owned_param_ids(self) -> list[int]:
@@ -446,6 +542,12 @@ class PerLayerExecutor:
         net = self.net
         return [net.learnable_param_ids[nid] for nid, (lid, _pid) in enumerate(net.param_layer_indices)
                 if lid in self.splits and self.splits[lid].c > 1]
+
+    @property
+    def loss_bytes(self) -> float:
+        """Bytes this rank received in the channel reductions of split losses (the planner prices them as
+        the loss node's update)."""
+        return sum(s.reduce_bytes for s in self.steps.values() if isinstance(s, LossStep))
 
     # -- the executor interface --------------------------------------------------------------------
     def forward(self, i: int, layer: Layer, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
@@ -456,6 +558,15 @@ class PerLayerExecutor:
             return
         if isinstance(step, JoinStep):
             self._join_forward(step, bottom, top)
+            return
+        if isinstance(step, FanOutStep):
+            src = step.source.blob.data if step.source is not None else bottom[0].data
+            self.bytes_moved += step.forward(src, [t.data for t in top], view4)
+            return
+        if isinstance(step, LossStep):
+            src = step.source.blob.data if step.source is not None else bottom[0].data
+            labels = bottom[1].data.reshape((bottom[1].shape[0],) + self._label_shapes[i][1:])
+            self.bytes_moved += step.forward(view4(src), labels, top)
             return
         if step.idle:
             if step.fetch is not None:
@@ -489,6 +600,15 @@ class PerLayerExecutor:
             return
         if isinstance(step, JoinStep):
             self._join_backward(step, top, propagate_down, bottom)
+            return
+        if isinstance(step, FanOutStep):
+            dst = step.source.blob.diff if step.source is not None else bottom[0].diff
+            if propagate_down[0]:
+                self.bytes_moved += step.backward([t.diff for t in top], dst, view4)
+            return
+        if isinstance(step, LossStep):
+            dst = step.source.blob.diff if step.source is not None else bottom[0].diff
+            self.bytes_moved += step.backward(top, propagate_down, view4(dst))
             return
         if step.gather is not None:
             self.bytes_moved += step.gather.backward(view4(top[0].diff), view4(step.out.diff))
