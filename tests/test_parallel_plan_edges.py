@@ -1,4 +1,5 @@
-"""The per-layer executor's edges (cct.parallel_plan.perlayer, issue 32): a SoftmaxWithLoss split by channel
+"""The per-layer executor's edges (cct.parallel_plan.perlayer, issue 32): a data layer split by rows (each rank
+reads the global batch and keeps its band), a SoftmaxWithLoss split by channel
 (the softmax's maximum and sum reduced over the ranks holding the channel slices) and by sample, height and
 width (per-position losses on bands, the normalizer counted over the global batch; ignore_label and the
 normalization modes), a blob read by several layers (Caffe's Split layer run on its box), and grouped
@@ -90,24 +91,29 @@ class _NoCompute:
 
 
 @needs_mpi()
-def test_lenet_loss_split_by_channel_equals_caffe_with_the_planned_bytes(case, monkeypatch):
-    """ip1, ip2 and the loss split c=2 on 2 ranks at batch 2: each rank holds 5 of the 10 scores, the two
-    reduce the softmax's maximum and sum (4 positions, 16 bytes each way per array), the rank holding a
-    sample's label channel adds its loss; 10 SGD iterations equal real Caffe's batch-4 weights and losses;
-    ip2 -> loss moves nothing (the same boxes), the labels come by sample."""
-    splits = {"ip1": Split(c=2), "ip2": Split(c=2), "loss": Split(c=2)}
-    p = train(case, 2, 2, 10, "loss.caffemodel", "--init", "init.caffemodel", "--parallel",
-              "spatial:c=2:ip1,ip2,loss")
+def test_lenet_data_split_by_rows_and_loss_by_channel_equal_caffe_with_the_planned_bytes(case, monkeypatch):
+    """2 ranks at batch 2: the data layer split h=2 (each rank reads the global batch of 4 and keeps 14 of the 28
+    rows of every image; the labels, one per sample, all on the second rank: the planner's boxes), conv1 and
+    pool1 by rows (conv1 receives only its 2 halo rows), ip1, ip2 and the loss c=2 (each rank holds 5 of the 10
+    scores, the two reduce the softmax's maximum and sum: 4 positions, 16 bytes each way per array; the rank
+    holding a sample's label channel adds its loss): 10 SGD iterations equal real Caffe's batch-4 weights
+    and losses, the bytes the planner's."""
+    splits = {"mnist": Split(h=2), "conv1": Split(h=2), "pool1": Split(h=2), "ip1": Split(c=2), "ip2": Split(c=2),
+              "loss": Split(c=2)}
+    p = train(case, 2, 2, 10, "split.caffemodel", "--init", "init.caffemodel", "--parallel",
+              "spatial:h=2:mnist,conv1,pool1;c=2:ip1,ip2,loss")
+    assert "Per-layer splits on 2 MPI ranks: mnist n=1 h=2 w=1 c=1, conv1" in p.stderr
     assert "ip2 n=1 h=1 w=1 c=2, loss n=1 h=1 w=1 c=2; every other layer by sample" in p.stderr
-    dp._compare(case / "loss.caffemodel", case / "final.caffemodel", 1e-5)
-    got = json.loads((case / "loss.caffemodel.json").read_text())
+    dp._compare(case / "split.caffemodel", case / "final.caffemodel", 1e-5)
+    got = json.loads((case / "split.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
     assert np.allclose(got["losses"], want, rtol=1e-5)
     monkeypatch.chdir(case)
     step, forward, losses = _planned(case / "net.prototxt", 2, 2, splits)
-    # by hand: pool2 -> ip1 the other 2 samples (2 x 800 floats), ip1 -> ip2 the other 250 channels of 4
-    # samples, both forward and backward; the labels each rank's other 2 (forward)
-    assert step == 2 * 4 * (2 * (2 * 800) + 2 * (4 * 250)) + 2 * 4 * 2
+    # by hand, floats: data -> conv1 2 halo rows of 4 samples x 28 (forward, each rank); the first rank the 4
+    # labels (forward); pool1 -> conv2 (by sample) the other band of 2 samples (2 x 20 x 6 x 12), pool2 -> ip1
+    # the other 2 samples (2 x 800), ip1 -> ip2 the other 250 channels of 4 samples, forward and backward
+    assert step == 4 * (2 * 2 * 4 * 28 + 4 + 2 * 2 * (2 * 20 * 6 * 12 + 2 * 800 + 4 * 250))
     assert losses == 2 * 2 * 4 * 4  # 2 ranks x 2 arrays x 4 positions x 4 bytes
     assert sum(got["split_bytes_all"]) == 10 * step + forward
     assert sum(got["loss_bytes_all"]) == 11 * losses  # 10 steps and the last forward pass

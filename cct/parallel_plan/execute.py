@@ -133,10 +133,12 @@ def _rank_batch(net) -> int:
 def executable(net, ranks: int) -> Callable[[PlanNode, Split], bool]:
     """Whether :mod:`.perlayer` runs a node of ``net`` under a configuration (:func:`~.perlayer.refusal` of its
     first layer, :func:`~.perlayer.follower_refusal` of the others): ``price``'s ``keep`` for the optimum
-    ``auto`` executes."""
+    ``auto`` executes (data layers by sample: a plan file may split them)."""
     layers = dict(zip(net.layer_names, net.layers))
 
     def runs(node: PlanNode, s: Split) -> bool:
+        if node.kind == "source" and s != Split(n=ranks):  # auto measures its candidates on one data stream
+            return False
         if refusal(layers[node.name], s, ranks) is not None:
             return False
         return s == Split(n=ranks) or all(follower_refusal(layers[m], s) is None for m in node.layers[1:])

@@ -76,6 +76,7 @@ class LossStep:
     idle: bool = False
     first_of_row: bool = True    # counts its positions for the normalizer
     reduce_bytes: float = 0.0    # bytes received in the channel reductions
+    label_source: object | None = None  # the labels' Placed (a split data layer), None: by sample
     prob: np.ndarray | None = None
     normalizer: float = 1.0
 
@@ -90,7 +91,8 @@ class LossStep:
 
     def forward(self, src: np.ndarray, labels: np.ndarray, top: Sequence[Blob]) -> int:
         """The loss of the global batch on every rank's ``top``; ``src`` the producer's box (or the net's
-        scores by sample), ``labels`` the net's labels by sample. Returns the bytes of the exchanges."""
+        scores by sample), ``labels`` the labels' box (or the net's labels by sample), 4-D. Returns the bytes
+        of the exchanges."""
         moved = self.fetch.forward(src, self.scores.data)
         moved += self.label_fetch.forward(labels, self.labels.data)
         xp = self.scores.xp

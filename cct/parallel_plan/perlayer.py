@@ -52,6 +52,7 @@ from ..blob import Blob
 from ..layers.base import Layer
 from ..proto import caffe_pb2
 from .boxexchange import BoxExchange, at_box
+from .datasplit import DataStep, data_refusal
 from .fanout import FanOutStep
 from .graph import ELEMENTWISE, SOURCES, region_rule
 from .losssplit import LOSS_TYPES, LossStep, label_shape, loss_refusal
@@ -159,7 +160,7 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
     if ranks % split.workers:
         return f"uses {split.workers} workers, which does not divide the {ranks} ranks"
     if layer.type in SOURCES:
-        return f"a data layer is read by sample (n={ranks}) by cct train"
+        return data_refusal(layer)
     if layer.type in LOSS_TYPES:
         return loss_refusal(layer)
     if layer.type not in SPLIT_TYPES:
@@ -276,7 +277,7 @@ class PerLayerExecutor:
             split_at[i] = s
         #: the configured layers (layer index -> Split), in net order
         self.splits = dict(sorted(split_at.items()))
-        self.steps: dict[int, Step | JoinStep | LossStep | FanOutStep] = {}
+        self.steps: dict[int, Step | JoinStep | LossStep | FanOutStep | DataStep] = {}
         self._label_shapes: dict[int, tuple[int, int, int, int]] = {}  # a split loss's labels (N, 1, H, W)
         self._build()
         #: bytes this rank received in the exchanges of forward and backward passes (the planner's transfers)
@@ -301,6 +302,8 @@ class PerLayerExecutor:
                 self._join_step(i, name, self.splits[i], placed, readers)
             elif i in self.splits and layer.type in LOSS_TYPES:
                 self._loss_step(i, name, self.splits[i], placed, readers)
+            elif i in self.splits and layer.type in SOURCES:
+                self._data_step(i, name, self.splits[i], placed)
             elif i in self.splits and layer.type == "Split":
                 self._fanout_step(i, name, self.splits[i], placed, readers)
             elif i in self.splits:
@@ -434,6 +437,25 @@ class PerLayerExecutor:
         self.steps[i] = JoinStep(i, split, part, inputs, out, fetches, sources, views, idle)
         placed[tops[0]] = Placed(out, out_boxes, i)
 
+    def _data_step(self, i: int, name: str, split: Split, placed: dict[str, Placed]) -> None:
+        """A data layer reading the global batch and keeping this rank's box of each top (:mod:`.datasplit`)."""
+        net = self.net
+        tops = net.top_names[i]
+        shapes = [global_shape(net.blobs[t].shape, self.size, f"layer '{name}' top '{t}'") for t in tops]
+        for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
+            if split.degree(d) > shapes[0][a]:
+                raise _refuse(name, split, f"its output has {shapes[0][a]} along {d}, fewer than its "
+                                           f"{split.degree(d)} parts")
+        me, idle = self.rank, self.rank >= split.workers
+        boxes = [rank_boxes(split, shape, self.size) for shape in shapes]
+        outs = [Blob(tuple(int(v) for v in b[me, :, 1] - b[me, :, 0]), net.dtype, name=f"{name}_box_{t}")
+                for t, b in zip(tops, boxes)]
+        crops = [at_box(b[me], np.zeros(4, np.int64)) for b in boxes]
+        self.steps[i] = DataStep(i, split, net.layers[i], [Blob((1,), net.dtype) for _ in tops], outs, crops,
+                                 shapes[0][0], idle)
+        for t, out, b in zip(tops, outs, boxes):
+            placed[t] = Placed(out, b, i)
+
     def _fanout_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
                      readers: dict[str, int]) -> None:
         """A Split layer on its box (:mod:`.fanout`): one box per top, each placed for its reader."""
@@ -474,9 +496,9 @@ class PerLayerExecutor:
         boxes = rank_boxes(split, scores, self.size)
         me, idle = self.rank, self.rank >= split.workers
         source = self._read(i, bottoms[0], placed, readers)
-        if self._read(i, bottoms[1], placed, readers) is not None:
-            raise _refuse(name, split, f"its labels '{bottoms[1]}' come from a split layer; they are read by sample")
+        label_source = self._read(i, bottoms[1], placed, readers)
         own = source.boxes if source is not None else worker_boxes(Split(n=self.size), scores)
+        label_own = label_source.boxes if label_source is not None else worker_boxes(Split(n=self.size), labels)
         label_need = boxes.copy()
         label_need[:, 1] = (0, 1)
         label_need[split.workers:] = 0
@@ -485,10 +507,9 @@ class PerLayerExecutor:
         step = LossStep(i, split, layer, Blob(want, net.dtype, name=f"{name}_box_in"),
                         Blob(lab_want, net.dtype, name=f"{name}_box_labels"),
                         BoxExchange(self.comm, own, boxes, boxes[me, :, 0]),
-                        BoxExchange(self.comm, worker_boxes(Split(n=self.size), labels), label_need,
-                                    label_need[me, :, 0]),
-                        source, (int(boxes[me, 1, 0]), int(boxes[me, 1, 1])), scores, self.comm, idle=idle,
-                        first_of_row=me % split.c == 0)
+                        BoxExchange(self.comm, label_own, label_need, label_need[me, :, 0]), source,
+                        (int(boxes[me, 1, 0]), int(boxes[me, 1, 1])), scores, self.comm, idle=idle,
+                        first_of_row=me % split.c == 0, label_source=label_source)
         self.steps[i] = step
         self._label_shapes[i] = labels
 
@@ -512,7 +533,7 @@ class PerLayerExecutor:
         """The step that last wrote ``blob`` returns it to the sample split (a layer outside reads it)."""
         need = self._sample_boxes(self.net.blobs[blob], f"blob '{blob}'")
         step, back = self.steps[p.writer], BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0])
-        if isinstance(step, FanOutStep):
+        if isinstance(step, (FanOutStep, DataStep)):
             step.gathers[self.net.top_names[p.writer].index(blob)] = back
         else:
             step.gather = back
@@ -537,6 +558,12 @@ class PerLayerExecutor:
             elif s.c > 1 and self.net.layers[i].blobs:
                 self._groups(s)
 
+    def read_global_batches(self) -> None:
+        """Make every split data layer read the whole global batch (a collective: every rank)."""
+        for step in self.steps.values():
+            if isinstance(step, DataStep):
+                step.read_global(self.comm)
+
     def owned_param_ids(self) -> list[int]:
         """The parameters of the layers split by channel (each rank owns a slice; reduced here)."""
         net = self.net
@@ -559,13 +586,19 @@ class PerLayerExecutor:
         if isinstance(step, JoinStep):
             self._join_forward(step, bottom, top)
             return
+        if isinstance(step, DataStep):
+            self.bytes_moved += step.forward(top, view4)
+            return
         if isinstance(step, FanOutStep):
             src = step.source.blob.data if step.source is not None else bottom[0].data
             self.bytes_moved += step.forward(src, [t.data for t in top], view4)
             return
         if isinstance(step, LossStep):
             src = step.source.blob.data if step.source is not None else bottom[0].data
-            labels = bottom[1].data.reshape((bottom[1].shape[0],) + self._label_shapes[i][1:])
+            if step.label_source is not None:  # held on boxes (a split data layer)
+                labels = view4(step.label_source.blob.data)
+            else:
+                labels = bottom[1].data.reshape((bottom[1].shape[0],) + self._label_shapes[i][1:])
             self.bytes_moved += step.forward(view4(src), labels, top)
             return
         if step.idle:
@@ -601,6 +634,8 @@ class PerLayerExecutor:
         if isinstance(step, JoinStep):
             self._join_backward(step, top, propagate_down, bottom)
             return
+        if isinstance(step, DataStep):
+            return  # no gradient flows into a data layer
         if isinstance(step, FanOutStep):
             dst = step.source.blob.diff if step.source is not None else bottom[0].diff
             if propagate_down[0]:
@@ -721,6 +756,7 @@ def build_per_layer(net, comm, splits: Mapping[str, Split]) -> PerLayerExecutor 
     if not ex.splits:
         return None
     ex.setup_groups()
+    ex.read_global_batches()
     return ex
 
 
