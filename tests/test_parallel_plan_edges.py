@@ -34,7 +34,7 @@ layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
         convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
 layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
 layer { name: "conv2a" type: "Convolution" bottom: "conv1" top: "conv2a"
-        convolution_param { num_output: 4 kernel_size: 3 pad: 1 group: 2 weight_filler { type: "gaussian" std: 0.3 }
+        convolution_param { num_output: 4 kernel_size: 3 pad: 1 group: 4 weight_filler { type: "gaussian" std: 0.3 }
                             bias_filler { type: "constant" value: 0.1 } } }
 layer { name: "conv2b" type: "Convolution" bottom: "conv1" top: "conv2b"
         convolution_param { num_output: 4 kernel_size: 1 group: 2 weight_filler { type: "gaussian" std: 0.3 } } }
@@ -126,8 +126,8 @@ FCN_SPLITS = {"conv1": Split(h=2, w=2), "conv1_relu1_0_split": Split(h=2, w=2), 
 
 @needs_mpi()
 def test_fcn_with_split_losses_fan_out_and_grouped_convolutions_equals_one_process(case, monkeypatch):
-    """4 ranks at batch 1: conv1 by quarters read through its Split by two grouped convolutions (group 2:
-    conv2a c=2 whole groups, conv2b c=4 half groups), their sum split h=2 c=2 read through a Split by three
+    """4 ranks at batch 1: conv1 by quarters read through its Split by two grouped convolutions (conv2a c=2:
+    two of its 4 groups each, conv2b c=4: half of one of its 2 groups each), their sum split h=2 c=2 read through a Split by three
     losses: VALID split h=2 c=2 (bands and channel reductions), NONE by columns (w=4: bands of 1 and 2),
     BATCH_SIZE by sample (its Split top returned to the samples). 4 SGD iterations equal one process at batch
     4 (VALID's normalizer counts the global batch's valid labels, NONE's loss is the global sum: data
@@ -164,8 +164,9 @@ def test_loss_regions_groups_and_refusals(case, monkeypatch):
     conv = ex.steps[net.layer_names.index("conv2b")]
     assert conv.inp.shape == (4, 4, 6, 6) and conv.fetch.need_origin.tolist() == [0, 4, 0, 0]
     assert conv.part.param.convolution_param.group == 1
-    conv = ex.steps[net.layer_names.index("conv2a")]  # n=2 c=2: rank 3 samples [2, 4), group [2, 4)
+    conv = ex.steps[net.layer_names.index("conv2a")]  # n=2 c=2: rank 3 samples [2, 4), groups 2 and 3 of 4
     assert conv.inp.shape == (2, 4, 6, 6) and conv.fetch.need_origin.tolist() == [2, 4, 0, 0]
+    assert conv.part.param.convolution_param.group == 2
     split = ex.steps[net.layer_names.index("score_score_0_split")]
     assert len(split.outs) == 3 and list(split.gathers) == [2]  # loss_batch reads its top by sample
     # the planner: labels forward only, the loss's reductions per row
