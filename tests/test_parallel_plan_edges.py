@@ -25,7 +25,8 @@ from cct.parallel_plan.transfer import edge_cost, loss_reduction_cost
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
 
-#: a fully-convolutional net: per-pixel labels (255 ignored), conv1 read by two grouped convolutions (a Split),
+#: a fully-convolutional net: per-pixel labels (255 ignored), conv1 normalised in place (LRN), read by two grouped
+#: convolutions (a Split),
 #: their sum's scores read by three losses (VALID, NONE, BATCH_SIZE; another Split), the labels by three too
 FCN = """name: "fcn"
 layer { name: "data" type: "HDF5Data" top: "data" top: "label"
@@ -33,6 +34,7 @@ layer { name: "data" type: "HDF5Data" top: "data" top: "label"
 layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
         convolution_param { num_output: 8 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
 layer { name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }
+layer { name: "norm1" type: "LRN" bottom: "conv1" top: "conv1" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 } }
 layer { name: "conv2a" type: "Convolution" bottom: "conv1" top: "conv2a"
         convolution_param { num_output: 4 kernel_size: 3 pad: 1 group: 4 weight_filler { type: "gaussian" std: 0.3 }
                             bias_filler { type: "constant" value: 0.1 } } }
@@ -119,19 +121,22 @@ def test_lenet_data_split_by_rows_and_loss_by_channel_equal_caffe_with_the_plann
     assert sum(got["loss_bytes_all"]) == 11 * losses  # 10 steps and the last forward pass
 
 
-FCN_SPLITS = {"conv1": Split(h=2, w=2), "conv1_relu1_0_split": Split(h=2, w=2), "conv2a": Split(n=2, c=2),
+FCN_SPLITS = {"data": Split(h=2, w=2), "label_data_1_split": Split(h=2, w=2), "conv1": Split(h=2, w=2),
+              "norm1": Split(n=2, c=2), "conv1_norm1_0_split": Split(h=2, w=2), "conv2a": Split(n=2, c=2),
               "conv2b": Split(c=4), "score": Split(h=2, c=2), "score_score_0_split": Split(h=2, c=2),
               "loss_valid": Split(h=2, c=2), "loss_none": Split(w=4)}
 
 
 @needs_mpi()
 def test_fcn_with_split_losses_fan_out_and_grouped_convolutions_equals_one_process(case, monkeypatch):
-    """4 ranks at batch 1: conv1 by quarters read through its Split by two grouped convolutions (conv2a c=2:
-    two of its 4 groups each, conv2b c=4: half of one of its 2 groups each), their sum split h=2 c=2 read through a Split by three
-    losses: VALID split h=2 c=2 (bands and channel reductions), NONE by columns (w=4: bands of 1 and 2),
-    BATCH_SIZE by sample (its Split top returned to the samples). 4 SGD iterations equal one process at batch
-    4 (VALID's normalizer counts the global batch's valid labels, NONE's loss is the global sum: data
-    parallelism gets neither); the bytes equal the planner's."""
+    """4 ranks at batch 1: the data (images and per-pixel labels) and conv1 by quarters, the labels read through
+    their Split by quarters, conv1's LRN in place n=2 c=2 (a channel halo), read through its Split by two grouped
+    convolutions (conv2a c=2: two of its 4 groups each, conv2b c=4: half of one of its 2 groups each), their
+    sum split h=2 c=2 read through a Split by three losses: VALID split h=2 c=2 (bands and channel
+    reductions), NONE by columns (w=4: bands of 1 and 2), BATCH_SIZE by sample (its Split tops returned to the
+    samples). 4 SGD iterations equal one process at batch 4 (VALID's normalizer counts the global batch's
+    valid labels, NONE's loss is the global sum: data parallelism gets neither); the bytes equal the
+    planner's."""
     _fcn_case(case)
     train(case, 0, 4, 4, "one.caffemodel")
     arg = "spatial:" + ";".join(f"{str(s).replace(' ', ',')}:{name}" for name, s in FCN_SPLITS.items())
@@ -153,13 +158,16 @@ def test_loss_regions_groups_and_refusals(case, monkeypatch):
     _fcn_case(case)
     monkeypatch.chdir(case)
     net = cct.Net("fcn.prototxt", "TRAIN")
-    # rank 3 of h=2 c=2: rows [3, 6) and channels [2, 4) of the 4x4x6x6 scores; the labels of those rows
+    # rank 3 of h=2 c=2: rows [3, 6) and channels [2, 4) of the 4x4x6x6 scores and the labels of those rows
     ex = PerLayerExecutor(net, _Rank(4, 3), FCN_SPLITS)
     loss = ex.steps[net.layer_names.index("loss_valid")]
     assert loss.scores.shape == (4, 2, 3, 6) and loss.labels.shape == (4, 1, 3, 6) and loss.channels == (2, 4)
     assert loss.fetch.local.tolist() == [[0, 4], [2, 4], [3, 6], [0, 6]] and not loss.fetch.recvs  # score's box
-    assert loss.label_fetch.local.tolist() == [[3, 4], [0, 1], [3, 6], [0, 6]]
-    assert [q for q, _ in loss.label_fetch.recvs] == [0, 1, 2] and not loss.first_of_row
+    # its labels from the labels' quarters (the data layer's split): its own and rank 2's columns [0, 3)
+    assert loss.label_fetch.local.tolist() == [[0, 4], [0, 1], [3, 6], [3, 6]]
+    assert [(q, box[3].tolist()) for q, box in loss.label_fetch.recvs] == [(2, [0, 3])] and not loss.first_of_row
+    data = ex.steps[net.layer_names.index("data")]  # the global batch read, rank 3's quarter kept
+    assert [o.shape for o in data.outs] == [(4, 2, 3, 3), (4, 1, 3, 3)] and data.global_batch == 4
     # conv2b c=4 of group 2: rank 3's output channels [3, 4) read input channels [4, 8) (its group's)
     conv = ex.steps[net.layer_names.index("conv2b")]
     assert conv.inp.shape == (4, 4, 6, 6) and conv.fetch.need_origin.tolist() == [0, 4, 0, 0]

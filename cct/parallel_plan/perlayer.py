@@ -328,8 +328,8 @@ class PerLayerExecutor:
                     readers: dict[str, int]) -> None:
         net, layer = self.net, self.net.layers[i]
         bottoms, tops = net.bottom_names[i], net.top_names[i]
-        if len(bottoms) != 1 or len(tops) != 1 or bottoms[0] == tops[0]:
-            raise _refuse(name, split, "a split layer must have one bottom and one (other) top")
+        if len(bottoms) != 1 or len(tops) != 1:
+            raise _refuse(name, split, "a split layer must have one bottom and one top")
         x, y = net.blobs[bottoms[0]], net.blobs[tops[0]]
         in_shape = global_shape(x.shape, self.size, f"layer '{name}' bottom '{bottoms[0]}'")
         out_shape = global_shape(y.shape, self.size, f"layer '{name}' top '{tops[0]}'")
@@ -379,6 +379,7 @@ class PerLayerExecutor:
             self.steps[i] = Step(i, split, None, Blob((1,), net.dtype), Blob((1,), net.dtype), fetch, source,
                                  idle=True)
             placed[tops[0]] = Placed(self.steps[i].out, out_boxes, i)
+            readers.pop(tops[0], None)  # in place: the top is a new blob for its readers
             return
         frame_shape = tuple(int(v) for v in frame[me, :, 1] - frame[me, :, 0])
         inp = Blob(frame_shape[:len(x.shape)] if layer.type == "InnerProduct" and len(x.shape) < 4 else frame_shape,
@@ -400,6 +401,7 @@ class PerLayerExecutor:
         self.steps[i] = Step(i, split, part, inp, out, BoxExchange(self.comm, own, need, frame[me, :, 0]), source,
                              lo, hi, padded, frame_out=frame_out, crop=crop)
         placed[tops[0]] = Placed(out, out_boxes, i)
+        readers.pop(tops[0], None)  # in place: the top is a new blob for its readers
 
     def _join_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
                    readers: dict[str, int]) -> None:
