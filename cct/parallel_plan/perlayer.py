@@ -1,6 +1,7 @@
 """Any per-layer mix of DeePa's configurations on MPI ranks: each Convolution, Pooling, InnerProduct, LRN,
-Softmax, Concat and Eltwise layer split ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of them, every
-layer between two configurations moved by one point-to-point exchange of exactly the regions each rank needs.
+Softmax, Concat, Eltwise, Split, SoftmaxWithLoss and data layer split ``n=.. h=.. w=.. c=..`` over the N ranks or
+a divisor of them, every layer between two configurations moved by one point-to-point exchange of exactly the
+regions each rank needs.
 
 :class:`PerLayerExecutor` runs a data-parallel solver's train net (each rank reads its ``b`` samples of the
 global batch ``N*b``; the layers not configured run on them as under data parallelism). A configured layer with
@@ -14,6 +15,12 @@ an LRN across channels, halo rows and columns of one within channels, every chan
 box is cut out of the result (the halo's outputs, another rank's, get no gradient). A Concat (along
 channels) or an Eltwise (:class:`JoinStep`) moves each input from its own split to its region of the box: a
 Concat straight into its channels of the output box, an Eltwise into inputs of a copy of the layer.
+A Split (Caffe's, where a blob feeds several layers; :class:`~.fanout.FanOutStep`) holds one box per top and
+sums their gradients; a SoftmaxWithLoss (:class:`~.losssplit.LossStep`) computes its box's losses, the
+softmax's maximum and sum reduced over the ranks holding a box's channel slices, the normalizer the global
+batch's; a data layer (:class:`~.datasplit.DataStep`) reads the global batch on every rank and keeps its box
+of each top. A grouped convolution split by channel takes the groups of its slice (whole groups, or a part
+of one); an in-place configured layer's top is a new blob for its readers.
 
 * forward: the input frame is filled by a :class:`~.boxexchange.BoxExchange` from wherever the producer's
   output lives -- the net's blob by sample, or the producer's boxes under its own configuration, whatever
@@ -33,12 +40,12 @@ Concat straight into its channels of the output box, an Eltwise into inputs of a
 N ranks at batch b then train as one process at batch N*b, and the bytes each rank receives in the
 exchanges equal the planner's transfer count (:mod:`.transfer`; the reductions of slices are the update's).
 Refused with a :class:`PlanError` naming the layer and its configuration: a worker count not dividing the
-ranks, a data layer not split by sample, a configured layer of another type (losses, Split, BatchNorm, ...),
-a Concat or a Softmax along an axis other than channels, grouped convolutions split by channel, dilated or
-3-D convolutions and global or padded poolings split by height or width, InnerProduct layers with
-``transpose`` or an axis other than 1, BatchNorm or a layer with parameters following a channel-split
-layer, a configured layer's output read by two layers, in-place configured layers, ``--devices`` and
-unequal batch shares.
+ranks, an Input, DummyData, MemoryData or WindowData layer not split by sample, a configured layer of another
+type (other losses, Accuracy, BatchNorm, ...), a Concat, Softmax or SoftmaxWithLoss along an axis other than
+channels, a SoftmaxWithLoss with two tops or labels not one per position, grouped convolutions split by
+channel with a slice crossing a group boundary, dilated or 3-D convolutions and global or padded poolings
+split by height or width, InnerProduct layers with ``transpose`` or an axis other than 1, BatchNorm or a layer
+with parameters following a channel-split layer, ``--devices`` and unequal batch shares.
 """
 from __future__ import annotations
 
