@@ -13,14 +13,14 @@ import pytest
 import test_distributed_train as dp
 from mpirun import needs_mpi
 from test_parallel_plan_owt import train
-from test_parallel_plan_spatial import _Rank
+from test_parallel_plan_spatial import _predicted, _Rank
 
 import cct
 from cct.parallel_plan.costs import price
 from cct.parallel_plan.graph import graph_from_net
 from cct.parallel_plan.perlayer import PerLayerExecutor, group_refusal
 from cct.parallel_plan.split import PlanError, Split
-from cct.parallel_plan.transfer import edge_cost, loss_reduction_cost
+from cct.parallel_plan.transfer import loss_reduction_cost
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
@@ -68,20 +68,12 @@ def _fcn_case(case):
 
 
 def _planned(net_path, ranks, batch, splits):
-    """The planner's bytes per step and per forward pass of the exchanges (:func:`edge_cost`: the labels and
-    the data forward only), and the split losses' channel reductions per forward pass (the loss nodes'
-    update, :func:`~cct.parallel_plan.costs.price`)."""
-    net = cct.Net(str(net_path), "TRAIN")
-    graph = graph_from_net(net, ranks * batch)
+    """The planner's bytes per step and per forward pass of the exchanges (``_predicted``), and the split
+    losses' channel reductions per forward pass (the loss nodes' update, :func:`~cct.parallel_plan.costs.price`)."""
+    step, forward = _predicted(net_path, ranks, batch, splits)
+    graph = graph_from_net(cct.Net(str(net_path), "TRAIN"), ranks * batch)
     chosen = [splits.get(node.name, Split(n=ranks)) for node in graph.nodes]
-    inv_bw = np.ones((ranks, ranks))
-    step = forward = 0.0
-    for u, t, v, b in graph.edges():
-        moved = float(edge_cost(graph, (u, t, v, b), [chosen[u]], [chosen[v]], inv_bw).bytes[0, 0])
-        step += moved
-        one_way = graph.nodes[u].kind == "source" or (graph.nodes[v].kind == "loss" and b == 1)
-        forward += moved if one_way else moved / 2
-    priced = price(graph, ranks, inv_bw, _NoCompute())
+    priced = price(graph, ranks, np.ones((ranks, ranks)), _NoCompute())
     losses = sum(float(priced.update[i].bytes[0, priced.index_of(i, chosen[i])])
                  for i, node in enumerate(graph.nodes) if node.kind == "loss")
     return step, forward, losses

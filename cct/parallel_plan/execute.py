@@ -2,8 +2,9 @@
 
 A plan file runs layer by layer (:mod:`.perlayer`): every Convolution, Pooling, InnerProduct, LRN, Softmax,
 Concat, Eltwise, Split, SoftmaxWithLoss and data layer under its own configuration ``n=.. h=.. w=.. c=..`` over
-the N ranks or a divisor of them (mixed factorisations included), every other layer by sample, each change of configuration one exchange
-of exactly the planner's regions; what cannot run is refused naming the file, the layer and its configuration.
+the N ranks or a divisor of them (mixed factorisations included), every other layer by sample, each change of
+configuration one exchange of exactly the planner's regions; what cannot run is refused naming the file, the
+layer and its configuration.
 ``auto`` prices the fixed family -- the fully-connected tail's InnerProduct layers split ``n=a, c=N/a``
 (``a = N``: data parallelism, ``a = 1``: OWT) -- and DeePa's optimum with the cost model, then measures them on the
 ranks (:mod:`.measured`): the family, the optimum's convolution channel splits (``conv c=N``) and height/width
