@@ -6,6 +6,7 @@ normalization modes), a blob read by several layers (Caffe's Split layer run on 
 convolutions split by channel (c dividing the groups or the groups dividing c). Each run equals one process at
 the global batch; the bytes the ranks receive equal the planner's count."""
 import json
+import re
 
 import h5py
 import numpy as np
@@ -47,6 +48,8 @@ layer { name: "loss_none" type: "SoftmaxWithLoss" bottom: "score" bottom: "label
         loss_weight: 0.01 loss_param { ignore_label: 255 normalization: NONE } }
 layer { name: "loss_batch" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top: "loss_batch"
         loss_weight: 0.5 loss_param { ignore_label: 255 normalization: BATCH_SIZE } }
+layer { name: "acc" type: "Accuracy" bottom: "score" bottom: "label" top: "acc"
+        accuracy_param { ignore_label: 255 top_k: 2 } }
 """
 SOLVER = """net: "fcn.prototxt"
 base_lr: 0.05 momentum: 0.9 weight_decay: 0.001 lr_policy: "fixed" max_iter: 4 display: 1 random_seed: 5
@@ -75,7 +78,7 @@ def _planned(net_path, ranks, batch, splits):
     chosen = [splits.get(node.name, Split(n=ranks)) for node in graph.nodes]
     priced = price(graph, ranks, np.ones((ranks, ranks)), _NoCompute())
     losses = sum(float(priced.update[i].bytes[0, priced.index_of(i, chosen[i])])
-                 for i, node in enumerate(graph.nodes) if node.kind == "loss")
+                 for i, node in enumerate(graph.nodes) if node.kind in ("loss", "metric"))
     return step, forward, losses
 
 
@@ -116,7 +119,7 @@ def test_lenet_data_split_by_rows_and_loss_by_channel_equal_caffe_with_the_plann
 FCN_SPLITS = {"data": Split(h=2, w=2), "label_data_1_split": Split(h=2, w=2), "conv1": Split(h=2, w=2),
               "norm1": Split(n=2, c=2), "conv1_norm1_0_split": Split(h=2, w=2), "conv2a": Split(n=2, c=2),
               "conv2b": Split(c=4), "score": Split(h=2, c=2), "score_score_0_split": Split(h=2, c=2),
-              "loss_valid": Split(h=2, c=2), "loss_none": Split(w=4)}
+              "loss_valid": Split(h=2, c=2), "loss_none": Split(w=4), "acc": Split(c=4)}
 
 
 @needs_mpi()
@@ -126,11 +129,12 @@ def test_fcn_with_split_losses_fan_out_and_grouped_convolutions_equals_one_proce
     convolutions (conv2a c=2: two of its 4 groups each, conv2b c=4: half of one of its 2 groups each), their
     sum split h=2 c=2 read through a Split by three losses: VALID split h=2 c=2 (bands and channel
     reductions), NONE by columns (w=4: bands of 1 and 2), BATCH_SIZE by sample (its Split tops returned to the
-    samples). 4 SGD iterations equal one process at batch 4 (VALID's normalizer counts the global batch's
-    valid labels, NONE's loss is the global sum: data parallelism gets neither); the bytes equal the
-    planner's."""
+    samples), and by a top-2 Accuracy split c=4 (the true class's score and the count of classes scoring as
+    high summed over the 4 ranks; the logged accuracy is one process's). 4 SGD iterations equal one process at
+    batch 4 (VALID's normalizer counts the global batch's valid labels, NONE's loss is the global sum: data
+    parallelism gets neither); the bytes equal the planner's."""
     _fcn_case(case)
-    train(case, 0, 4, 4, "one.caffemodel")
+    first = train(case, 0, 4, 4, "one.caffemodel")
     arg = "spatial:" + ";".join(f"{str(s).replace(' ', ',')}:{name}" for name, s in FCN_SPLITS.items())
     p = train(case, 4, 1, 4, "split.caffemodel", "--parallel", arg)
     assert all(f"{name} {s}" in p.stderr for name, s in FCN_SPLITS.items())
@@ -138,9 +142,13 @@ def test_fcn_with_split_losses_fan_out_and_grouped_convolutions_equals_one_proce
     one = json.loads((case / "one.caffemodel.json").read_text())["losses"]
     got = json.loads((case / "split.caffemodel.json").read_text())
     assert np.allclose(got["losses"], one, rtol=1e-5)
+    acc = [[float(x) for x in re.findall(r"Train net output #0: acc = (\S+)", q.stderr)] for q in (p, first)]
+    assert len(acc[0]) == 4 and acc[0] == acc[1] and len(set(acc[0])) > 1  # the global batch's top-2 accuracy
     monkeypatch.chdir(case)
     step, forward, losses = _planned(case / "fcn.prototxt", 4, 1, FCN_SPLITS)
-    assert losses == 2 * 2 * 2 * (4 * 3 * 6) * 4  # 2 rows x 2 ranks x 2 arrays x a band of 4x3x6 x 4 bytes
+    # loss_valid: 2 rows x 2 ranks x 2 arrays x a band of 4x3x6 x 4 bytes; acc: 4 ranks x 2 arrays x 3/4 x 2 x
+    # every position (4x6x6) x 4 bytes
+    assert losses == 2 * 2 * 2 * (4 * 3 * 6) * 4 + 4 * 2 * 1.5 * (4 * 6 * 6) * 4
     assert sum(got["split_bytes_all"]) == 4 * step + forward
     assert sum(got["loss_bytes_all"]) == 5 * losses
 
@@ -168,7 +176,7 @@ def test_loss_regions_groups_and_refusals(case, monkeypatch):
     assert conv.inp.shape == (2, 4, 6, 6) and conv.fetch.need_origin.tolist() == [2, 4, 0, 0]
     assert conv.part.param.convolution_param.group == 2
     split = ex.steps[net.layer_names.index("score_score_0_split")]
-    assert len(split.outs) == 3 and list(split.gathers) == [2]  # loss_batch reads its top by sample
+    assert len(split.outs) == 4 and list(split.gathers) == [2]  # loss_batch reads its top by sample
     # the planner: labels forward only, the loss's reductions per row
     graph = graph_from_net(net, 4)
     i = graph.index("loss_valid")

@@ -113,7 +113,7 @@ def price(graph: PlanGraph, workers: int, inv_bw: np.ndarray, compute: ComputeMo
     comp = [compute.seconds(graph, i, s) for i, s in enumerate(splits)]
     upd = [update_cost(n.param_bytes, s, inv_bw) for n, s in zip(graph.nodes, splits)]
     for k, (n, s) in enumerate(zip(graph.nodes, splits)):
-        if n.kind == "loss":  # a split loss's softmax reductions over channels
+        if n.kind in ("loss", "metric"):  # a split loss's (Accuracy's) reductions over channels
             red = loss_reduction_cost(n.out_shape, s, graph.itemsize, inv_bw)
             upd[k] = EdgeCost(upd[k].bytes + red.bytes, upd[k].seconds + red.seconds)
     edges = [(e, edge_cost(graph, e, splits[e[0]], splits[e[2]], inv_bw)) for e in graph.edges()]

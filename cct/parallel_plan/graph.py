@@ -124,6 +124,8 @@ def region_rule(layer, in_shapes: list[Shape4], in_ndim: int) -> tuple[str, tupl
         return "softmax", ("n", "h", "w"), AllChannels()
     if t == "SoftmaxWithLoss" and layer.param.softmax_param.axis == 1 and len(in_shapes) == 2:
         return "loss", DIMS, LossInputs()
+    if t == "Accuracy" and layer.param.accuracy_param.axis == 1 and len(in_shapes) == 2:
+        return "metric", DIMS, LossInputs()  # as a loss, without gradients
     return "sample", ("n",), SampleRows()
 
 

@@ -32,16 +32,18 @@ from ..layers.loss import FLT_MIN, _normalizer, check_label_range
 from .boxexchange import BoxExchange
 from .split import Split
 
-#: the loss layers a configuration other than the sample split runs on
-LOSS_TYPES = ("SoftmaxWithLoss",)
+#: the layers of scores and labels a configuration other than the sample split runs on
+LOSS_TYPES = ("SoftmaxWithLoss", "Accuracy")
 
 
 def loss_refusal(layer: Layer) -> str | None:
-    """Why a loss ``layer`` cannot run split (None: it can; its bottoms' shapes are checked when built)."""
-    if layer.param.softmax_param.axis != 1:
-        return "only a SoftmaxWithLoss over channels (axis: 1) is split"
+    """Why a loss or Accuracy ``layer`` cannot run split (None: it can; its bottoms' shapes are checked when
+    built)."""
+    axis = layer.param.accuracy_param.axis if layer.type == "Accuracy" else layer.param.softmax_param.axis
+    if axis != 1:
+        return f"only a {layer.type} over channels (axis: 1) is split"
     if len(layer.param.top) != 1:
-        return "a SoftmaxWithLoss with a second top (the probabilities) runs by sample only"
+        return f"a {layer.type} with a second top runs by sample only"
     return None
 
 
@@ -58,8 +60,8 @@ def label_shape(label: tuple[int, ...], scores: tuple[int, int, int, int], what:
 
 
 @dataclass
-class LossStep:
-    """A SoftmaxWithLoss layer run on this rank's box (see module docstring)."""
+class LabelledBox:
+    """A layer of scores and labels (SoftmaxWithLoss, Accuracy) run on this rank's box of the scores."""
 
     index: int
     split: Split
@@ -89,27 +91,48 @@ class LossStep:
         valid = lab != self.layer.ignore_label if self.layer.has_ignore else xp.ones(lab.shape, dtype=bool)
         return check_label_range(self.layer, xp, lab, valid, self.global_shape[1]), valid
 
+    def _fetch(self, src: np.ndarray, labels: np.ndarray) -> int:
+        """This rank's box of the scores and its labels; returns the bytes received."""
+        return self.fetch.forward(src, self.scores.data) + self.label_fetch.forward(labels, self.labels.data)
+
+    def _box_labels(self, xp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(scores (n, c, positions), labels (n, positions) safe to gather with, valid)`` of the box."""
+        n, cb, h, w = self.scores.shape
+        lab, valid = self._valid(xp, self.labels.data.reshape(n, h * w).astype(np.int64))
+        return self.scores.data.reshape(n, cb, h * w), lab, valid
+
+    def _true_scores(self, xp, x: np.ndarray, lab: np.ndarray, mine: np.ndarray) -> np.ndarray:
+        """Each position's score of its label's channel from the slice holding it (0 elsewhere)."""
+        lo = self.channels[0]
+        picked = xp.take_along_axis(x, np.clip(lab - lo, 0, x.shape[1] - 1)[:, None, :], axis=1)[:, 0, :]
+        return xp.where(mine, picked, 0)
+
+    def _mine(self, lab: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        lo, hi = self.channels
+        return valid & (lab >= lo) & (lab < hi)
+
+
+@dataclass
+class LossStep(LabelledBox):
+    """A SoftmaxWithLoss layer run on this rank's box (see module docstring)."""
+
     def forward(self, src: np.ndarray, labels: np.ndarray, top: Sequence[Blob]) -> int:
         """The loss of the global batch on every rank's ``top``; ``src`` the producer's box (or the net's
         scores by sample), ``labels`` the labels' box (or the net's labels by sample), 4-D. Returns the bytes
         of the exchanges."""
-        moved = self.fetch.forward(src, self.scores.data)
-        moved += self.label_fetch.forward(labels, self.labels.data)
+        moved = self._fetch(src, labels)
         xp = self.scores.xp
         loss, count = 0.0, 0
         if not self.idle:
-            n, cb, h, w = self.scores.shape
-            x = self.scores.data.reshape(n, cb, h * w)
+            x, lab, valid = self._box_labels(xp)
             top_x = np.ascontiguousarray(x.max(axis=1))
             self._reduce(top_x, "max")
             e = xp.exp(x - top_x[:, None, :])
             total = np.ascontiguousarray(e.sum(axis=1))
             self._reduce(total, "sum")
             self.prob = e / total[:, None, :]
-            lab, valid = self._valid(xp, self.labels.data.reshape(n, h * w).astype(np.int64))
-            lo, hi = self.channels
-            mine = valid & (lab >= lo) & (lab < hi)
-            p_true = xp.take_along_axis(self.prob, np.clip(lab - lo, 0, cb - 1)[:, None, :], axis=1)[:, 0, :]
+            mine = self._mine(lab, valid)
+            p_true = self._true_scores(xp, self.prob, lab, mine)
             logp = xp.log(xp.maximum(p_true, self.prob.dtype.type(FLT_MIN)))
             loss = float(-xp.where(mine, logp, 0).sum(dtype=self.prob.dtype))
             count = int(valid.sum()) if self.first_of_row else 0
@@ -127,12 +150,42 @@ class LossStep:
         if not propagate_down[0]:
             return 0
         if not self.idle:
-            n, cb, h, w = self.scores.shape
             xp = self.scores.xp
-            lab, valid = self._valid(xp, self.labels.data.reshape(n, h * w).astype(np.int64))
+            _x, lab, valid = self._box_labels(xp)
             lo, hi = self.channels
             onehot = xp.arange(lo, hi)[None, :, None] == lab[:, None, :]
             scale = top[0].diff.reshape(()) * top[0].diff.dtype.type(self.comm.size / self.normalizer)
             grad = (self.prob - onehot) * valid[:, None, :]
             self.scores.diff[...] = (grad * scale).reshape(self.scores.shape)
         return self.fetch.backward(self.scores.diff, dst)
+
+
+@dataclass
+class AccuracyStep(LabelledBox):
+    """An Accuracy layer on this rank's box: each position's true score from the slice holding its label's
+    channel and the count of channels scoring at least as high are summed over the row (two all-reduces of
+    one number per position, as a split loss's), the correct and valid positions over every rank; every
+    rank's top holds one process's accuracy. No backward (as Caffe's)."""
+
+    def forward(self, src: np.ndarray, labels: np.ndarray, top: Sequence[Blob]) -> int:
+        """The accuracy of the global batch on every rank's ``top``; see :meth:`LossStep.forward`."""
+        moved = self._fetch(src, labels)
+        xp = self.scores.xp
+        correct, count = 0, 0
+        if not self.idle:
+            x, lab, valid = self._box_labels(xp)
+            p_true = np.ascontiguousarray(self._true_scores(xp, x, lab, self._mine(lab, valid)))
+            self._reduce(p_true, "sum")
+            better = np.ascontiguousarray((x >= p_true[:, None, :]).sum(axis=1).astype(x.dtype))
+            self._reduce(better, "sum")
+            hit = (better - 1 < self.layer.top_k) & valid  # the true class counts itself
+            if self.first_of_row:
+                correct, count = int(hit.sum()), int(valid.sum())
+        sums = np.array([correct, count], dtype=np.float64)
+        self.comm.allreduce(sums, out=sums)
+        top[0].data[...] = 0 if sums[1] == 0 else np.float32(sums[0] / sums[1])
+        return moved
+
+    def backward(self, top: Sequence[Blob], propagate_down: Sequence[bool], dst: np.ndarray) -> int:
+        """Nothing: an Accuracy takes no gradient."""
+        return 0

@@ -62,7 +62,7 @@ from .boxexchange import BoxExchange, at_box
 from .datasplit import DataStep, data_refusal
 from .fanout import FanOutStep
 from .graph import ELEMENTWISE, SOURCES, region_rule
-from .losssplit import LOSS_TYPES, LossStep, label_shape, loss_refusal
+from .losssplit import LOSS_TYPES, AccuracyStep, LabelledBox, LossStep, label_shape, loss_refusal
 from .owt import ChannelSlice, attach, gather_rows, layer_copy, splittable
 from .split import PlanError, Split, part_bounds, worker_boxes
 
@@ -284,7 +284,7 @@ class PerLayerExecutor:
             split_at[i] = s
         #: the configured layers (layer index -> Split), in net order
         self.splits = dict(sorted(split_at.items()))
-        self.steps: dict[int, Step | JoinStep | LossStep | FanOutStep | DataStep] = {}
+        self.steps: dict[int, Step | JoinStep | LabelledBox | FanOutStep | DataStep] = {}
         self._label_shapes: dict[int, tuple[int, int, int, int]] = {}  # a split loss's labels (N, 1, H, W)
         self._build()
         #: bytes this rank received in the exchanges of forward and backward passes (the planner's transfers)
@@ -490,7 +490,8 @@ class PerLayerExecutor:
 
     def _loss_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
                    readers: dict[str, int]) -> None:
-        """A SoftmaxWithLoss on its box of the scores (:mod:`.losssplit`), its labels fetched by sample."""
+        """A SoftmaxWithLoss or an Accuracy on its box of the scores (:mod:`.losssplit`), its labels fetched
+        from the samples or the data layer's boxes."""
         net, layer = self.net, self.net.layers[i]
         bottoms = net.bottom_names[i]
         scores = global_shape(net.blobs[bottoms[0]].shape, self.size, f"layer '{name}' bottom '{bottoms[0]}'")
@@ -513,7 +514,8 @@ class PerLayerExecutor:
         label_need[split.workers:] = 0
         want = tuple(int(v) for v in boxes[me, :, 1] - boxes[me, :, 0]) if not idle else (1, 1, 1, 1)
         lab_want = (want[0], 1) + want[2:]
-        step = LossStep(i, split, layer, Blob(want, net.dtype, name=f"{name}_box_in"),
+        kind = AccuracyStep if layer.type == "Accuracy" else LossStep
+        step = kind(i, split, layer, Blob(want, net.dtype, name=f"{name}_box_in"),
                         Blob(lab_want, net.dtype, name=f"{name}_box_labels"),
                         BoxExchange(self.comm, own, boxes, boxes[me, :, 0]),
                         BoxExchange(self.comm, label_own, label_need, label_need[me, :, 0]), source,
@@ -562,7 +564,7 @@ class PerLayerExecutor:
     def setup_groups(self) -> None:
         """Make the sub-communicators of the channel-split configurations (a collective: every rank)."""
         for i, s in self.splits.items():
-            if s.c > 1 and isinstance(self.steps[i], LossStep):
+            if s.c > 1 and isinstance(self.steps[i], LabelledBox):
                 self.steps[i].row = self._groups(s)[1]
             elif s.c > 1 and self.net.layers[i].blobs:
                 self._groups(s)
@@ -583,7 +585,7 @@ class PerLayerExecutor:
     def loss_bytes(self) -> float:
         """Bytes this rank received in the channel reductions of split losses (the planner prices them as
         the loss node's update)."""
-        return sum(s.reduce_bytes for s in self.steps.values() if isinstance(s, LossStep))
+        return sum(s.reduce_bytes for s in self.steps.values() if isinstance(s, LabelledBox))
 
     # -- the executor interface --------------------------------------------------------------------
     def forward(self, i: int, layer: Layer, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
@@ -602,7 +604,7 @@ class PerLayerExecutor:
             src = step.source.blob.data if step.source is not None else bottom[0].data
             self.bytes_moved += step.forward(src, [t.data for t in top], view4)
             return
-        if isinstance(step, LossStep):
+        if isinstance(step, LabelledBox):
             src = step.source.blob.data if step.source is not None else bottom[0].data
             if step.label_source is not None:  # held on boxes (a split data layer)
                 labels = view4(step.label_source.blob.data)
@@ -650,7 +652,7 @@ class PerLayerExecutor:
             if propagate_down[0]:
                 self.bytes_moved += step.backward([t.diff for t in top], dst, view4)
             return
-        if isinstance(step, LossStep):
+        if isinstance(step, LabelledBox):
             dst = step.source.blob.diff if step.source is not None else bottom[0].diff
             self.bytes_moved += step.backward(top, propagate_down, view4(dst))
             return

@@ -3,8 +3,8 @@
 ``xfer(c_u, c_v)`` of an edge ``u -> v``: under ``c_u`` worker i owns a box of ``u``'s output; under
 ``c_v`` worker j reads the region of it that :mod:`.regions` gives for j's output box. Worker j
 receives ``|box_i  intersect  region_j|`` elements from every i != j (its own box is local). The
-backward pass sends the same regions' gradients back to their owners (none into a data layer or a loss's
-labels), so
+backward pass sends the same regions' gradients back to their owners (none into a data layer, a loss's
+labels or an Accuracy), so
 an edge moves its forward bytes twice per step. Times: each worker receives its parts one after the
 other at its links' bandwidths (``inv_bw[i, j]``: seconds per byte from worker i to worker j) and the
 workers receive in parallel: the slowest receiver sets the time (a model; see :mod:`.cluster`).
@@ -13,7 +13,8 @@ workers receive in parallel: the slowest receiver sets the time (a model; see :m
 parameters per channel group (no reduction across groups); each slice's gradient is all-reduced among
 the ``n*h*w`` workers sharing it (a ring: each moves ``2 (r-1)/r`` of the slice). A SoftmaxWithLoss split
 ``c`` ways reduces its softmax's maximum and sum over the ``c`` workers of each box of the other axes
-(:func:`loss_reduction_cost`, counted as the loss node's update).
+(:func:`loss_reduction_cost`, counted as the loss node's update; an Accuracy's two sums over channels
+likewise).
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def edge_cost(graph: PlanGraph, edge: tuple[int, int, int, int], splits_u: list[
     per_receiver = np.add.reduceat(timed, own_starts, axis=0)  # (Ku, Rv): what each v-worker receives
     fwd = np.maximum.reduceat(per_receiver, need_starts, axis=1)
     total = np.add.reduceat(np.add.reduceat(nbytes, own_starts, axis=0), need_starts, axis=1)
-    if nu.kind == "source" or (nv.kind == "loss" and bottom == 1):  # no gradient into data or labels
+    if nu.kind == "source" or nv.kind == "metric" or (nv.kind == "loss" and bottom == 1):  # no gradient back
         return EdgeCost(total, fwd)
     per_owner = np.add.reduceat(timed, need_starts, axis=1)  # (Ru, Kv): gradients each u-worker gets back
     bwd = np.maximum.reduceat(per_owner, own_starts, axis=0)
