@@ -1,7 +1,7 @@
 """Any per-layer mix of DeePa's configurations on MPI ranks: each Convolution, Pooling, InnerProduct, LRN,
-Softmax, Concat, Eltwise, Split, SoftmaxWithLoss and data layer split ``n=.. h=.. w=.. c=..`` over the N ranks or
-a divisor of them, every layer between two configurations moved by one point-to-point exchange of exactly the
-regions each rank needs.
+Softmax, Concat, Eltwise, Split, SoftmaxWithLoss, Accuracy and data layer split ``n=.. h=.. w=.. c=..`` over the
+N ranks or a divisor of them, every layer between two configurations moved by one point-to-point exchange of
+exactly the regions each rank needs.
 
 :class:`PerLayerExecutor` runs a data-parallel solver's train net (each rank reads its ``b`` samples of the
 global batch ``N*b``; the layers not configured run on them as under data parallelism). A configured layer with
@@ -18,9 +18,9 @@ Concat straight into its channels of the output box, an Eltwise into inputs of a
 A Split (Caffe's, where a blob feeds several layers; :class:`~.fanout.FanOutStep`) holds one box per top and
 sums their gradients; a SoftmaxWithLoss (:class:`~.losssplit.LossStep`) computes its box's losses, the
 softmax's maximum and sum reduced over the ranks holding a box's channel slices, the normalizer the global
-batch's; a data layer (:class:`~.datasplit.DataStep`) reads the global batch on every rank and keeps its box
-of each top. A grouped convolution split by channel takes the groups of its slice (whole groups, or a part
-of one); an in-place configured layer's top is a new blob for its readers.
+batch's (an Accuracy likewise); a data layer (:class:`~.datasplit.DataStep`) reads the global batch on every
+rank and keeps its box of each top. A grouped convolution split by channel takes the groups of its slice
+(whole groups, or a part of one); an in-place configured layer's top is a new blob for its readers.
 
 * forward: the input frame is filled by a :class:`~.boxexchange.BoxExchange` from wherever the producer's
   output lives -- the net's blob by sample, or the producer's boxes under its own configuration, whatever
@@ -41,8 +41,8 @@ N ranks at batch b then train as one process at batch N*b, and the bytes each ra
 exchanges equal the planner's transfer count (:mod:`.transfer`; the reductions of slices are the update's).
 Refused with a :class:`PlanError` naming the layer and its configuration: a worker count not dividing the
 ranks, an Input, DummyData, MemoryData or WindowData layer not split by sample, a configured layer of another
-type (other losses, Accuracy, BatchNorm, ...), a Concat, Softmax or SoftmaxWithLoss along an axis other than
-channels, a SoftmaxWithLoss with two tops or labels not one per position, grouped convolutions split by
+type (other losses, BatchNorm, ...), a Concat, Softmax, SoftmaxWithLoss or Accuracy along an axis other than
+channels, one of the last two with two tops or labels not one per position, grouped convolutions split by
 channel with a slice crossing a group boundary, dilated or 3-D convolutions and global or padded poolings
 split by height or width, InnerProduct layers with ``transpose`` or an axis other than 1, BatchNorm or a layer
 with parameters following a channel-split layer, ``--devices`` and unequal batch shares.
@@ -516,11 +516,11 @@ class PerLayerExecutor:
         lab_want = (want[0], 1) + want[2:]
         kind = AccuracyStep if layer.type == "Accuracy" else LossStep
         step = kind(i, split, layer, Blob(want, net.dtype, name=f"{name}_box_in"),
-                        Blob(lab_want, net.dtype, name=f"{name}_box_labels"),
-                        BoxExchange(self.comm, own, boxes, boxes[me, :, 0]),
-                        BoxExchange(self.comm, label_own, label_need, label_need[me, :, 0]), source,
-                        (int(boxes[me, 1, 0]), int(boxes[me, 1, 1])), scores, self.comm, idle=idle,
-                        first_of_row=me % split.c == 0, label_source=label_source)
+                    Blob(lab_want, net.dtype, name=f"{name}_box_labels"),
+                    BoxExchange(self.comm, own, boxes, boxes[me, :, 0]),
+                    BoxExchange(self.comm, label_own, label_need, label_need[me, :, 0]), source,
+                    (int(boxes[me, 1, 0]), int(boxes[me, 1, 1])), scores, self.comm, idle=idle,
+                    first_of_row=me % split.c == 0, label_source=label_source)
         self.steps[i] = step
         self._label_shapes[i] = labels
 
