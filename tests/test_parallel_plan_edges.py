@@ -192,6 +192,17 @@ def test_loss_regions_groups_and_refusals(case, monkeypatch):
             PerLayerExecutor(net, _Rank(ranks), splits)
     assert "[0, 3) cross a group boundary" in group_refusal(6, 3, 2)  # groups of 2 outputs, slices of 3
     assert group_refusal(8, 2, 4) is None and group_refusal(8, 4, 2) is None and group_refusal(12, 4, 3) is not None
+    (case / "input.prototxt").write_text(FCN.split("\n", 1)[0] + '\nlayer { name: "data" type: "Input" top: "data" '
+                                         'input_param { shape { dim: 1 dim: 2 dim: 6 dim: 6 } } }\n')
+    with pytest.raises(PlanError, match=r"layer 'data' n=1 h=2 w=1 c=1: Input layers give each rank a batch of"):
+        PerLayerExecutor(cct.Net("input.prototxt", "TRAIN"), _Rank(2), {"data": Split(h=2)})
+    with h5py.File(case / "fcn.h5", "r+") as f:  # labels (N, 6, 6): one per position, but not (N, 1, H, W)
+        labels = f["label"][...]
+        del f["label"]
+        f["label"] = labels[:, 0]
+    with pytest.raises(PlanError, match=r"layer 'loss_valid' n=1 h=2 w=1 c=1: bottom 'label_data_1_split_0' has "
+                                        r"shape \[1, 6, 6\]; a split loss reads labels of shape \(N,\), \(N, 1\) or"):
+        PerLayerExecutor(cct.Net("fcn.prototxt", "TRAIN"), _Rank(2), {"loss_valid": Split(h=2)})
     (case / "fcn.prototxt").write_text(FCN.replace('top: "loss_valid"\n', 'top: "loss_valid" top: "prob"\n'))
     with pytest.raises(PlanError, match=r"layer 'loss_valid' n=1 h=1 w=1 c=2: a SoftmaxWithLoss with a second top"):
         PerLayerExecutor(cct.Net("fcn.prototxt", "TRAIN"), _Rank(2), {"loss_valid": Split(c=2)})

@@ -27,7 +27,7 @@ UNSPLIT_SOURCES = ("Input", "DummyData", "MemoryData", "WindowData")
 def data_refusal(layer: Layer) -> str | None:
     """Why a data ``layer`` cannot be split other than by sample (None: it can)."""
     if layer.type in UNSPLIT_SOURCES or not hasattr(layer, "set_shard"):
-        return f"a {layer.type} layer gives each rank a batch of its own; only Data, ImageData and HDF5Data " \
+        return f"{layer.type} layers give each rank a batch of its own; only Data, ImageData and HDF5Data " \
                "layers are split other than by sample"
     return None
 
