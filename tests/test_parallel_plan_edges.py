@@ -116,7 +116,7 @@ def test_lenet_data_split_by_rows_and_loss_by_channel_equal_caffe_with_the_plann
     assert sum(got["loss_bytes_all"]) == 11 * losses  # 10 steps and the last forward pass
 
 
-FCN_SPLITS = {"data": Split(h=2, w=2), "label_data_1_split": Split(h=2, w=2), "conv1": Split(h=2, w=2),
+FCN_SPLITS = {"data": Split(n=2, c=2), "label_data_1_split": Split(h=2, w=2), "conv1": Split(h=2, w=2),
               "norm1": Split(n=2, c=2), "conv1_norm1_0_split": Split(h=2, w=2), "conv2a": Split(n=2, c=2),
               "conv2b": Split(c=4), "score": Split(h=2, c=2), "score_score_0_split": Split(h=2, c=2),
               "loss_valid": Split(h=2, c=2), "loss_none": Split(w=4), "acc": Split(c=4)}
@@ -124,15 +124,16 @@ FCN_SPLITS = {"data": Split(h=2, w=2), "label_data_1_split": Split(h=2, w=2), "c
 
 @needs_mpi()
 def test_fcn_with_split_losses_fan_out_and_grouped_convolutions_equals_one_process(case, monkeypatch):
-    """4 ranks at batch 1: the data (images and per-pixel labels) and conv1 by quarters, the labels read through
-    their Split by quarters, conv1's LRN in place n=2 c=2 (a channel halo), read through its Split by two grouped
-    convolutions (conv2a c=2: two of its 4 groups each, conv2b c=4: half of one of its 2 groups each), their
-    sum split h=2 c=2 read through a Split by three losses: VALID split h=2 c=2 (bands and channel
-    reductions), NONE by columns (w=4: bands of 1 and 2), BATCH_SIZE by sample (its Split tops returned to the
-    samples), and by a top-2 Accuracy split c=4 (the true class's score and the count of classes scoring as
-    high summed over the 4 ranks; the logged accuracy is one process's). 4 SGD iterations equal one process at
-    batch 4 (VALID's normalizer counts the global batch's valid labels, NONE's loss is the global sum: data
-    parallelism gets neither); the bytes equal the planner's."""
+    """4 ranks at batch 1: the data split n=2 c=2 (each rank reads the global batch and keeps one channel of
+    half the images; the one-channel labels of each half on the rank of the second channel), conv1 by
+    quarters, the labels read through their Split by quarters, conv1's LRN in place n=2 c=2 (a channel halo),
+    read through its Split by two grouped convolutions (conv2a c=2: two of its 4 groups each, conv2b c=4: half
+    of one of its 2 groups each), their sum split h=2 c=2 read through a Split by three losses: VALID split
+    h=2 c=2 (bands and channel reductions), NONE by columns (w=4: bands of 1 and 2), BATCH_SIZE by sample (its
+    Split tops returned to the samples), and by a top-2 Accuracy split c=4 (the true class's score and the
+    count of classes scoring as high summed over the 4 ranks; the logged accuracy is one process's). 4 SGD
+    iterations equal one process at batch 4 (VALID's normalizer counts the global batch's valid labels,
+    NONE's loss is the global sum: data parallelism gets neither); the bytes equal the planner's."""
     _fcn_case(case)
     first = train(case, 0, 4, 4, "one.caffemodel")
     arg = "spatial:" + ";".join(f"{str(s).replace(' ', ',')}:{name}" for name, s in FCN_SPLITS.items())
@@ -166,8 +167,11 @@ def test_loss_regions_groups_and_refusals(case, monkeypatch):
     # its labels from the labels' quarters (the data layer's split): its own and rank 2's columns [0, 3)
     assert loss.label_fetch.local.tolist() == [[0, 4], [0, 1], [3, 6], [3, 6]]
     assert [(q, box[3].tolist()) for q, box in loss.label_fetch.recvs] == [(2, [0, 3])] and not loss.first_of_row
-    data = ex.steps[net.layer_names.index("data")]  # the global batch read, rank 3's quarter kept
-    assert [o.shape for o in data.outs] == [(4, 2, 3, 3), (4, 1, 3, 3)] and data.global_batch == 4
+    # the data: the global batch read, rank 3 keeps samples [2, 4), image channel 1 and those samples' labels
+    data = ex.steps[net.layer_names.index("data")]
+    assert [o.shape for o in data.outs] == [(2, 1, 6, 6), (2, 1, 6, 6)] and data.global_batch == 4
+    labels = ex.steps[net.layer_names.index("label_data_1_split")]  # its quarter: samples 0-1 from rank 1
+    assert [(q, box[0].tolist()) for q, box in labels.fetch.recvs] == [(1, [0, 2])]
     # conv2b c=4 of group 2: rank 3's output channels [3, 4) read input channels [4, 8) (its group's)
     conv = ex.steps[net.layer_names.index("conv2b")]
     assert conv.inp.shape == (4, 4, 6, 6) and conv.fetch.need_origin.tolist() == [0, 4, 0, 0]
