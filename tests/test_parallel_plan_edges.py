@@ -93,10 +93,14 @@ def test_lenet_data_split_by_rows_and_loss_by_channel_equal_caffe_with_the_plann
     rows of every image; the labels, one per sample, all on the second rank: the planner's boxes), conv1 and
     pool1 by rows (conv1 receives only its 2 halo rows), ip1, ip2 and the loss c=2 (each rank holds 5 of the 10
     scores, the two reduce the softmax's maximum and sum: 4 positions, 16 bytes each way per array; the rank
-    holding a sample's label channel adds its loss): 10 SGD iterations equal real Caffe's batch-4 weights
-    and losses, the bytes the planner's."""
+    holding a sample's label channel adds its loss; normalized FULL): 10 SGD iterations equal real Caffe's
+    batch-4 weights and losses, the bytes the planner's."""
     splits = {"mnist": Split(h=2), "conv1": Split(h=2), "pool1": Split(h=2), "ip1": Split(c=2), "ip2": Split(c=2),
               "loss": Split(c=2)}
+    net = (case / "net.prototxt").read_text()  # FULL: the N*1*1 positions of the global batch, as Caffe's VALID
+    full = net.replace('top: "loss"\n', 'top: "loss"\n  loss_param { normalization: FULL }\n')
+    assert full != net
+    (case / "net.prototxt").write_text(full)
     p = train(case, 2, 2, 10, "split.caffemodel", "--init", "init.caffemodel", "--parallel",
               "spatial:h=2:mnist,conv1,pool1;c=2:ip1,ip2,loss")
     assert "Per-layer splits on 2 MPI ranks: mnist n=1 h=2 w=1 c=1, conv1" in p.stderr
