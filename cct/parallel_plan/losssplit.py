@@ -15,9 +15,9 @@ gives each rank's box ``(prob - onehot) * loss_weight * N / normalizer`` on the 
 the data-parallel reduction divides every parameter gradient by the N ranks, which makes the global gradient
 exact.
 
-The bytes of the channel reductions are priced by the planner as the loss node's update
-(:func:`~.transfer.loss_reduction_cost`); the two numbers summed over all ranks are not counted (as the solver's loss
-mean is not).
+An Accuracy splits the same way (:class:`AccuracyStep`). The bytes of the channel reductions are priced by
+the planner as the node's update (:func:`~.transfer.loss_reduction_cost`); the two numbers summed over all
+ranks are not counted (as the solver's loss mean is not).
 """
 from __future__ import annotations
 

@@ -158,6 +158,14 @@ def _refuse(name: str, split: Split, why: str) -> PlanError:
     return PlanError(f"per-layer split: layer '{name}' {split}: {why}")
 
 
+def _check_parts(name: str, split: Split, shape: Shape4, what: str) -> None:
+    """Refuse ``split`` of layer ``name`` when it cuts an axis of its ``what`` (``shape``) into more parts than
+    the axis has."""
+    for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
+        if split.degree(d) > shape[a]:
+            raise _refuse(name, split, f"its {what} has {shape[a]} along {d}, fewer than its {split.degree(d)} parts")
+
+
 def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
     """Why :class:`PerLayerExecutor` cannot run ``layer`` under ``split`` on ``ranks`` ranks (None: it can;
     the sample split ``n=ranks`` always can). The layer's own checks; its place in the net is checked when
@@ -451,10 +459,7 @@ class PerLayerExecutor:
         net = self.net
         tops = net.top_names[i]
         shapes = [global_shape(net.blobs[t].shape, self.size, f"layer '{name}' top '{t}'") for t in tops]
-        for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
-            if split.degree(d) > shapes[0][a]:
-                raise _refuse(name, split, f"its output has {shapes[0][a]} along {d}, fewer than its "
-                                           f"{split.degree(d)} parts")
+        _check_parts(name, split, shapes[0], "output")
         me, idle = self.rank, self.rank >= split.workers
         boxes = [rank_boxes(split, shape, self.size) for shape in shapes]
         outs = [Blob(tuple(int(v) for v in b[me, :, 1] - b[me, :, 0]), net.dtype, name=f"{name}_box_{t}")
@@ -471,10 +476,7 @@ class PerLayerExecutor:
         net = self.net
         bottom, tops = net.bottom_names[i][0], net.top_names[i]
         shape = global_shape(net.blobs[bottom].shape, self.size, f"layer '{name}' bottom '{bottom}'")
-        for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
-            if split.degree(d) > shape[a]:
-                raise _refuse(name, split, f"its input has {shape[a]} along {d}, fewer than its "
-                                           f"{split.degree(d)} parts")
+        _check_parts(name, split, shape, "input")
         boxes = rank_boxes(split, shape, self.size)
         me, idle = self.rank, self.rank >= split.workers
         source = self._read(i, bottom, placed, readers)
@@ -495,10 +497,7 @@ class PerLayerExecutor:
         net, layer = self.net, self.net.layers[i]
         bottoms = net.bottom_names[i]
         scores = global_shape(net.blobs[bottoms[0]].shape, self.size, f"layer '{name}' bottom '{bottoms[0]}'")
-        for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
-            if split.degree(d) > scores[a]:
-                raise _refuse(name, split, f"its input has {scores[a]} along {d}, fewer than its "
-                                           f"{split.degree(d)} parts")
+        _check_parts(name, split, scores, "input")
         try:
             labels = label_shape(net.blobs[bottoms[1]].shape, scores, f"bottom '{bottoms[1]}'")
         except ValueError as e:
