@@ -91,8 +91,7 @@ def test_what_cannot_run_is_refused_naming_the_layer_and_configuration(case, mon
     two = _Rank(2)
     for splits, message in [
         ({"conv2": Split(c=3)}, r"layer 'conv2' n=1 h=1 w=1 c=3: uses 3 workers, which does not divide the 2"),
-        ({"mnist": Split(h=2)}, r"layer 'mnist' n=1 h=2 w=1 c=1: a data layer is read by sample \(n=2\)"),
-        ({"loss": Split(c=2)}, r"layer 'loss' n=1 h=1 w=1 c=2: a SoftmaxWithLoss layer runs by sample"),
+        ({"relu1": Split(c=2)}, r"layer 'relu1' n=1 h=1 w=1 c=2: a ReLU layer runs by sample"),
         ({"conv9": Split(c=2)}, r"no layer 'conv9'"),
         ({"ip2": Split(c=2), "pool2": Split(h=2), "conv2": Split(n=2, c=1)}, None),
     ]:
@@ -112,11 +111,13 @@ def test_what_cannot_run_is_refused_naming_the_layer_and_configuration(case, mon
 
 def test_plan_file_lines_that_cannot_run_are_refused_naming_the_file_and_line(case, monkeypatch):
     monkeypatch.chdir(case)
+    (case / "net.prototxt").write_text((case / "net.prototxt").read_text().replace("kernel_size: 2", "kernel_size: 2\n"
+                                                                                "    pad: 1", 1))
     net = cct.Net("net.prototxt", "TRAIN")
-    plan = read_plan(_plan_file(case / "bad.plan", 2, {"conv1": Split(h=2), "conv2": Split(), "loss": Split(c=2)}))
-    with pytest.raises(PlanError, match=r"bad.plan: line 9: layer 'loss' n=1 h=1 w=1 c=2: a SoftmaxWithLoss layer"):
+    plan = read_plan(_plan_file(case / "bad.plan", 2, {"pool1": Split(h=2), "conv2": Split(), "loss": Split(c=2)}))
+    with pytest.raises(PlanError, match=r"bad.plan: line 4: layer 'pool1' n=1 h=2 w=1 c=1: pools with padding 1"):
         check_plan(plan, net, 2)
-    plan.splits["loss"] = Split(n=2)
+    plan.splits["pool1"] = Split(n=2)  # the loss split by channel runs (tests/test_parallel_plan_edges.py)
     check_plan(plan, net, 2)  # conv2 on one of the two ranks runs
 
 

@@ -37,7 +37,9 @@ def _predicted(net_path, ranks, batch, splits):
     for u, t, v, b in graph.edges():
         cost = edge_cost(graph, (u, t, v, b), [chosen[u]], [chosen[v]], inv_bw)
         step += float(cost.bytes[0, 0])
-        forward += float(cost.bytes[0, 0]) / (1 if graph.nodes[u].kind == "source" else 2)
+        one_way = graph.nodes[u].kind == "source" or graph.nodes[v].kind == "metric" or \
+            (graph.nodes[v].kind == "loss" and b == 1)  # no gradient into data, labels or an Accuracy
+        forward += float(cost.bytes[0, 0]) / (1 if one_way else 2)
     return step, forward
 
 

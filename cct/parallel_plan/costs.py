@@ -11,7 +11,7 @@ import numpy as np
 from .graph import PlanGraph, PlanNode
 from .search import CostGraph
 from .split import DIMS, Split, enumerate_splits
-from .transfer import EdgeCost, edge_cost, update_cost
+from .transfer import EdgeCost, edge_cost, loss_reduction_cost, update_cost
 
 
 class ComputeModel(Protocol):
@@ -112,5 +112,9 @@ def price(graph: PlanGraph, workers: int, inv_bw: np.ndarray, compute: ComputeMo
         splits = [[s for s in options if keep(n, s)] for n, options in zip(graph.nodes, splits)]
     comp = [compute.seconds(graph, i, s) for i, s in enumerate(splits)]
     upd = [update_cost(n.param_bytes, s, inv_bw) for n, s in zip(graph.nodes, splits)]
+    for k, (n, s) in enumerate(zip(graph.nodes, splits)):
+        if n.kind in ("loss", "metric"):  # a split loss's (Accuracy's) reductions over channels
+            red = loss_reduction_cost(n.out_shape, s, graph.itemsize, inv_bw)
+            upd[k] = EdgeCost(upd[k].bytes + red.bytes, upd[k].seconds + red.seconds)
     edges = [(e, edge_cost(graph, e, splits[e[0]], splits[e[2]], inv_bw)) for e in graph.edges()]
     return PricedGraph(graph, workers, splits, comp, upd, edges)

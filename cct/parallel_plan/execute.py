@@ -1,9 +1,10 @@
 """Which plans ``cct train`` executes, and setting a distributed solver up for one (``--parallel``).
 
 A plan file runs layer by layer (:mod:`.perlayer`): every Convolution, Pooling, InnerProduct, LRN, Softmax,
-Concat and Eltwise layer under its own configuration ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of
-them (mixed factorisations included), every other layer by sample, each change of configuration one exchange
-of exactly the planner's regions; what cannot run is refused naming the file, the layer and its configuration.
+Concat, Eltwise, Split, SoftmaxWithLoss and data layer under its own configuration ``n=.. h=.. w=.. c=..`` over
+the N ranks or a divisor of them (mixed factorisations included), every other layer by sample, each change of
+configuration one exchange of exactly the planner's regions; what cannot run is refused naming the file, the
+layer and its configuration.
 ``auto`` prices the fixed family -- the fully-connected tail's InnerProduct layers split ``n=a, c=N/a``
 (``a = N``: data parallelism, ``a = 1``: OWT) -- and DeePa's optimum with the cost model, then measures them on the
 ranks (:mod:`.measured`): the family, the optimum's convolution channel splits (``conv c=N``) and height/width
@@ -133,10 +134,12 @@ def _rank_batch(net) -> int:
 def executable(net, ranks: int) -> Callable[[PlanNode, Split], bool]:
     """Whether :mod:`.perlayer` runs a node of ``net`` under a configuration (:func:`~.perlayer.refusal` of its
     first layer, :func:`~.perlayer.follower_refusal` of the others): ``price``'s ``keep`` for the optimum
-    ``auto`` executes."""
+    ``auto`` executes (data layers by sample: a plan file may split them)."""
     layers = dict(zip(net.layer_names, net.layers))
 
     def runs(node: PlanNode, s: Split) -> bool:
+        if node.kind == "source" and s != Split(n=ranks):  # auto measures its candidates on one data stream
+            return False
         if refusal(layers[node.name], s, ranks) is not None:
             return False
         return s == Split(n=ranks) or all(follower_refusal(layers[m], s) is None for m in node.layers[1:])

@@ -18,6 +18,7 @@ from .regions import (
     ChannelWindow,
     ConcatChannels,
     Convolution,
+    LossInputs,
     Pooling,
     RegionRule,
     SameBox,
@@ -121,6 +122,10 @@ def region_rule(layer, in_shapes: list[Shape4], in_ndim: int) -> tuple[str, tupl
         return "same", DIMS, SameBox()
     if t == "Softmax" and layer.param.softmax_param.axis == 1:
         return "softmax", ("n", "h", "w"), AllChannels()
+    if t == "SoftmaxWithLoss" and layer.param.softmax_param.axis == 1 and len(in_shapes) == 2:
+        return "loss", DIMS, LossInputs()
+    if t == "Accuracy" and layer.param.accuracy_param.axis == 1 and len(in_shapes) == 2:
+        return "metric", DIMS, LossInputs()  # as a loss, without gradients
     return "sample", ("n",), SampleRows()
 
 

@@ -1,6 +1,7 @@
 """Any per-layer mix of DeePa's configurations on MPI ranks: each Convolution, Pooling, InnerProduct, LRN,
-Softmax, Concat and Eltwise layer split ``n=.. h=.. w=.. c=..`` over the N ranks or a divisor of them, every
-layer between two configurations moved by one point-to-point exchange of exactly the regions each rank needs.
+Softmax, Concat, Eltwise, Split, SoftmaxWithLoss, Accuracy and data layer split ``n=.. h=.. w=.. c=..`` over the
+N ranks or a divisor of them, every layer between two configurations moved by one point-to-point exchange of
+exactly the regions each rank needs.
 
 :class:`PerLayerExecutor` runs a data-parallel solver's train net (each rank reads its ``b`` samples of the
 global batch ``N*b``; the layers not configured run on them as under data parallelism). A configured layer with
@@ -14,6 +15,12 @@ an LRN across channels, halo rows and columns of one within channels, every chan
 box is cut out of the result (the halo's outputs, another rank's, get no gradient). A Concat (along
 channels) or an Eltwise (:class:`JoinStep`) moves each input from its own split to its region of the box: a
 Concat straight into its channels of the output box, an Eltwise into inputs of a copy of the layer.
+A Split (Caffe's, where a blob feeds several layers; :class:`~.fanout.FanOutStep`) holds one box per top and
+sums their gradients; a SoftmaxWithLoss (:class:`~.losssplit.LossStep`) computes its box's losses, the
+softmax's maximum and sum reduced over the ranks holding a box's channel slices, the normalizer the global
+batch's (an Accuracy likewise); a data layer (:class:`~.datasplit.DataStep`) reads the global batch on every
+rank and keeps its box of each top. A grouped convolution split by channel takes the groups of its slice
+(whole groups, or a part of one); an in-place configured layer's top is a new blob for its readers.
 
 * forward: the input frame is filled by a :class:`~.boxexchange.BoxExchange` from wherever the producer's
   output lives -- the net's blob by sample, or the producer's boxes under its own configuration, whatever
@@ -44,12 +51,13 @@ order of additions is kept).
 N ranks at batch b then train as one process at batch N*b, and the bytes each rank receives in the
 exchanges equal the planner's transfer count (:mod:`.transfer`; the reductions of slices are the update's).
 Refused with a :class:`PlanError` naming the layer and its configuration: a worker count not dividing the
-ranks, a data layer not split by sample, a configured layer of another type (losses, Split, BatchNorm, ...),
-a Concat or a Softmax along an axis other than channels, grouped convolutions split by channel, dilated or
-3-D convolutions and global or padded poolings split by height or width, InnerProduct layers with
-``transpose`` or an axis other than 1, BatchNorm or a layer with parameters following a channel-split
-layer, a configured layer's output read by two layers, in-place configured layers, the scheduler's
-``--devices`` split inside a rank and unequal batch shares. In-process devices run a plan as the workers of a
+ranks, an Input, DummyData, MemoryData or WindowData layer not split by sample, a configured layer of another
+type (other losses, BatchNorm, ...), a Concat, Softmax, SoftmaxWithLoss or Accuracy along an axis other than
+channels, one of the last two with two tops or labels not one per position, grouped convolutions split by
+channel with a slice crossing a group boundary, dilated or 3-D convolutions and global or padded poolings
+split by height or width, InnerProduct layers with ``transpose`` or an axis other than 1, BatchNorm or a layer
+with parameters following a channel-split layer, the scheduler's ``--devices`` split inside a rank and unequal
+batch shares. In-process devices run a plan as the workers of a
 :class:`~cct.distributed.threadcomm.ThreadComm` instead, one per device (:mod:`.inprocess`).
 """
 from __future__ import annotations
@@ -68,7 +76,10 @@ from ..distributed.threadcomm import ranks_word
 from ..layers.base import Layer
 from ..proto import caffe_pb2
 from .boxexchange import BoxExchange, at_box
+from .datasplit import DataStep, data_refusal
+from .fanout import FanOutStep
 from .graph import ELEMENTWISE, SOURCES, region_rule
+from .losssplit import LOSS_TYPES, AccuracyStep, LabelledBox, LossStep, label_shape, loss_refusal
 from .owt import ChannelSlice, attach, gather_rows, layer_copy, splittable
 from .split import PlanError, Split, part_bounds, worker_boxes
 
@@ -76,7 +87,7 @@ log = logging.getLogger("cct")
 
 Shape4 = tuple[int, int, int, int]
 #: the layer types a configuration other than the sample split runs on
-SPLIT_TYPES = ("Convolution", "Pooling", "InnerProduct", "LRN", "Softmax", "Concat", "Eltwise")
+SPLIT_TYPES = ("Convolution", "Pooling", "InnerProduct", "LRN", "Softmax", "Concat", "Eltwise", "Split")
 #: the layers computed whole on their input region (halo included; the planner's region rule), their box cut out
 REGION_TYPES = ("LRN", "Softmax")
 #: the graph nodes joining several inputs, each fetched from its own split to the node's box
@@ -177,6 +188,14 @@ def _refuse(name: str, split: Split, why: str) -> PlanError:
     return PlanError(f"per-layer split: layer '{name}' {split}: {why}")
 
 
+def _check_parts(name: str, split: Split, shape: Shape4, what: str) -> None:
+    """Refuse ``split`` of layer ``name`` when it cuts an axis of its ``what`` (``shape``) into more parts than
+    the axis has."""
+    for d, a in (("n", 0), ("c", 1), ("h", 2), ("w", 3)):
+        if split.degree(d) > shape[a]:
+            raise _refuse(name, split, f"its {what} has {shape[a]} along {d}, fewer than its {split.degree(d)} parts")
+
+
 def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
     """Why :class:`PerLayerExecutor` cannot run ``layer`` under ``split`` on ``ranks`` ranks (None: it can;
     the sample split ``n=ranks`` always can). The layer's own checks; its place in the net is checked when
@@ -186,7 +205,9 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
     if ranks % split.workers:
         return f"uses {split.workers} workers, which does not divide the {ranks} ranks"
     if layer.type in SOURCES:
-        return f"a data layer is read by sample (n={ranks}) by cct train"
+        return data_refusal(layer)
+    if layer.type in LOSS_TYPES:
+        return loss_refusal(layer)
     if layer.type not in SPLIT_TYPES:
         return f"a {layer.type} layer runs by sample (n={ranks}) only; {', '.join(SPLIT_TYPES)} layers take other " \
                "configurations"
@@ -198,7 +219,7 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
         if spatial and any(d != 1 for d in g.dilation):
             return f"dilated (dilation {list(g.dilation)}) convolutions are not split by height or width"
         if split.c > 1 and group != 1:
-            return f"a grouped convolution (group: {group}) is not split by channel"
+            return group_refusal(g.channels_out, group, split.c)
     elif layer.type == "Pooling":
         if layer.global_pooling and spatial:
             return "a global pooling (its window is the whole input) is not split by height or width"
@@ -218,6 +239,25 @@ def refusal(layer: Layer, split: Split, ranks: int) -> str | None:
         if p.HasField("concat_dim") or p.axis != 1:
             return "only a Concat along channels (axis: 1) is split"
     return None
+
+
+def group_refusal(channels_out: int, group: int, c: int) -> str | None:
+    """Why a convolution of ``group`` groups cannot split its ``channels_out`` outputs ``c`` ways (None: every
+    slice is whole groups -- c dividing the groups -- or lies inside one group -- the groups dividing c)."""
+    per_out = channels_out // group
+    for lo, hi in part_bounds(channels_out, c).tolist():
+        if lo // per_out != (hi - 1) // per_out and (lo % per_out or hi % per_out):
+            return f"a grouped convolution (group: {group}) split c={c}: its output channels [{lo}, {hi}) " \
+                   f"cross a group boundary; split by a divisor or a multiple of the groups"
+    return None
+
+
+def conv_groups(layer: Layer, lo: int, hi: int) -> int:
+    """The groups a copy computing output channels ``[lo, hi)`` of a convolution has (its whole groups, or 1
+    inside one group; :func:`group_refusal` checked)."""
+    group = layer.param.convolution_param.group or 1
+    per_out = layer.geom.channels_out // group
+    return (hi - lo) // per_out if lo // per_out != (hi - 1) // per_out else 1
 
 
 def follower_refusal(layer: Layer, split: Split) -> str | None:
@@ -240,10 +280,10 @@ def _windows(layer: Layer, in_shape: Shape4) -> list[tuple[int, int, int]]:
     return [(in_shape[2], 1, 0), (in_shape[3], 1, 0)]
 
 
-def _part_copy(layer: Layer, split: Split, outputs: int, inp: Blob, out: Blob) -> Layer:
+def _part_copy(layer: Layer, split: Split, lo: int, hi: int, inp: Blob, out: Blob) -> Layer:
     """A copy of ``layer`` for one box: ``outputs`` output channels (Convolution, InnerProduct), no padding
-    along a split height or width (its frame carries the zeros), fillers cleared (it takes the layer's
-    weights)."""
+    along a split height or width (its frame carries the zeros), the groups of its slice, fillers cleared (it
+    takes the layer's weights)."""
     def edit(param: caffe_pb2.LayerParameter) -> None:
         if layer.type == "InnerProduct":
             sub = param.inner_product_param
@@ -253,8 +293,10 @@ def _part_copy(layer: Layer, split: Split, outputs: int, inp: Blob, out: Blob) -
             sub.ClearField("pad")
             sub.pad_h = 0 if split.h > 1 else int(pads[0])
             sub.pad_w = 0 if split.w > 1 else int(pads[1])
+        if layer.type == "Convolution":
+            sub.group = conv_groups(layer, lo, hi)
         if layer.type != "Pooling":
-            sub.num_output = outputs
+            sub.num_output = hi - lo
             for filler in (sub.weight_filler, sub.bias_filler):
                 filler.Clear()
 
@@ -282,7 +324,8 @@ class PerLayerExecutor:
             split_at[i] = s
         #: the configured layers (layer index -> Split), in net order
         self.splits = dict(sorted(split_at.items()))
-        self.steps: dict[int, Step | JoinStep] = {}
+        self.steps: dict[int, Step | JoinStep | LabelledBox | FanOutStep | DataStep] = {}
+        self._label_shapes: dict[int, tuple[int, int, int, int]] = {}  # a split loss's labels (N, 1, H, W)
         self._build()
         #: bytes this rank received in the exchanges of forward and backward passes (the planner's transfers)
         self.bytes_moved = 0
@@ -314,6 +357,12 @@ class PerLayerExecutor:
             name, bottoms, tops = net.layer_names[i], net.bottom_names[i], net.top_names[i]
             if i in self.splits and layer.type in JOIN_TYPES:
                 self._join_step(i, name, self.splits[i], placed, readers)
+            elif i in self.splits and layer.type in LOSS_TYPES:
+                self._loss_step(i, name, self.splits[i], placed, readers)
+            elif i in self.splits and layer.type in SOURCES:
+                self._data_step(i, name, self.splits[i], placed)
+            elif i in self.splits and layer.type == "Split":
+                self._fanout_step(i, name, self.splits[i], placed, readers)
             elif i in self.splits:
                 self._split_step(i, name, self.splits[i], placed, readers)
             elif layer.type in ELEMENTWISE and len(bottoms) == 1 and len(tops) == 1 and bottoms[0] in placed:
@@ -336,8 +385,8 @@ class PerLayerExecutor:
                     readers: dict[str, int]) -> None:
         net, layer = self.net, self.net.layers[i]
         bottoms, tops = net.bottom_names[i], net.top_names[i]
-        if len(bottoms) != 1 or len(tops) != 1 or bottoms[0] == tops[0]:
-            raise _refuse(name, split, "a split layer must have one bottom and one (other) top")
+        if len(bottoms) != 1 or len(tops) != 1:
+            raise _refuse(name, split, "a split layer must have one bottom and one top")
         x, y = net.blobs[bottoms[0]], net.blobs[tops[0]]
         in_shape = global_shape(x.shape, self.size, f"layer '{name}' bottom '{bottoms[0]}'")
         out_shape = global_shape(y.shape, self.size, f"layer '{name}' top '{tops[0]}'")
@@ -355,6 +404,8 @@ class PerLayerExecutor:
         frame = np.empty_like(out_boxes)  # the copy's input: split axes unclipped (explicit padding)
         need[:, 0] = frame[:, 0] = out_boxes[:, 0]
         need[:, 1] = frame[:, 1] = out_boxes[:, 1] if layer.type == "Pooling" else (0, in_shape[1])
+        if layer.type == "Convolution" and (layer.param.convolution_param.group or 1) > 1:  # its groups' inputs
+            need[:, 1] = frame[:, 1] = region_rule(layer, [in_shape], 4)[2].needed(out_boxes, 0, in_shape)[:, 1]
         for a, d in ((2, split.h), (3, split.w)):
             ext, stride, pad = windows[a - 2]
             lo = out_boxes[:, a, 0] * stride - pad
@@ -385,6 +436,7 @@ class PerLayerExecutor:
             self.steps[i] = Step(i, split, None, Blob((1,), net.dtype), Blob((1,), net.dtype), fetch, source,
                                  idle=True)
             placed[tops[0]] = Placed(self.steps[i].out, out_boxes, i)
+            readers.pop(tops[0], None)  # in place: the top is a new blob for its readers
             return
         frame_shape = tuple(int(v) for v in frame[me, :, 1] - frame[me, :, 0])
         inp = Blob(frame_shape[:len(x.shape)] if layer.type == "InnerProduct" and len(x.shape) < 4 else frame_shape,
@@ -399,13 +451,14 @@ class PerLayerExecutor:
             crop = at_box(out_boxes[me], frame[me, :, 0])
             out.reshape(want)
         else:
-            part = _part_copy(layer, split, hi - lo, inp, out)
+            part = _part_copy(layer, split, lo, hi, inp, out)
         if tuple(view4(out.data).shape) != want:
             raise _refuse(name, split, f"the copy for a box computes {list(out.shape)}, not the box's {list(want)}")
         padded = bool(np.any(frame[me, :, 0] < 0) or np.any(frame[me, :, 1] > np.array(in_shape)))
         fetch = BoxExchange(self.comm, own, need, frame[me, :, 0], net.dtype)
         self.steps[i] = Step(i, split, part, inp, out, fetch, source, lo, hi, padded, frame_out=frame_out, crop=crop)
         placed[tops[0]] = Placed(out, out_boxes, i)
+        readers.pop(tops[0], None)  # in place: the top is a new blob for its readers
 
     def _join_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
                    readers: dict[str, int]) -> None:
@@ -443,6 +496,75 @@ class PerLayerExecutor:
         self.steps[i] = JoinStep(i, split, part, inputs, out, fetches, sources, views, idle)
         placed[tops[0]] = Placed(out, out_boxes, i)
 
+    def _data_step(self, i: int, name: str, split: Split, placed: dict[str, Placed]) -> None:
+        """A data layer reading the global batch and keeping this rank's box of each top (:mod:`.datasplit`)."""
+        net = self.net
+        tops = net.top_names[i]
+        shapes = [global_shape(net.blobs[t].shape, self.size, f"layer '{name}' top '{t}'") for t in tops]
+        _check_parts(name, split, shapes[0], "output")
+        me, idle = self.rank, self.rank >= split.workers
+        boxes = [rank_boxes(split, shape, self.size) for shape in shapes]
+        outs = [Blob(tuple(int(v) for v in b[me, :, 1] - b[me, :, 0]), net.dtype, name=f"{name}_box_{t}")
+                for t, b in zip(tops, boxes)]
+        crops = [at_box(b[me], np.zeros(4, np.int64)) for b in boxes]
+        self.steps[i] = DataStep(i, split, net.layers[i], [Blob((1,), net.dtype) for _ in tops], outs, crops,
+                                 shapes[0][0], idle)
+        for t, out, b in zip(tops, outs, boxes):
+            placed[t] = Placed(out, b, i)
+
+    def _fanout_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
+                     readers: dict[str, int]) -> None:
+        """A Split layer on its box (:mod:`.fanout`): one box per top, each placed for its reader."""
+        net = self.net
+        bottom, tops = net.bottom_names[i][0], net.top_names[i]
+        shape = global_shape(net.blobs[bottom].shape, self.size, f"layer '{name}' bottom '{bottom}'")
+        _check_parts(name, split, shape, "input")
+        boxes = rank_boxes(split, shape, self.size)
+        me, idle = self.rank, self.rank >= split.workers
+        source = self._read(i, bottom, placed, readers)
+        own = source.boxes if source is not None else self._sample_boxes(net.blobs[bottom], f"bottom '{bottom}'")
+        want = tuple(int(v) for v in boxes[me, :, 1] - boxes[me, :, 0])[:len(net.blobs[bottom].shape)]
+        want = want if not idle else (1,)
+        step = FanOutStep(i, split, Blob(want, net.dtype, name=f"{name}_box_in"),
+                          [Blob(want, net.dtype, name=f"{name}_box_{t}") for t in tops],
+                          BoxExchange(self.comm, own, boxes, boxes[me, :, 0], net.dtype), source, idle)
+        self.steps[i] = step
+        for t, out in zip(tops, step.outs):
+            placed[t] = Placed(out, boxes, i)
+
+    def _loss_step(self, i: int, name: str, split: Split, placed: dict[str, Placed],
+                   readers: dict[str, int]) -> None:
+        """A SoftmaxWithLoss or an Accuracy on its box of the scores (:mod:`.losssplit`), its labels fetched
+        from the samples or the data layer's boxes."""
+        net, layer = self.net, self.net.layers[i]
+        bottoms = net.bottom_names[i]
+        scores = global_shape(net.blobs[bottoms[0]].shape, self.size, f"layer '{name}' bottom '{bottoms[0]}'")
+        _check_parts(name, split, scores, "input")
+        try:
+            labels = label_shape(net.blobs[bottoms[1]].shape, scores, f"bottom '{bottoms[1]}'")
+        except ValueError as e:
+            raise _refuse(name, split, str(e)) from None
+        boxes = rank_boxes(split, scores, self.size)
+        me, idle = self.rank, self.rank >= split.workers
+        source = self._read(i, bottoms[0], placed, readers)
+        label_source = self._read(i, bottoms[1], placed, readers)
+        own = source.boxes if source is not None else worker_boxes(Split(n=self.size), scores)
+        label_own = label_source.boxes if label_source is not None else worker_boxes(Split(n=self.size), labels)
+        label_need = boxes.copy()
+        label_need[:, 1] = (0, 1)
+        label_need[split.workers:] = 0
+        want = tuple(int(v) for v in boxes[me, :, 1] - boxes[me, :, 0]) if not idle else (1, 1, 1, 1)
+        lab_want = (want[0], 1) + want[2:]
+        kind = AccuracyStep if layer.type == "Accuracy" else LossStep
+        step = kind(i, split, layer, Blob(want, net.dtype, name=f"{name}_box_in"),
+                    Blob(lab_want, net.dtype, name=f"{name}_box_labels"),
+                    BoxExchange(self.comm, own, boxes, boxes[me, :, 0], net.dtype),
+                    BoxExchange(self.comm, label_own, label_need, label_need[me, :, 0], net.dtype), source,
+                    (int(boxes[me, 1, 0]), int(boxes[me, 1, 1])), scores, self.comm, idle=idle,
+                    first_of_row=me % split.c == 0, label_source=label_source)
+        self.steps[i] = step
+        self._label_shapes[i] = labels
+
     def _follower_step(self, i: int, name: str, placed: dict[str, Placed], readers: dict[str, int]) -> None:
         net, layer = self.net, self.net.layers[i]
         bottom, top = net.bottom_names[i][0], net.top_names[i][0]
@@ -462,8 +584,12 @@ class PerLayerExecutor:
     def _gather_at(self, p: Placed, blob: str) -> None:
         """The step that last wrote ``blob`` returns it to the sample split (a layer outside reads it)."""
         need = self._sample_boxes(self.net.blobs[blob], f"blob '{blob}'")
-        self.steps[p.writer].gather = BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0],
-                                                    self.net.dtype)
+        step = self.steps[p.writer]
+        back = BoxExchange(self.comm, p.boxes, need, need[self.rank, :, 0], self.net.dtype)
+        if isinstance(step, (FanOutStep, DataStep)):
+            step.gathers[self.net.top_names[p.writer].index(blob)] = back
+        else:
+            step.gather = back
 
     def _groups(self, split: Split):
         """``(slice_comm, row_comm)`` of a channel-split configuration: the ranks holding the same slice
@@ -485,18 +611,32 @@ class PerLayerExecutor:
         shared = {lid for nid, (lid, _pid) in enumerate(net.param_layer_indices)
                   if users[net.learnable_param_ids[nid]] > 1}
         for i, s in self.splits.items():
-            if s.c > 1 and net.layers[i].blobs:
+            if s.c > 1 and isinstance(self.steps[i], LabelledBox):
+                self.steps[i].row = self._groups(s)[1]
+            elif s.c > 1 and net.layers[i].blobs:
                 same, _rows = self._groups(s)
                 step = self.steps[i]
                 if same is not None and not step.idle:
                     self._sums[i] = SliceSum(step, same, [np.empty_like(p.diff) for p in step.part.blobs],
                                              self.overlap and i not in shared)
 
+    def read_global_batches(self) -> None:
+        """Make every split data layer read the whole global batch (a collective: every rank)."""
+        for step in self.steps.values():
+            if isinstance(step, DataStep):
+                step.read_global(self.comm)
+
     def owned_param_ids(self) -> list[int]:
         """The parameters of the layers split by channel (each rank owns a slice; reduced here)."""
         net = self.net
         return [net.learnable_param_ids[nid] for nid, (lid, _pid) in enumerate(net.param_layer_indices)
                 if lid in self.splits and self.splits[lid].c > 1]
+
+    @property
+    def loss_bytes(self) -> float:
+        """Bytes this rank received in the channel reductions of split losses (the planner prices them as
+        the loss node's update)."""
+        return sum(s.reduce_bytes for s in self.steps.values() if isinstance(s, LabelledBox))
 
     # -- the executor interface --------------------------------------------------------------------
     def forward(self, i: int, layer: Layer, bottom: Sequence[Blob], top: Sequence[Blob]) -> None:
@@ -507,6 +647,21 @@ class PerLayerExecutor:
             return
         if isinstance(step, JoinStep):
             self._join_forward(step, bottom, top)
+            return
+        if isinstance(step, DataStep):
+            self.bytes_moved += step.forward(top, view4)
+            return
+        if isinstance(step, FanOutStep):
+            src = step.source.blob.data if step.source is not None else bottom[0].data
+            self.bytes_moved += step.forward(src, [t.data for t in top], view4)
+            return
+        if isinstance(step, LabelledBox):
+            src = step.source.blob.data if step.source is not None else bottom[0].data
+            if step.label_source is not None:  # held on boxes (a split data layer)
+                labels = view4(step.label_source.blob.data)
+            else:
+                labels = bottom[1].data.reshape((bottom[1].shape[0],) + self._label_shapes[i][1:])
+            self.bytes_moved += step.forward(view4(src), labels, top)
             return
         if step.idle:
             if step.fetch is not None:
@@ -543,6 +698,17 @@ class PerLayerExecutor:
             return
         if isinstance(step, JoinStep):
             self._join_backward(step, top, propagate_down, bottom)
+            return
+        if isinstance(step, DataStep):
+            return  # no gradient flows into a data layer
+        if isinstance(step, FanOutStep):
+            dst = step.source.blob.diff if step.source is not None else bottom[0].diff
+            if propagate_down[0]:
+                self.bytes_moved += step.backward([t.diff for t in top], dst, view4)
+            return
+        if isinstance(step, LabelledBox):
+            dst = step.source.blob.diff if step.source is not None else bottom[0].diff
+            self.bytes_moved += step.backward(top, propagate_down, view4(dst))
             return
         if step.gather is not None:
             self.bytes_moved += step.gather.backward(view4(top[0].diff), view4(step.out.diff))
@@ -690,6 +856,7 @@ def build_per_layer(net, comm, splits: Mapping[str, Split], overlap: bool = True
     if not ex.splits:
         return None
     ex.setup_groups()
+    ex.read_global_batches()
     return ex
 
 

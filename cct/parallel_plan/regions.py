@@ -75,6 +75,14 @@ class AllChannels(RegionRule):
         return _finish(_full(boxes, in_shape, (1,)), boxes)
 
 
+class LossInputs(RegionRule):
+    """A SoftmaxWithLoss split like its scores: the box of the scores (bottom 0), the box's samples and
+    positions of the labels (bottom 1, one channel)."""
+
+    def needed(self, boxes, bottom, in_shape):
+        return _finish(boxes.copy() if bottom == 0 else _full(boxes, in_shape, (1,)), boxes)
+
+
 @dataclass(frozen=True)
 class Pooling(RegionRule):
     """Pooling (and LRN within a channel): the same channels, the windows of the box's rows and columns."""

@@ -3,14 +3,18 @@
 ``xfer(c_u, c_v)`` of an edge ``u -> v``: under ``c_u`` worker i owns a box of ``u``'s output; under
 ``c_v`` worker j reads the region of it that :mod:`.regions` gives for j's output box. Worker j
 receives ``|box_i  intersect  region_j|`` elements from every i != j (its own box is local). The
-backward pass sends the same regions' gradients back to their owners (none into a data layer), so
+backward pass sends the same regions' gradients back to their owners (none into a data layer, a loss's
+labels or an Accuracy), so
 an edge moves its forward bytes twice per step. Times: each worker receives its parts one after the
 other at its links' bandwidths (``inv_bw[i, j]``: seconds per byte from worker i to worker j) and the
 workers receive in parallel: the slowest receiver sets the time (a model; see :mod:`.cluster`).
 
 ``update(c)``: a configuration splitting the output channels c ways owns ``1/c`` of the layer's
 parameters per channel group (no reduction across groups); each slice's gradient is all-reduced among
-the ``n*h*w`` workers sharing it (a ring: each moves ``2 (r-1)/r`` of the slice).
+the ``n*h*w`` workers sharing it (a ring: each moves ``2 (r-1)/r`` of the slice). A SoftmaxWithLoss split
+``c`` ways reduces its softmax's maximum and sum over the ``c`` workers of each box of the other axes
+(:func:`loss_reduction_cost`, counted as the loss node's update; an Accuracy's two sums over channels
+likewise).
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ def edge_cost(graph: PlanGraph, edge: tuple[int, int, int, int], splits_u: list[
     per_receiver = np.add.reduceat(timed, own_starts, axis=0)  # (Ku, Rv): what each v-worker receives
     fwd = np.maximum.reduceat(per_receiver, need_starts, axis=1)
     total = np.add.reduceat(np.add.reduceat(nbytes, own_starts, axis=0), need_starts, axis=1)
-    if nu.kind == "source":  # no gradient flows into a data layer
+    if nu.kind == "source" or nv.kind == "metric" or (nv.kind == "loss" and bottom == 1):  # no gradient back
         return EdgeCost(total, fwd)
     per_owner = np.add.reduceat(timed, need_starts, axis=1)  # (Ru, Kv): gradients each u-worker gets back
     bwd = np.maximum.reduceat(per_owner, own_starts, axis=0)
@@ -85,4 +89,29 @@ def update_cost(param_bytes: int, splits: list[Split], inv_bw: np.ndarray) -> Ed
             ring = np.arange(g, s.workers, s.c)
             worst = max(worst, float(np.max(inv_bw[ring, np.roll(ring, -1)])))
         secs[k] = 2.0 * (r - 1) / r * slice_bytes * worst
+    return EdgeCost(nbytes[None, :], secs[None, :])
+
+
+def loss_reduction_cost(positions_box: np.ndarray, splits: list[Split], itemsize: int,
+                        inv_bw: np.ndarray) -> EdgeCost:
+    """Per configuration of a SoftmaxWithLoss (as a 1-row :class:`EdgeCost`): the bytes all workers receive
+    reducing the softmax's maximum and sum over channels -- for each row of ``c`` workers (the channel
+    slices of one box of the other axes) two ring all-reduces of one number per position of the box, each
+    moving ``2 (c-1)/c`` of it into every worker -- and the slowest row's time. ``positions_box``: the
+    scores' ``(N, C, H, W)`` shape."""
+    shape = tuple(int(d) for d in positions_box)
+    nbytes = np.zeros(len(splits))
+    secs = np.zeros(len(splits))
+    for k, s in enumerate(splits):
+        if s.c == 1:
+            continue
+        boxes = worker_boxes(s, shape)  # type: ignore[arg-type]
+        worst = 0.0
+        for first in range(0, s.workers, s.c):  # one row: workers first .. first + c - 1
+            box = boxes[first]
+            per_array = float(np.prod(box[[0, 2, 3], 1] - box[[0, 2, 3], 0])) * itemsize * 2.0 * (s.c - 1) / s.c
+            nbytes[k] += 2.0 * s.c * per_array
+            ring = np.arange(first, first + s.c)
+            worst = max(worst, 2.0 * per_array * float(np.max(inv_bw[ring, np.roll(ring, -1)])))
+        secs[k] = worst
     return EdgeCost(nbytes[None, :], secs[None, :])

@@ -73,7 +73,7 @@ if args.die:
             raise CctError(f"injected failure at iteration {solver.iter}")
 
     solver.add_callback(on_start=die)
-owt, all_bytes = None, None
+owt, all_bytes, loss_bytes = None, None, None
 if solver.comm is not None and solver.comm.size > 1:
     from cct.distributed import abort_on_error
 
@@ -109,6 +109,7 @@ if solver.comm is not None and solver.comm.size > 1:
         if owt is not None:
             owt.gather_owned(solver.history)
             all_bytes = solver.comm.allgather_obj(owt.bytes_moved)
+            loss_bytes = solver.comm.allgather_obj(getattr(owt, "loss_bytes", 0.0))
 else:
     solver.solve(args.resume)
 if solver.is_root:
@@ -118,4 +119,5 @@ if solver.is_root:
                    "shares": None if solver.parallel is None else solver.parallel.shares,
                    "stats": None if solver.parallel is None else solver.parallel.sync.stats.as_dict(),
                    "owt_bytes": None if owt is None else owt.bytes_moved, "split_bytes_all": all_bytes,
+                   "loss_bytes_all": loss_bytes,
                    "flat_params_intact": solver.net.flat_params.intact()}, f)
