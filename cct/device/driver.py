@@ -160,6 +160,11 @@ class Device:
     def synchronize(self) -> None:
         """Wait for the work queued on this device (nothing to wait for on the host)."""
 
+    def free_bytes(self) -> int | None:
+        """Bytes this device can still allocate (a GPU: the driver's free memory plus what CuPy's pool holds
+        unused); None on the host, whose budget is :attr:`cct.config.Config.memory_budget`."""
+        return None
+
     def use(self) -> None:
         """Make this device the current one of the calling thread (a GPU's CuPy device; no-op on the host)."""
 
@@ -245,6 +250,11 @@ class CupyDevice(Device):
 
     def synchronize(self) -> None:
         _cupy.cuda.Device(self.index).synchronize()
+
+    def free_bytes(self) -> int | None:
+        with _cupy.cuda.Device(self.index):
+            free, _total = _cupy.cuda.runtime.memGetInfo()
+            return int(free) + int(_cupy.get_default_memory_pool().free_bytes())
 
     def use(self) -> None:
         _cupy.cuda.Device(self.index).use()

@@ -15,6 +15,10 @@ fragments create); :meth:`PatchRunner.run` only computes. The activations (every
 layers' stride-1 buffers) live in one pool allocated at construction, a slot reused once the last layer
 reading it has run (:mod:`cct.infer.buffers`), and the direct convolutions share one set of buffers
 (:class:`cct.lowering.direct_layout.SharedScratch`); ``reuse=False`` gives every blob and layer its own.
+
+On a net built on a GPU every buffer, the patch and the output live in device memory (the array module
+``xp`` of the net's blobs). ``splits`` (GPU + host RAM, :mod:`cct.infer.hostsplit`) runs the named
+convolutions of a host net on ``device`` in sub-layers instead.
 """
 from __future__ import annotations
 
@@ -23,11 +27,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..device.driver import Device
 from ..errors import CctError, LayerError
 from ..lowering.direct_layout import SharedScratch
 from .buffers import SlotPlan, plan_slots, stage_key, storage_roots
 from .fragments import FragmentPooling
 from .geometry import NetGeometry
+from .hostsplit import SplitConvolution, SplitPlan
 
 METHODS = ("mpf", "shift", "strided")
 
@@ -47,11 +53,13 @@ class PatchRunner:
     or ``"shift"`` (dense output; ``"shift"`` forces every ``mpf`` False) or ``"strided"``.
     ``blob``: the output blob (default the net's last output); ``reuse``: activation buffers reused across
     layers (default); ``theta``: the two-stage pipeline's split (:mod:`cct.infer.stages`; 0: one stage), whose
-    stages then get separate buffers since they run at the same time.
+    stages then get separate buffers since they run at the same time. ``splits``: convolutions (by layer
+    name) run on ``device`` in sub-layers with their activations in host RAM (:mod:`cct.infer.hostsplit`).
     """
 
     def __init__(self, net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool] | None = None,
-                 method: str = "mpf", blob: str | None = None, reuse: bool = True, theta: int = 0) -> None:
+                 method: str = "mpf", blob: str | None = None, reuse: bool = True, theta: int = 0,
+                 splits: Sequence[SplitPlan] = (), device: Device | None = None) -> None:
         if method not in METHODS:
             raise CctError(f"unknown dense-inference method '{method}' (use {', '.join(METHODS)})")
         npool = len(geom.pools)
@@ -67,6 +75,10 @@ class PatchRunner:
             raise CctError(f"pipeline theta {theta}: the net has {len(geom.ops)} convolution/pooling layers, so theta "
                            f"must be 1..{len(geom.ops) - 1}")
         self.mpf = tuple(bool(m) for m in mpf)
+        self.splits = {sp.layer: sp for sp in splits}
+        if self.splits and (device is None or net.device.is_gpu):
+            raise CctError("sub-layers on a device (GPU + host RAM) need a host net and the device to run them on")
+        self.device = device if device is not None else net.device
         self.grid = tuple(int(g) for g in grid)
         self.blob = blob or geom.output_blob
         if not net.has_blob(self.blob):
@@ -148,6 +160,7 @@ class PatchRunner:
                 runner = FragmentPooling(lp, pools[i][0].size, bottom[0])
                 if views:
                     runner.stages = [views[stage_key(i, a)] for a in range(geom.num_spatial)]
+            split = self.splits.get(lp.name)
             try:
                 if isinstance(runner, FragmentPooling):
                     runner.reshape(bottom[0], top[0])
@@ -157,6 +170,11 @@ class PatchRunner:
                 raise
             except (CctError, ValueError) as e:
                 raise LayerError(lp.name, lp.type, f"patch {list(self.run_shape)}: {e}") from e
+            if split is not None:
+                if (split.batch, split.channels_in) != tuple(bottom[0].shape[:2]):
+                    raise LayerError(lp.name, lp.type, f"sub-layer plan for a batch of {split.batch} x "
+                                     f"{split.channels_in} maps; the layer's input is {list(bottom[0].shape)}")
+                runner = SplitConvolution(layer, split, self.device, bottom[0], top[0])
             self.steps.append((i, runner, bottom, top))
         if self.reuse:
             self._share_conv_scratch()
@@ -187,9 +205,13 @@ class PatchRunner:
         if tuple(patch.shape[1:]) != self.patch_shape or patch.shape[0] != inp.shape[1]:
             raise CctError(f"patch of shape {list(patch.shape)}; expected {[inp.shape[1], *self.patch_shape]}")
 
-    def new_output(self) -> np.ndarray:
-        """An (uninitialised) dense output array of one patch."""
-        return np.empty((self.channels,) + self.out_shape, dtype=self.net.dtype)
+    def new_output(self):
+        """An (uninitialised) dense output array of one patch, in the net's memory (a GPU's for a GPU net)."""
+        return self.net.blobs[self.geom.input_blob].xp.empty((self.channels,) + self.out_shape, dtype=self.net.dtype)
+
+    def split_runners(self) -> list[SplitConvolution]:
+        """The convolutions that run on the device in sub-layers (GPU + host RAM)."""
+        return [r for _i, r, _b, _t in self.steps if isinstance(r, SplitConvolution)]
 
     def load(self, patch: np.ndarray, shift: Sequence[int]) -> None:
         """Copy the window of ``patch`` at ``shift`` (one run's input) into the net's input blob."""

@@ -15,6 +15,14 @@ set) plus the largest transient (a convolution's workspace, :func:`conv_memory`,
 temporaries, :func:`elementwise_temporaries`), the index array MAX pooling keeps, the input patch and the output
 tile. Predicted time = the convolutions' forward passes times the number of shifted runs
 (plain pooling layers need one run per offset), plus one streaming pass over each blob.
+
+``target`` (ZNNi section VII): ``"host"`` (the above); ``"gpu"``: the net lives on a GPU, every convolution
+runs type 1 over its whole batch there (what a device layer runs by default) and the peak is of device bytes
+(activations, type 1's workspace, the uploaded patch and the output tile) against the device's budget;
+``"gpu+host"``: the activations stay in host RAM (the peak and ``budget`` are the host's) and every
+convolution runs on the device in the sub-layers :func:`cct.infer.hostsplit.choose_split` picks under
+``device_budget`` (``InferencePlan.splits``; ``device_peak_bytes`` the largest sub-layer). On a device the
+seconds are still the host cost model's (no model of a GPU is calibrated), a relative measure only.
 """
 from __future__ import annotations
 
@@ -32,6 +40,10 @@ from ..membudget import human
 from ..proto import caffe_pb2
 from .buffers import blob_shapes, op_batches, plan_slots
 from .geometry import NetGeometry
+from .hostsplit import SplitPlan, choose_split
+
+TARGETS = ("host", "gpu", "gpu+host")
+PCIE_BYTES_PER_SECOND = 12e9  # host <-> device copies of the gpu+host sub-layers (PCIe 3 x16, as ZNNi's)
 
 
 @dataclass
@@ -66,6 +78,10 @@ class InferencePlan:
     stage_seconds: tuple[float, float] = (0.0, 0.0)  # per run, each stage on half the BLAS threads
     notes: list[str] = field(default_factory=list)  # e.g. InnerProduct layers run as convolutions
     shared_scratch: int = 0  # the direct convolutions' buffers, one set shared by the layers (per thread)
+    target: str = "host"  # where the convolutions run: host, gpu, gpu+host (module docstring)
+    device_budget: int | None = None  # gpu+host: the device's budget the sub-layers fit
+    device_peak_bytes: int = 0  # gpu+host: the largest sub-layer's device bytes
+    splits: list[SplitPlan] = field(default_factory=list)  # gpu+host: each convolution's sub-layers
 
     @property
     def voxels_per_second(self) -> float:
@@ -78,11 +94,20 @@ class InferencePlan:
     def describe(self) -> str:
         """The printed plan: patch, fragments, per-layer strategy, predicted voxels/s and peak bytes."""
         flags = ",".join("MPF" if m else "pool" for m in self.mpf) or "-"
-        lines = [f"dense inference plan ({self.chosen_by}): method {self.method}, input patch "
+        where = {"host": "", "gpu": ", on the GPU (device memory)",
+                 "gpu+host": ", GPU + host RAM (activations in host RAM, convolutions on the device)"}[self.target]
+        lines = [f"dense inference plan ({self.chosen_by}{where}): method {self.method}, input patch "
                  f"{'x'.join(map(str, self.patch))} -> output tile {'x'.join(map(str, self.tile))}, pooling layers "
                  f"[{flags}], {self.fragments} fragments per run, {self.runs} run(s) per patch",
                  f"  predicted {self.voxels_per_second:,.0f} output voxels/s, peak {human(self.peak_bytes)} "
                  f"(budget {human(self.budget) if self.budget else 'none'})"]
+        if self.target != "host":
+            lines.append("  (seconds from the host cost model: no GPU model is calibrated)")
+        if self.target == "gpu+host":
+            lines.append(f"  device: largest sub-layer {human(self.device_peak_bytes)} (device budget "
+                         f"{human(self.device_budget) if self.device_budget else 'none'}); "
+                         f"{sum(sp.split for sp in self.splits)} of {len(self.splits)} convolutions split")
+            lines.extend(f"  {sp.describe()}" for sp in self.splits)
         lines.extend(f"  {note}" for note in self.notes)
         if self.theta:
             lines.append(f"  two-stage pipeline: first {self.theta} convolution/pooling layers on one worker, the rest "
@@ -150,9 +175,11 @@ def activation_bytes(net, geom: NetGeometry, run_shape: Sequence[int], mpf: Sequ
 
 def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], method: str = "mpf",
             machine: Machine | None = None, budget: int | None = None, itemsize: int | None = None,
-            cache: dict | None = None) -> InferencePlan:
+            cache: dict | None = None, target: str = "host", device_budget: int | None = None) -> InferencePlan:
     """The predictions of one candidate (see the module docstring); ``cache`` keeps the convolution prices
-    between candidates of one planning."""
+    between candidates of one planning; ``target`` and ``device_budget``: where the convolutions run."""
+    if target not in TARGETS:
+        raise CctError(f"unknown inference target '{target}' (use {', '.join(TARGETS)})")
     machine = machine if machine is not None else load_machine(measure_if_missing=False)
     cache = {} if cache is None else cache
     cap = memory_budget(budget)
@@ -175,6 +202,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     shapes = blob_shapes(net, geom, run_shape, mpf)
     blob_bytes = sum(_prod(s) for s in shapes.values()) * itemsize
     layers, seconds, work, kept, roles = [], 0.0, 0, 0, [0, 0, 0]
+    splits: list[SplitPlan] = []
     pool_i = 0
     for k, op in enumerate(geom.ops):
         lp = net.param.layer[op.layer]
@@ -194,6 +222,21 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
             preds = predictions(cg, shape[0], machine, "fwd", None, cap)
             cache[key] = min(preds.items(), key=lambda kv: (kv[1], kv[0]))
         name, t = cache[key]
+        if target != "host":  # type 1 over the whole batch on the device
+            name, t = "type1", predictions(cg, shape[0], machine, "fwd", ["type1"], None)["type1"]
+            if target == "gpu+host":
+                sp = choose_split(lp.name, cg, shape[0], device_budget, itemsize)
+                splits.append(sp)
+                t += sp.transfer_bytes / PCIE_BYTES_PER_SECOND
+                layers.append(LayerPlan(lp.name, shape, f"type1 on the device, {sp.sub_layers} sub-layer(s)", t,
+                                        sp.device_bytes))
+                seconds += t
+                continue
+            ws = workspace_bytes("type1", cg, shape[0], itemsize)
+            layers.append(LayerPlan(lp.name, shape, name, t, ws))
+            seconds += t
+            work = max(work, ws)
+            continue
         kept_ws, transient = conv_memory(name, cg, shape[0], itemsize)
         layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient))
         seconds += t
@@ -212,7 +255,8 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     shared = sum(roles)
     peak = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize) + kept + shared + work + io_bytes
     return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers,
-                         shared_scratch=shared)
+                         shared_scratch=shared, target=target, device_budget=device_budget,
+                         device_peak_bytes=max((sp.device_bytes for sp in splits), default=0), splits=splits)
 
 
 def parse_pipeline(text: str | int | None) -> str | int:
@@ -298,13 +342,15 @@ def mpf_choices(npool: int, method: str) -> list[tuple[bool, ...]]:
 
 def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int], method: str = "mpf",
                 machine: Machine | None = None, max_grid: int = 64,
-                mpf: Sequence[bool] | None = None, pipeline: str | int = "off") -> InferencePlan:
+                mpf: Sequence[bool] | None = None, pipeline: str | int = "off", target: str = "host",
+                device_budget: int | None = None) -> InferencePlan:
     """The candidate with the most predicted output voxels/s whose predicted peak fits ``budget``.
 
     ``limit``: the largest useful grid per axis (the volume's output over the stride); ``mpf``: fix the
     MPF choice instead of trying every combination; ``pipeline``: ``"off"``, ``"auto"`` or theta
-    (:func:`with_pipeline`: theta and the patch are then chosen together, by the pipelined throughput). Raises
-    :class:`MemoryBudgetError` when even the smallest patch does not fit.
+    (:func:`with_pipeline`: theta and the patch are then chosen together, by the pipelined throughput);
+    ``target``, ``device_budget``: where the convolutions run (:func:`predict`; on ``"gpu"`` ``budget`` is the
+    device's). Raises :class:`MemoryBudgetError` when even the smallest patch does not fit.
     """
     machine = machine if machine is not None else load_machine(measure_if_missing=False)
     best: InferencePlan | None = None
@@ -318,7 +364,8 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
         top = 0.0
         for g in grids:
             grid = tuple(min(g, max(1, lim)) for lim in limit)
-            cand = predict(net, geom, grid, flags, method, machine, budget, cache=cache)
+            cand = predict(net, geom, grid, flags, method, machine, budget, cache=cache, target=target,
+                           device_budget=device_budget)
             if pipeline != "off":
                 cand = with_pipeline(net, geom, cand, pipeline,
                                      predict(net, geom, grid, flags, method, half, budget, cache=half_cache), scale)
@@ -340,9 +387,10 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
 
 def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence[int], method: str = "mpf",
                    mpf: Sequence[bool] | None = None, budget: int | None = None,
-                   machine: Machine | None = None, pipeline: str | int = "off") -> InferencePlan:
+                   machine: Machine | None = None, pipeline: str | int = "off", target: str = "host",
+                   device_budget: int | None = None) -> InferencePlan:
     """The plan for a user's ``--patch``: the largest valid patch within it on each axis (MPF on every
-    pooling layer unless ``mpf`` says otherwise)."""
+    pooling layer unless ``mpf`` says otherwise; ``target``, ``device_budget`` as :func:`choose_plan`)."""
     if len(patch) != geom.num_spatial:
         raise CctError(f"--patch has {len(patch)} axes; the net has {geom.num_spatial} spatial axes")
     flags = tuple(mpf) if mpf is not None else (True,) * len(geom.pools)
@@ -367,7 +415,8 @@ def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence
                 break
             g += 1
         grid.append(g)
-    plan = predict(net, geom, tuple(grid), flags, method, machine, budget)
+    plan = predict(net, geom, tuple(grid), flags, method, machine, budget, target=target,
+                   device_budget=device_budget)
     if pipeline != "off":
         machine = machine if machine is not None else load_machine(measure_if_missing=False)
         half, scale = half_machine(machine)
