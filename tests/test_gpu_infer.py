@@ -1,4 +1,4 @@
-"""Dense inference on a GPU (ZNNi VII; skipped without CuPy and a GPU): GPU-only and GPU + host RAM give the CPU's
+"""Dense inference on a GPU (ZNNi VII; skipped without CuPy and a GPU): GPU-only, GPU + host RAM and CPU-GPU give the CPU's
 output on a reduced ZNNi net, CuPy in gives CuPy out, and the CuPy pool's peak is the planner's prediction."""
 from __future__ import annotations
 
@@ -92,3 +92,14 @@ def test_gpu_plus_host_ram_splits_under_a_small_device_budget(case):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert any(sp.split for sp in di.plan.splits) and di.plan.device_peak_bytes <= budget
     assert hook.peak - hook.base <= budget
+
+
+def test_cpu_gpu_pipeline_equals_the_cpu(case):
+    import cupy
+    host, _gpu, vol, want = case
+    for pipeline in (2, "auto"):
+        di = DenseInference(host, patch=(30, 30, 30), device=CupyDevice(0), pipeline=pipeline)
+        got = di(vol)
+        assert di.target == "cpu-gpu" and di.plan.theta >= 1 and di.device_speedup > 0
+        assert isinstance(di.device_net.blobs[di.geom.input_blob].data, cupy.ndarray)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -131,8 +131,27 @@ def test_placement_of_the_output_and_clean_errors(case):
         di(vol, out=np.empty((1, 2, 3)))
     with pytest.raises(CctError, match="needs the device"):
         target_of(HostDevice(), None, True)
-    with pytest.raises(CctError, match="CPU-GPU pipeline is not built"):
+    with pytest.raises(CctError, match="two different modes"):
         DenseInference(net, patch=(16, 16, 16), device=HostDevice(), host_ram=True, pipeline=1)
+
+
+def test_cpu_gpu_pipeline_with_the_host_as_the_device_gives_the_one_stage_output(case):
+    net, vol, want = case
+    for pipeline in (1, 3, "auto"):
+        di = DenseInference(net, patch=(16, 16, 16), device=HostDevice(), pipeline=pipeline, device_speedup=4.0)
+        got = di(vol)
+        assert di.target == "cpu-gpu" and di.device_net is not net and di.stages.device == HostDevice()
+        assert di.plan.target == "cpu-gpu" and di.stages.second_runner.net is di.device_net
+        if pipeline != "auto":
+            assert di.plan.theta == pipeline
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert "CPU-GPU pipeline: first" in di.plan.describe() and "on host" in di.stages.describe()
+    slow = DenseInference(net, patch=(16, 16, 16), device=HostDevice(), pipeline="auto", device_speedup=0.25)
+    slow.prepare(vol.shape)
+    assert slow.plan.theta > di.plan.theta  # a slower device gets fewer layers
+    for theta in (1, 4, 7):  # auto balances the host's and the device's seconds best
+        fixed = DenseInference(net, patch=(16, 16, 16), device=HostDevice(), pipeline=theta, device_speedup=0.25)
+        assert max(slow.plan.stage_seconds) <= max(fixed.make_plan(vol.shape).stage_seconds) * (1 + 1e-9)
 
 
 @pytest.mark.skipif(cupy_available(), reason="checks the error of a machine without a GPU")

@@ -9,7 +9,8 @@ Prints the plan (patch, fragments, per-layer strategy, predicted voxels/s and pe
 volume tile by tile (progress with voxels/s and ETA), and resumes an interrupted run into the same output
 unless ``--restart``. ``--gpu N`` builds the net on GPU N and runs it there; with ``--host_ram`` the net
 stays in host RAM and its convolutions run on the GPU in sub-layers that fit ``--device_memory_budget``
-(ZNNi section VII-B).
+(ZNNi section VII-B); with ``--pipeline auto|THETA`` the first theta layers run on the CPU and a copy of the
+rest on the GPU (the CPU-GPU pipeline, VII-C).
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def build_parser() -> FlagParser:
                                                          "CCT_MEMORY_BUDGET, else the physical memory)")
     p.add_argument("--pipeline", default="off",
                    help="two-stage CPU pipeline (ZNNi VII): off, auto (the planner picks the split with the patch, "
-                        "by predicted throughput) or THETA, the convolution/pooling layers of the first stage")
+                        "by predicted throughput) or THETA, the convolution/pooling layers of the first stage; "
+                        "with --gpu N the CPU-GPU pipeline (first stage on the CPU, the rest on the GPU)")
     p.add_argument("--gpu", default=None, help="run on GPU N (the net built there; an error when there is no GPU)")
     p.add_bool("host_ram", "with --gpu: GPU + host RAM (ZNNi VII-B): activations in host RAM, each convolution on "
                            "the GPU in sub-layers over samples, input and output maps that fit the device budget",
@@ -97,7 +99,8 @@ def _gpu_index(args: argparse.Namespace) -> int | None:
 def run(args: argparse.Namespace) -> int:
     """``cct infer`` on parsed arguments."""
     gpu = _gpu_index(args)
-    on_gpu = gpu is not None and not args.host_ram
+    pipelined = args.pipeline not in (None, "off", "0")
+    on_gpu = gpu is not None and not args.host_ram and not pipelined  # else the net stays on the host
     config = gpu_config(gpu) if on_gpu else None
     net = cct.Net(args.model, cct.TEST, weights=args.weights, dtype=np.float32, config=config)
     if args.weights is None:
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if args.device_memory_budget else None
     di = DenseInference(net, patch=patch, mode=args.mode, padding=args.padding, method=args.method, mpf=mpf,
                         blob=args.blob, budget=budget, pipeline=args.pipeline,
-                        device=gpu_device(gpu) if gpu is not None and args.host_ram else None,
+                        device=gpu_device(gpu) if gpu is not None and not on_gpu else None,
                         host_ram=bool(args.host_ram), device_budget=device_budget)
     if mpf is not None and len(mpf) != len(di.geom.pools):
         raise CctError(f"--mpf has {len(mpf)} entries; the net has {len(di.geom.pools)} pooling layers "

@@ -9,8 +9,9 @@ interrupted run from the tiles already written.
 On a GPU (ZNNi section VII): a net built on a GPU (``config=cct.infer.gpu_config(N)``) runs there whole,
 each input patch uploaded by the device driver and each output tile downloaded into the output's buffer;
 with ``host_ram=True`` and ``device=`` a GPU, a host net keeps its activations in host RAM and runs its
-convolutions on the GPU in sub-layers that fit the device budget (:mod:`cct.infer.hostsplit`). A CuPy
-volume gives a CuPy output, a numpy one numpy.
+convolutions on the GPU in sub-layers that fit the device budget (:mod:`cct.infer.hostsplit`); with
+``device=`` and ``pipeline=`` a host net runs the CPU-GPU pipeline (its first theta layers on the host, a copy
+of the rest on the device, :mod:`cct.infer.stages`). A CuPy volume gives a CuPy output, a numpy one numpy.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from ..errors import CctError
 from ..progress import Progress
 from .dense import METHODS, PatchRunner
 from .geometry import NetGeometry, analyze, check_chain
-from .placement import target_of
+from .placement import copy_to_device, gemm_speedup, target_of
 from .plan import InferencePlan, choose_plan, parse_pipeline, plan_for_patch
 from .stages import TwoStagePipeline
 from .surgery import convert_inner_products
@@ -52,13 +53,16 @@ class DenseInference:
     ``device``: where the convolutions run (default the net's device: a net built on a GPU runs there);
     ``host_ram``: GPU + host RAM (activations in host RAM, convolutions on ``device`` in sub-layers);
     ``device_budget``: the device's memory budget in bytes (default its free memory; the planner's budget on
-    a GPU, the sub-layers' in GPU + host RAM).
+    a GPU, the sub-layers' in GPU + host RAM). A host net with ``device`` and ``pipeline`` runs the CPU-GPU
+    pipeline; ``device_speedup``: the device's speed over the host's its stage is priced at (default
+    :func:`cct.infer.placement.gemm_speedup`, measured once here).
     """
 
     def __init__(self, net, patch: Sequence[int] | None = None, mode: str = "valid", padding: str = "zero",
                  method: str = "mpf", mpf: Sequence[bool] | None = None, blob: str | None = None,
                  budget: int | None = None, pipeline: str | int = "off", device: Device | None = None,
-                 host_ram: bool = False, device_budget: int | None = None) -> None:
+                 host_ram: bool = False, device_budget: int | None = None,
+                 device_speedup: float | None = None) -> None:
         if method not in METHODS:
             raise CctError(f"unknown method '{method}' (use {', '.join(METHODS)})")
         net, self.notes = convert_inner_products(net)
@@ -72,10 +76,13 @@ class DenseInference:
         self.mode, self.padding, self.method = mode, padding, method
         self.mpf = tuple(mpf) if mpf is not None else None
         self.pipeline = parse_pipeline(pipeline)
-        self.target = target_of(net.device, device, host_ram)
+        self.target = target_of(net.device, device, host_ram, self.pipeline != "off")
         self.device: Device = device if device is not None else net.device
-        if self.target != "host" and self.pipeline != "off":
-            raise CctError("the CPU-GPU pipeline is not built yet: --pipeline runs on the CPU only")
+        self.device_net = None
+        self.device_speedup = None
+        if self.target == "cpu-gpu":  # the second stage's copy of the net, on the device
+            self.device_net = copy_to_device(net, self.device)
+            self.device_speedup = device_speedup if device_speedup is not None else gemm_speedup(self.device)
         self.device_budget = device_budget if device_budget is not None else self.device.free_bytes()
         self.stages: TwoStagePipeline | None = None
         self.budget = budget if budget is not None else net.config.memory_budget
@@ -111,9 +118,16 @@ class DenseInference:
         limit = tuple(-(-o // u) for o, u in zip(probe.output, unit))
         if self.patch is not None:
             return plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget,
-                                  pipeline=self.pipeline, target=self.target, device_budget=self.device_budget)
+                                  pipeline=self.pipeline, target=self.planner_target, device_budget=self.device_budget,
+                                  device_speedup=self.device_speedup)
         return choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf, pipeline=self.pipeline,
-                           target=self.target, device_budget=self.device_budget)
+                           target=self.planner_target, device_budget=self.device_budget,
+                           device_speedup=self.device_speedup)
+
+    @property
+    def planner_target(self) -> str:
+        """Where :func:`cct.infer.plan.predict` puts the convolutions (the CPU-GPU pipeline: its host net)."""
+        return "host" if self.target == "cpu-gpu" else self.target
 
     def prepare(self, spatial: Sequence[int]) -> Tiling:
         """Plan (:meth:`make_plan`), build the patch runner and the tiling for a volume of ``spatial`` shape."""
@@ -125,7 +139,13 @@ class DenseInference:
             self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob,
                                       theta=self.plan.theta, splits=self.plan.splits,
                                       device=self.device if self.target == "gpu+host" else None)
-            self.stages = TwoStagePipeline(self.runner, self.plan.theta) if self.plan.theta else None
+            second = None
+            if self.target == "cpu-gpu":
+                second = PatchRunner(self.device_net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob,
+                                     theta=self.plan.theta)
+            self.stages = TwoStagePipeline(self.runner, self.plan.theta, second=second) if self.plan.theta else None
+            if self.device.is_gpu and self.target == "cpu-gpu":
+                self._host_out = np.empty((self.runner.channels,) + self.runner.out_shape, dtype=self.net.dtype)
             if self.target == "gpu":  # the patch and the output tile in device memory, allocated once
                 self._device_patch = self.device.empty((self.channels,) + self.runner.patch_shape, self.net.dtype)
                 self._device_out = self.runner.new_output()

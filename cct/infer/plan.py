@@ -21,8 +21,10 @@ runs type 1 over its whole batch there (what a device layer runs by default) and
 (activations, type 1's workspace, the uploaded patch and the output tile) against the device's budget;
 ``"gpu+host"``: the activations stay in host RAM (the peak and ``budget`` are the host's) and every
 convolution runs on the device in the sub-layers :func:`cct.infer.hostsplit.choose_split` picks under
-``device_budget`` (``InferencePlan.splits``; ``device_peak_bytes`` the largest sub-layer). On a device the
-seconds are still the host cost model's (no model of a GPU is calibrated), a relative measure only.
+``device_budget`` (``InferencePlan.splits``; ``device_peak_bytes`` the largest sub-layer); ``"cpu-gpu"``: the
+CPU-GPU pipeline (:func:`with_pipeline` with ``device_speedup``: the first theta layers on all the host's threads,
+the rest on the device, priced as the host's seconds over ``device_speedup``). On a device the seconds are
+still the host cost model's (no model of a GPU is calibrated), a relative measure only.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from .buffers import blob_shapes, op_batches, plan_slots
 from .geometry import NetGeometry
 from .hostsplit import SplitPlan, choose_split
 
-TARGETS = ("host", "gpu", "gpu+host")
+TARGETS = ("host", "gpu", "gpu+host")  # where predict() puts the convolutions (cpu-gpu: with_pipeline's)
 PCIE_BYTES_PER_SECOND = 12e9  # host <-> device copies of the gpu+host sub-layers (PCIe 3 x16, as ZNNi's)
 
 
@@ -81,6 +83,7 @@ class InferencePlan:
     target: str = "host"  # where the convolutions run: host, gpu, gpu+host (module docstring)
     device_budget: int | None = None  # gpu+host: the device's budget the sub-layers fit
     device_peak_bytes: int = 0  # gpu+host: the largest sub-layer's device bytes
+    device_speedup: float = 1.0  # cpu-gpu: the device's speed over the host's the second stage is priced at
     splits: list[SplitPlan] = field(default_factory=list)  # gpu+host: each convolution's sub-layers
 
     @property
@@ -95,6 +98,7 @@ class InferencePlan:
         """The printed plan: patch, fragments, per-layer strategy, predicted voxels/s and peak bytes."""
         flags = ",".join("MPF" if m else "pool" for m in self.mpf) or "-"
         where = {"host": "", "gpu": ", on the GPU (device memory)",
+                 "cpu-gpu": ", CPU-GPU pipeline (first stage on the host, second on the device)",
                  "gpu+host": ", GPU + host RAM (activations in host RAM, convolutions on the device)"}[self.target]
         lines = [f"dense inference plan ({self.chosen_by}{where}): method {self.method}, input patch "
                  f"{'x'.join(map(str, self.patch))} -> output tile {'x'.join(map(str, self.tile))}, pooling layers "
@@ -109,7 +113,12 @@ class InferencePlan:
                          f"{sum(sp.split for sp in self.splits)} of {len(self.splits)} convolutions split")
             lines.extend(f"  {sp.describe()}" for sp in self.splits)
         lines.extend(f"  {note}" for note in self.notes)
-        if self.theta:
+        if self.theta and self.target == "cpu-gpu":
+            lines.append(f"  CPU-GPU pipeline: first {self.theta} convolution/pooling layers on the host, the rest on "
+                         f"the device (queue of one; device priced at {self.device_speedup:.3g}x the host); predicted "
+                         f"{self.stage_seconds[0] * 1e3:.2f} + {self.stage_seconds[1] * 1e3:.2f} ms per run against "
+                         f"{self.one_stage_seconds * 1e3:.2f} ms per patch on the host alone")
+        elif self.theta:
             lines.append(f"  two-stage pipeline: first {self.theta} convolution/pooling layers on one worker, the rest "
                          f"on another (queue of one); predicted {self.stage_seconds[0] * 1e3:.2f} + "
                          f"{self.stage_seconds[1] * 1e3:.2f} ms per run against {self.one_stage_seconds * 1e3:.2f} ms "
@@ -275,13 +284,14 @@ def parse_pipeline(text: str | int | None) -> str | int:
 
 
 def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | int,
-                  half: InferencePlan, scale: float = 1.0) -> InferencePlan:
+                  half: InferencePlan, scale: float = 1.0, device_speedup: float | None = None) -> InferencePlan:
     """``plan`` as a two-stage pipeline (ZNNi VII): ``half`` is the same candidate priced on half the BLAS
     threads (its seconds times ``scale``, see :func:`half_machine`); ``pipeline`` is ``"auto"`` (the best
     theta, kept only when predicted faster than one stage) or a theta. A run then takes the slower stage's
     time; the peak adds the hand-off buffer and the second stage's copy of the boundary blob, and the stages'
     activations are pooled apart (they run at the same time). ``"off"``
-    returns ``plan`` unchanged."""
+    returns ``plan`` unchanged. ``device_speedup`` (the CPU-GPU pipeline): the first stage runs on all the host's
+    threads (``plan``'s prices), the second on a device priced at the host's seconds over ``device_speedup``."""
     nops = len(geom.ops)
     if pipeline == "off" or plan.method == "strided" and pipeline == "auto":
         return plan
@@ -290,16 +300,24 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
                        f"1..{nops - 1}")
     if nops < 2:
         return plan
-    conv = iter(lp.seconds for lp in half.layers)
-    op_secs = [next(conv) if op.kind == "conv" else 0.0 for op in geom.ops]
-    rest = max(0.0, half.seconds / max(half.runs, 1) - sum(op_secs))
-    op_secs = [(t + rest / nops) * scale for t in op_secs]
+    def op_seconds(p: InferencePlan, factor: float) -> list[float]:
+        conv = iter(lp.seconds for lp in p.layers)
+        secs = [next(conv) if op.kind == "conv" else 0.0 for op in geom.ops]
+        rest = max(0.0, p.seconds / max(p.runs, 1) - sum(secs))
+        return [(t + rest / nops) * factor for t in secs]
+
+    if device_speedup is None:
+        first = second = op_seconds(half, scale)
+    else:
+        first = op_seconds(plan, 1.0)
+        second = [t / device_speedup for t in first]
+        plan.target, plan.device_speedup = "cpu-gpu", float(device_speedup)
     thetas = [pipeline] if isinstance(pipeline, int) else range(1, nops)
-    best = min(thetas, key=lambda th: (max(sum(op_secs[:th]), sum(op_secs[th:])), th))
-    stages = (sum(op_secs[:best]), sum(op_secs[best:]))
+    best = min(thetas, key=lambda th: (max(sum(first[:th]), sum(second[th:])), th))
+    stages = (sum(first[:best]), sum(second[best:]))
     seconds = max(stages) * plan.runs
-    if pipeline == "auto" and seconds >= plan.seconds:
-        return plan
+    if pipeline == "auto" and seconds >= plan.seconds and device_speedup is None:
+        return plan  # (the CPU-GPU pipeline was asked for by its device: it always runs)
     run_shape = geom.input_size(plan.grid, plan.mpf)
     size = ([run_shape] + geom.layer_sizes(run_shape, plan.mpf))[best]
     batch, pool_i = 1, 0
@@ -343,14 +361,15 @@ def mpf_choices(npool: int, method: str) -> list[tuple[bool, ...]]:
 def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int], method: str = "mpf",
                 machine: Machine | None = None, max_grid: int = 64,
                 mpf: Sequence[bool] | None = None, pipeline: str | int = "off", target: str = "host",
-                device_budget: int | None = None) -> InferencePlan:
+                device_budget: int | None = None, device_speedup: float | None = None) -> InferencePlan:
     """The candidate with the most predicted output voxels/s whose predicted peak fits ``budget``.
 
     ``limit``: the largest useful grid per axis (the volume's output over the stride); ``mpf``: fix the
     MPF choice instead of trying every combination; ``pipeline``: ``"off"``, ``"auto"`` or theta
     (:func:`with_pipeline`: theta and the patch are then chosen together, by the pipelined throughput);
     ``target``, ``device_budget``: where the convolutions run (:func:`predict`; on ``"gpu"`` ``budget`` is the
-    device's). Raises :class:`MemoryBudgetError` when even the smallest patch does not fit.
+    device's; ``device_speedup``: the CPU-GPU pipeline, :func:`with_pipeline`). Raises
+    :class:`MemoryBudgetError` when even the smallest patch does not fit.
     """
     machine = machine if machine is not None else load_machine(measure_if_missing=False)
     best: InferencePlan | None = None
@@ -368,7 +387,8 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
                            device_budget=device_budget)
             if pipeline != "off":
                 cand = with_pipeline(net, geom, cand, pipeline,
-                                     predict(net, geom, grid, flags, method, half, budget, cache=half_cache), scale)
+                                     predict(net, geom, grid, flags, method, half, budget, cache=half_cache), scale,
+                                     device_speedup)
             if smallest is None or cand.peak_bytes < smallest.peak_bytes:
                 smallest = cand
             if budget is not None and cand.peak_bytes > budget:
@@ -388,7 +408,7 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
 def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence[int], method: str = "mpf",
                    mpf: Sequence[bool] | None = None, budget: int | None = None,
                    machine: Machine | None = None, pipeline: str | int = "off", target: str = "host",
-                   device_budget: int | None = None) -> InferencePlan:
+                   device_budget: int | None = None, device_speedup: float | None = None) -> InferencePlan:
     """The plan for a user's ``--patch``: the largest valid patch within it on each axis (MPF on every
     pooling layer unless ``mpf`` says otherwise; ``target``, ``device_budget`` as :func:`choose_plan`)."""
     if len(patch) != geom.num_spatial:
@@ -421,6 +441,6 @@ def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence
         machine = machine if machine is not None else load_machine(measure_if_missing=False)
         half, scale = half_machine(machine)
         plan = with_pipeline(net, geom, plan, pipeline,
-                             predict(net, geom, tuple(grid), flags, method, half, budget), scale)
+                             predict(net, geom, tuple(grid), flags, method, half, budget), scale, device_speedup)
     plan.chosen_by = "--patch"
     return plan
