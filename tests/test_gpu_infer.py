@@ -1,5 +1,5 @@
-"""Dense inference on a GPU (ZNNi VII; skipped without CuPy and a GPU): GPU-only, GPU + host RAM and CPU-GPU give the CPU's
-output on a reduced ZNNi net, CuPy in gives CuPy out, and the CuPy pool's peak is the planner's prediction."""
+"""Dense inference on a GPU (ZNNi VII; skipped without CuPy and a GPU): GPU-only, GPU + host RAM and CPU-GPU give
+the CPU's output on a reduced ZNNi net, CuPy in gives CuPy out, and the CuPy pool's peak is the planner's prediction."""
 from __future__ import annotations
 
 import numpy as np
