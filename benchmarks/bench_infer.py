@@ -120,6 +120,25 @@ def _shift_wanted(flag: str, grid: int, grids: list[int]) -> bool:
     return grid in {int(g) for g in flag.split(",")}
 
 
+def _dense_inference(method: str, net, spec: dict, patch: tuple) -> DenseInference:
+    """The DenseInference of one cct row (the CPU ones and the GPU ones)."""
+    theta = spec.get("theta") or "auto"
+    pipeline = int(theta) if theta != "auto" else theta
+    if method == "cct-plan":
+        return DenseInference(net, budget=spec.get("budget"))
+    if method == "cct-pipe":
+        return DenseInference(net, patch=patch, pipeline=pipeline)
+    if method == "gpu":
+        on_gpu = cct.Net(spec["model"], cct.TEST, weights=spec["weights"], config=gpu_config(0))
+        return DenseInference(on_gpu, patch=patch, device_budget=spec.get("device_budget"))
+    if method == "gpu+host":
+        return DenseInference(net, patch=patch, device=gpu_device(0), host_ram=True,
+                              device_budget=spec.get("device_budget"))
+    if method == "cpu-gpu":
+        return DenseInference(net, patch=patch, device=gpu_device(0), pipeline=pipeline)
+    return DenseInference(net, patch=patch, method="shift" if method == "cct-shift" else "mpf")
+
+
 def worker(spec: dict) -> dict:
     """One row, in this process: time it, save its output, report peak RSS."""
     net = cct.Net(spec["model"], cct.TEST, weights=spec["weights"])
@@ -136,36 +155,8 @@ def worker(spec: dict) -> dict:
     elif method == "monai":
         timing, out, extra = _monai(net, geom, vol, patch, runs)
         voxels = int(np.prod(out.shape[1:]))
-    elif method in GPU_METHODS:
-        import cupy
-
-        theta = spec.get("theta") or "auto"
-        if method == "gpu":
-            net = cct.Net(spec["model"], cct.TEST, weights=spec["weights"], config=gpu_config(0))
-            di = DenseInference(net, patch=patch, device_budget=spec.get("device_budget"))
-        elif method == "gpu+host":
-            di = DenseInference(net, patch=patch, device=gpu_device(0), host_ram=True,
-                                device_budget=spec.get("device_budget"))
-        else:
-            di = DenseInference(net, patch=patch, device=gpu_device(0), pipeline=int(theta) if theta != "auto"
-                                else theta)
-        di.prepare(vol.shape)
-        timing = time_call(lambda: di(vol), repeats=runs)
-        out = di(vol)
-        voxels = int(np.prod(out.shape[1:]))
-        extra = {"plan": di.plan.describe().splitlines()[0], "predicted_peak_bytes": di.plan.peak_bytes,
-                 "device_peak_bytes": di.plan.device_peak_bytes, "patch": list(di.plan.patch),
-                 "mpf": list(di.plan.mpf), "theta": di.plan.theta,
-                 "splits": [sp.describe() for sp in di.plan.splits if sp.split],
-                 "cupy_pool_bytes": int(cupy.get_default_memory_pool().total_bytes())}
     else:
-        if method == "cct-plan":
-            di = DenseInference(net, budget=spec.get("budget"))
-        elif method == "cct-pipe":
-            theta = spec.get("theta") or "auto"
-            di = DenseInference(net, patch=patch, pipeline=int(theta) if theta != "auto" else theta)
-        else:
-            di = DenseInference(net, patch=patch, method="shift" if method == "cct-shift" else "mpf")
+        di = _dense_inference(method, net, spec, patch)
         di.prepare(vol.shape)
         timing = time_call(lambda: di(vol), repeats=runs)
         out = di(vol)
@@ -173,6 +164,12 @@ def worker(spec: dict) -> dict:
         extra = {"plan": di.plan.describe().splitlines()[0], "predicted_peak_bytes": di.plan.peak_bytes,
                  "predicted_voxels_per_s": di.plan.voxels_per_second, "patch": list(di.plan.patch),
                  "mpf": list(di.plan.mpf), "theta": di.plan.theta}
+        if method in GPU_METHODS:
+            import cupy
+
+            extra.update({"device_peak_bytes": di.plan.device_peak_bytes,
+                          "splits": [sp.describe() for sp in di.plan.splits if sp.split],
+                          "cupy_pool_bytes": int(cupy.get_default_memory_pool().total_bytes())})
     np.save(spec["out"], out)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"timing": timing, "voxels": voxels, "voxels_per_s": voxels / timing["median"], "peak_rss": rss,
