@@ -66,6 +66,11 @@ class Workspaces:
         """The number of buffers kept."""
         return len(self._bufs)
 
+    def items(self) -> list[tuple[Hashable, Any]]:
+        """``(key, buffer)`` of every buffer kept (a snapshot)."""
+        with self._lock:
+            return list(self._bufs.items())
+
     def take(self, device: Device, key: Hashable, shape: Sequence[int] | int, dtype=np.float32,
              zeroed: bool = False, grow: bool = False) -> tuple[Any, bool]:
         """``(buffer, created)``: the buffer of ``key`` in ``device``'s memory (see the class docstring) and

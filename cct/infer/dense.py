@@ -146,6 +146,7 @@ class PatchRunner:
         shape = tuple(inp.shape)
         self.slots = SlotPlan()
         self.pool: list = []
+        self.scratch: SharedScratch | None = None  # the direct convolutions' shared buffers (with reuse)
         views = self._bind_pool() if self.reuse else {}
         inp.reshape((1, shape[1]) + self.run_shape)
         pools = {op.layer: (op, i) for i, op in enumerate(geom.pools)}
@@ -191,7 +192,7 @@ class PatchRunner:
     def _share_conv_scratch(self) -> None:
         """One set of direct-convolution buffers (padded input, blocked output) for all the layers instead of one
         per layer: they run one after another (a pipeline's stages run on two threads, whose buffers differ)."""
-        shared = SharedScratch()
+        shared = self.scratch = SharedScratch()
         for _i, runner, _b, _t in self.steps:
             lowering = getattr(runner, "lowering", None)
             inner = getattr(lowering, "inner", lowering)

@@ -11,9 +11,10 @@ Predicted peak bytes = the activation pool: every blob's data and the per-axis s
 MPF layer in slots reused once their last reader has run, the same slot plan the runner allocates
 (:func:`cct.infer.buffers.plan_slots`; a forward-only net never allocates a diff: :class:`cct.Blob` does on
 first use), the buffers each convolution keeps between calls (the direct kernels' once: the layers share one
-set) plus the largest transient (a convolution's workspace, :func:`conv_memory`, or a per-voxel layer's
-temporaries, :func:`elementwise_temporaries`), the index array MAX pooling keeps, the input patch and the output
-tile. Predicted time = the convolutions' forward passes times the number of shifted runs
+set per thread; a layer that splits its batch over ``p`` threads holds ``p`` sets, each sized for its chunk,
+:func:`partition_chunks`) plus the largest transient (a convolution's workspace, :func:`conv_memory`, or a
+per-voxel layer's temporaries, :func:`elementwise_temporaries`), the index array MAX pooling keeps, the input
+patch and the output tile. Predicted time = the convolutions' forward passes times the number of shifted runs
 (plain pooling layers need one run per offset), plus one streaming pass over each blob.
 
 ``target`` (ZNNi section VII): ``"host"`` (the above); ``"gpu"``: the net lives on a GPU, every convolution
@@ -34,9 +35,11 @@ from dataclasses import dataclass, field
 from ..errors import CctError, MemoryBudgetError
 from ..lowering import direct_layout as dl
 from ..lowering.calibrate import load_machine
+from ..lowering.chunking import split
 from ..lowering.cost_model import Machine, workspace_bytes
+from ..lowering.engine import lowering_budget
 from ..lowering.geometry import ConvGeometry
-from ..lowering.optimizer import machine_for_threads, predictions
+from ..lowering.optimizer import machine_for_threads, plan_convolution, predictions
 from ..lowering.partition import memory_budget
 from ..membudget import human
 from ..proto import caffe_pb2
@@ -80,6 +83,7 @@ class InferencePlan:
     stage_seconds: tuple[float, float] = (0.0, 0.0)  # per run, each stage on half the BLAS threads
     notes: list[str] = field(default_factory=list)  # e.g. InnerProduct layers run as convolutions
     shared_scratch: int = 0  # the direct convolutions' buffers, one set shared by the layers (per thread)
+    scratch_roles: list[tuple[int, int, int]] = field(default_factory=list)  # per partition thread, see predict
     target: str = "host"  # where the convolutions run: host, gpu, gpu+host (module docstring)
     device_budget: int | None = None  # gpu+host: the device's budget the sub-layers fit
     device_peak_bytes: int = 0  # gpu+host: the largest sub-layer's device bytes
@@ -146,7 +150,7 @@ def conv_memory(name: str, cg: ConvGeometry, batch: int, itemsize: int) -> tuple
 def direct_buffers(cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, int, int] | None:
     """Bytes of the direct kernels' ``(padded input, blocked output, blocked weights)`` buffers, or None when
     the register-blocked kernels do not run ``cg``."""
-    lay = dl.plan_layout(cg, 64 // itemsize)
+    lay = dl.plan_layout(cg, dl.priced_lanes() * 4 // itemsize)  # the kernels' vector width on this CPU
     if lay is None or dl.phase_geometry(cg) is not None:
         return None
     out = batch * cg.channels_out * cg.out_size / lay.efficiency if lay.efficiency < 1 else 0
@@ -156,6 +160,24 @@ def direct_buffers(cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, in
 # Per-voxel layers that write their top in one pass (a compiled kernel or a ufunc with ``out=``); the others
 # (Sigmoid, ELU, Scale, BatchNorm, ...) compute through numpy temporaries.
 _ONE_PASS = frozenset({"ReLU", "TanH", "AbsVal", "Dropout", "Split", "Silence", "Input", "Convolution", "Pooling"})
+
+
+def partition_chunks(net, cg: ConvGeometry, batch: int, cache: dict) -> list[int]:
+    """Images per chunk of each batch partition a direct convolution of ``cg`` on ``batch`` runs: the runtime's
+    plan (:func:`cct.lowering.optimizer.plan_convolution` on this machine's whole model with the net's engine
+    settings, forward only), one entry per partition thread (each holds its own direct buffers, sized for its
+    chunk)."""
+    key = ("partitions", cg, batch)
+    if batch <= 1:
+        return [batch]  # one image: one partition, one chunk
+    if key not in cache:
+        parts = net.config.engine.partitions
+        plan = plan_convolution(cg, batch, load_machine(measure_if_missing=False), budget=lowering_budget(net.config),
+                                partitions=parts if isinstance(parts, int) else "model", passes=("fwd",),
+                                names=["direct"])  # the layer runs direct: its partitions and chunk, priced alone
+        p = max(1, min(plan.partitions, batch))
+        cache[key] = [min(plan.b_p or (e - s), e - s) for s, e in split(batch, p)]
+    return cache[key]
 
 
 def elementwise_temporaries(net, shapes: dict[str, tuple[int, ...]], itemsize: int) -> int:
@@ -210,7 +232,8 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         patch = tuple(t + f - 1 for t, f in zip(tile, geom.field_of_view))
     shapes = blob_shapes(net, geom, run_shape, mpf)
     blob_bytes = sum(_prod(s) for s in shapes.values()) * itemsize
-    layers, seconds, work, kept, roles = [], 0.0, 0, 0, [0, 0, 0]
+    layers, seconds, work, kept = [], 0.0, 0, 0
+    roles: list[tuple[int, int, int]] = []  # per partition thread: the largest request of each direct buffer role
     splits: list[SplitPlan] = []
     pool_i = 0
     for k, op in enumerate(geom.ops):
@@ -226,7 +249,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
             pool_i += 1
             continue
         cg = ConvGeometry.from_param(lp.convolution_param, shape)
-        key = (cg, shape[0])
+        key = (cg, shape[0], machine.threads)  # one cache serves the full and the half-thread machine
         if key not in cache:  # the optimizer's chunk-aware forward prices, as a TEST net's layer plans
             preds = predictions(cg, shape[0], machine, "fwd", None, cap)
             cache[key] = min(preds.items(), key=lambda kv: (kv[1], kv[0]))
@@ -250,8 +273,11 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient))
         seconds += t
         buffers = direct_buffers(cg, shape[0], itemsize) if name == "direct" else None
-        if buffers is not None:  # one buffer per role shared by the layers (SharedScratch), the largest request
-            roles = [max(r, b) for r, b in zip(roles, buffers)]
+        if buffers is not None:  # one buffer per role and thread shared by the layers (SharedScratch)
+            for k, chunk in enumerate(partition_chunks(net, cg, shape[0], cache)):
+                if k == len(roles):
+                    roles.append((0, 0, 0))
+                roles[k] = tuple(max(r, b) for r, b in zip(roles[k], direct_buffers(cg, chunk, itemsize)))
         else:
             kept += kept_ws
         work = max(work, transient)
@@ -261,10 +287,10 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     c_in = net.blobs[geom.input_blob].shape[1]
     c_out = net.blobs[geom.output_blob].shape[1]
     io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
-    shared = sum(roles)
+    shared = sum(sum(r) for r in roles)
     peak = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize) + kept + shared + work + io_bytes
     return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers,
-                         shared_scratch=shared, target=target, device_budget=device_budget,
+                         shared_scratch=shared, scratch_roles=roles, target=target, device_budget=device_budget,
                          device_peak_bytes=max((sp.device_bytes for sp in splits), default=0), splits=splits)
 
 
@@ -375,7 +401,6 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
     best: InferencePlan | None = None
     smallest: InferencePlan | None = None
     cache: dict = {}
-    half_cache: dict = {}
     half, scale = half_machine(machine) if pipeline != "off" else (machine, 1.0)
     choices = [tuple(mpf)] if mpf is not None and method == "mpf" else mpf_choices(len(geom.pools), method)
     grids = sorted({g for g in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if g <= max_grid})
@@ -387,7 +412,7 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
                            device_budget=device_budget)
             if pipeline != "off":
                 cand = with_pipeline(net, geom, cand, pipeline,
-                                     predict(net, geom, grid, flags, method, half, budget, cache=half_cache), scale,
+                                     predict(net, geom, grid, flags, method, half, budget, cache=cache), scale,
                                      device_speedup)
             if smallest is None or cand.peak_bytes < smallest.peak_bytes:
                 smallest = cand
