@@ -424,9 +424,10 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
                 break  # the whole volume in one patch, or past this choice's best size
             top = max(top, cand.voxels_per_second)
     if best is None:
+        knob = "the GPU's: --device_memory_budget" if target == "gpu" else "CCT_MEMORY_BUDGET / Config.memory_budget"
         raise MemoryBudgetError(f"even the smallest patch {list(smallest.patch) if smallest else '?'} needs "
                                 f"{human(smallest.peak_bytes) if smallest else '?'}, more than the memory budget "
-                                f"of {human(budget or 0)} (CCT_MEMORY_BUDGET / Config.memory_budget)")
+                                f"of {human(budget or 0)} ({knob})")
     return best
 
 
