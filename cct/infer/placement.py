@@ -13,23 +13,33 @@ import time
 import numpy as np
 
 from ..config import Config, current
-from ..device.driver import CupyDevice, Device, to_host
+from ..device.driver import CupyDevice, Device, gpu_count, to_host
 from ..errors import CctError
-from ..runsetup import select_gpus
 from ..scheduler import make_config
+
+
+def check_gpu(index: int) -> int:
+    """``index`` when there is such a GPU; a clean error naming ``--gpu`` otherwise (no CuPy, no device, a wrong
+    id), as ``cct train --gpu`` gives."""
+    count = gpu_count()
+    if not count:
+        raise CctError(f"--gpu={index} given but no GPU is available (CuPy is not installed or sees no CUDA "
+                       "device); leave out --gpu to run on the CPU")
+    if not 0 <= index < count:
+        raise CctError(f"--gpu: there is no GPU {index} (this machine has {count})")
+    return index
 
 
 def gpu_config(index: int, base: Config | None = None) -> Config:
     """``base`` (default the current configuration) with GPU ``index`` as the one device a net lives on;
     a clean error when there is no such GPU (no CuPy, no device, a wrong id)."""
-    select_gpus(str(int(index)))
-    return (base if base is not None else current()).replace(devices=make_config(f"gpu:{int(index)}"))
+    index = check_gpu(int(index))
+    return (base if base is not None else current()).replace(devices=make_config(f"gpu:{index}"))
 
 
 def gpu_device(index: int) -> CupyDevice:
     """GPU ``index`` as a :class:`Device` (a clean error when there is none)."""
-    select_gpus(str(int(index)))
-    return CupyDevice(int(index))
+    return CupyDevice(check_gpu(int(index)))
 
 
 def target_of(net_device: Device, device: Device | None, host_ram: bool, pipelined: bool = False) -> str:
