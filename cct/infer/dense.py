@@ -33,7 +33,7 @@ from ..lowering.direct_layout import SharedScratch
 from .buffers import SlotPlan, plan_slots, stage_key, storage_roots
 from .fragments import FragmentPooling
 from .geometry import NetGeometry
-from .hostsplit import SplitConvolution, SplitPlan
+from .hostsplit import SplitConvolution, SplitMemory, SplitPlan, slice_shapes
 
 METHODS = ("mpf", "shift", "strided")
 
@@ -147,10 +147,12 @@ class PatchRunner:
         self.slots = SlotPlan()
         self.pool: list = []
         self.scratch: SharedScratch | None = None  # the direct convolutions' shared buffers (with reuse)
+        self.split_memory: SplitMemory | None = None  # GPU + host RAM: the split convolutions' device buffer
         views = self._bind_pool() if self.reuse else {}
         inp.reshape((1, shape[1]) + self.run_shape)
         pools = {op.layer: (op, i) for i, op in enumerate(geom.pools)}
         self.steps: list[tuple[int, object, list, list]] = []
+        offload: list[tuple[int, SplitPlan]] = []
         for i, layer in enumerate(net.layers):
             lp = net.param.layer[i]
             if lp.type == "Input":
@@ -175,8 +177,10 @@ class PatchRunner:
                 if (split.batch, split.channels_in) != tuple(bottom[0].shape[:2]):
                     raise LayerError(lp.name, lp.type, f"sub-layer plan for a batch of {split.batch} x "
                                      f"{split.channels_in} maps; the layer's input is {list(bottom[0].shape)}")
-                runner = SplitConvolution(layer, split, self.device, bottom[0], top[0])
+                offload.append((len(self.steps), split))
             self.steps.append((i, runner, bottom, top))
+        if offload:
+            self._offload(offload)
         if self.reuse:
             self._share_conv_scratch()
         for name, view in views.items():
@@ -188,6 +192,20 @@ class PatchRunner:
             raise CctError(f"blob '{self.blob}' has shape {list(out.shape)}; expected {nfrag} fragments of "
                            f"{list(self.grid)} voxels (is it after the last convolution?)")
         self.channels = int(out.shape[1])
+
+    def _offload(self, offload: Sequence[tuple[int, SplitPlan]]) -> None:
+        """Run the convolutions of ``offload`` (step, plan) on the device in sub-layers; they run one after
+        another, so their slices share one device buffer, the largest layer's (:class:`SplitMemory`)."""
+        def shapes(k: int, sp: SplitPlan) -> list[tuple[int, ...]]:
+            _i, layer, bottom, top = self.steps[k]
+            group = layer.param.convolution_param.group or 1
+            return slice_shapes(sp, bottom[0].shape, top[0].shape, layer.blobs[0].shape, group)
+
+        elements = max(sum(_prod(s) for s in shapes(k, sp)) for k, sp in offload)
+        self.split_memory = SplitMemory(self.device, elements, self.net.dtype)
+        for k, sp in offload:
+            i, layer, bottom, top = self.steps[k]
+            self.steps[k] = (i, SplitConvolution(layer, sp, self.split_memory, bottom[0], top[0]), bottom, top)
 
     def _share_conv_scratch(self) -> None:
         """One set of direct-convolution buffers (padded input, blocked output) for all the layers instead of one

@@ -45,7 +45,7 @@ from ..membudget import human
 from ..proto import caffe_pb2
 from .buffers import blob_shapes, op_batches, plan_slots
 from .geometry import NetGeometry
-from .hostsplit import SplitPlan, choose_split
+from .hostsplit import SplitPlan, choose_splits
 
 TARGETS = ("host", "gpu", "gpu+host")  # where predict() puts the convolutions (cpu-gpu: with_pipeline's)
 PCIE_BYTES_PER_SECOND = 12e9  # host <-> device copies of the gpu+host sub-layers (PCIe 3 x16, as ZNNi's)
@@ -112,7 +112,8 @@ class InferencePlan:
         if self.target != "host":
             lines.append("  (seconds from the host cost model: no GPU model is calibrated)")
         if self.target == "gpu+host":
-            lines.append(f"  device: largest sub-layer {human(self.device_peak_bytes)} (device budget "
+            lines.append(f"  device: peak {human(self.device_peak_bytes)} (the layers share one buffer: the largest "
+                         f"slices and workspace, and the biases; device budget "
                          f"{human(self.device_budget) if self.device_budget else 'none'}); "
                          f"{sum(sp.split for sp in self.splits)} of {len(self.splits)} convolutions split")
             lines.extend(f"  {sp.describe()}" for sp in self.splits)
@@ -235,6 +236,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     layers, seconds, work, kept = [], 0.0, 0, 0
     roles: list[tuple[int, int, int]] = []  # per partition thread: the largest request of each direct buffer role
     splits: list[SplitPlan] = []
+    offload: list[tuple[int, str, ConvGeometry, int]] = []  # gpu+host: (layer plan index, name, geometry, batch)
     pool_i = 0
     for k, op in enumerate(geom.ops):
         lp = net.param.layer[op.layer]
@@ -256,13 +258,9 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         name, t = cache[key]
         if target != "host":  # type 1 over the whole batch on the device
             name, t = "type1", predictions(cg, shape[0], machine, "fwd", ["type1"], None)["type1"]
-            if target == "gpu+host":
-                sp = choose_split(lp.name, cg, shape[0], device_budget, itemsize)
-                splits.append(sp)
-                t += sp.transfer_bytes / PCIE_BYTES_PER_SECOND
-                layers.append(LayerPlan(lp.name, shape, f"type1 on the device, {sp.sub_layers} sub-layer(s)", t,
-                                        sp.device_bytes))
-                seconds += t
+            if target == "gpu+host":  # priced with the transfers once the sub-layers are chosen, below
+                offload.append((len(layers), lp.name, cg, shape[0]))
+                layers.append(LayerPlan(lp.name, shape, "type1 on the device", t, 0))
                 continue
             ws = workspace_bytes("type1", cg, shape[0], itemsize)
             layers.append(LayerPlan(lp.name, shape, name, t, ws))
@@ -281,6 +279,14 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         else:
             kept += kept_ws
         work = max(work, transient)
+    device_peak = 0
+    if offload:
+        splits, device_peak = choose_splits([(n, cg, b) for _k, n, cg, b in offload], device_budget, itemsize)
+        for (k, _n, _cg, _b), sp in zip(offload, splits):
+            lp = layers[k]
+            lp.seconds += sp.transfer_bytes / PCIE_BYTES_PER_SECOND
+            lp.strategy, lp.workspace = f"type1 on the device, {sp.sub_layers} sub-layer(s)", sp.device_bytes
+    seconds += sum(lp.seconds for lp in layers if lp.name in {n for _k, n, _c, _b in offload})
     seconds += machine.streaming_seconds(blob_bytes / 2) if hasattr(machine, "streaming_seconds") else 0.0
     seconds *= runs
     work = max(work, elementwise_temporaries(net, shapes, itemsize))
@@ -291,7 +297,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     peak = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize) + kept + shared + work + io_bytes
     return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers,
                          shared_scratch=shared, scratch_roles=roles, target=target, device_budget=device_budget,
-                         device_peak_bytes=max((sp.device_bytes for sp in splits), default=0), splits=splits)
+                         device_peak_bytes=device_peak, splits=splits)
 
 
 def parse_pipeline(text: str | int | None) -> str | int:
