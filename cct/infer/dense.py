@@ -30,6 +30,8 @@ import numpy as np
 from ..device.driver import Device
 from ..errors import CctError, LayerError
 from ..lowering.direct_layout import SharedScratch
+from ..lowering.partition import BatchedLowering
+from ..lowering.type1 import Type1Lowering
 from .buffers import SlotPlan, plan_slots, stage_key, storage_roots
 from .fragments import FragmentPooling
 from .geometry import NetGeometry
@@ -183,6 +185,8 @@ class PatchRunner:
             self._offload(offload)
         if self.reuse:
             self._share_conv_scratch()
+            if net.device.is_gpu:
+                self._share_device_work()
         for name, view in views.items():
             if isinstance(name, str) and net.blobs[name].data is not view:  # pragma: no cover (a layer reallocated)
                 raise CctError(f"internal: blob '{name}' left its activation buffer during setup")
@@ -206,6 +210,17 @@ class PatchRunner:
         for k, sp in offload:
             i, layer, bottom, top = self.steps[k]
             self.steps[k] = (i, SplitConvolution(layer, sp, self.split_memory, bottom[0], top[0]), bottom, top)
+
+    def _share_device_work(self) -> None:
+        """On a GPU: one type 1 lowering for the convolutions that run it (what a device layer runs by default),
+        so its cached work buffers are the largest layer's rather than one set per layer (the planner's
+        ``"gpu"`` peak counts the largest); the layers run one after another."""
+        shared = Type1Lowering()
+        for _i, runner, _b, _t in self.steps:
+            low = getattr(runner, "lowering", None)
+            if isinstance(low, BatchedLowering) and isinstance(low.inner, Type1Lowering):
+                runner.lowering = BatchedLowering(shared, batch_partition=low.batch_partition, partitions=1,
+                                                  plan_report=low.plan_report)
 
     def _share_conv_scratch(self) -> None:
         """One set of direct-convolution buffers (padded input, blocked output) for all the layers instead of one
