@@ -12,7 +12,11 @@ row runs in its own process (so its peak resident memory is its own) and times, 
 * ``monai``: the same net and weights in PyTorch in its dense form (pooling with stride 1, later layers
   dilated: filter rarefaction) run by MONAI's ``sliding_window_inference`` with ``roi_size`` = the patch,
   ``overlap`` = (field of view - 1) / patch so the valid outputs tile, the ROI weight map 1 on the valid
-  part, ``sw_batch_size`` tuned over 1, 2, 4.
+  part, ``sw_batch_size`` tuned over 1, 2, 4;
+* on a GPU (ZNNi VII; skipped with a line where CuPy sees none): ``gpu`` (the net built on GPU 0, patches
+  uploaded and tiles downloaded), ``gpu+host`` (activations in host RAM, each convolution on the GPU in
+  sub-layers under ``--device_budget``) and ``cpu-gpu`` (the first theta layers on the CPU, the rest on the GPU,
+  ``--theta``), each at the given patch; the GPU rows report the CuPy pool's size after the run too.
 
 Every output is compared with cct-mpf's at the largest patch (max abs difference in the table).
 torch and monai come from the ``[bench-infer]`` extra: ``pip install -e '.[bench-infer]'``.
@@ -38,9 +42,11 @@ import numpy as np  # noqa: I001
 from common import environment_report, print_environment, print_table, reexec_clean, time_call, write_json
 
 import cct
+from cct.device.driver import gpu_count
 from cct.infer.geometry import analyze
 from cct.infer.naive import naive_dense
 from cct.infer.pipeline import DenseInference
+from cct.infer.placement import gpu_config, gpu_device
 from cct.infer.znni_nets import znni_prototxt
 
 
@@ -122,6 +128,25 @@ def _shift_wanted(flag: str, grid: int, grids: list[int]) -> bool:
     return grid in {int(g) for g in flag.split(",")}
 
 
+def _dense_inference(method: str, net, spec: dict, patch: tuple) -> DenseInference:
+    """The DenseInference of one cct row (the CPU ones and the GPU ones)."""
+    theta = spec.get("theta") or "auto"
+    pipeline = int(theta) if theta != "auto" else theta
+    if method == "cct-plan":
+        return DenseInference(net, budget=spec.get("budget"))
+    if method == "cct-pipe":
+        return DenseInference(net, patch=patch, pipeline=pipeline)
+    if method == "gpu":
+        on_gpu = cct.Net(spec["model"], cct.TEST, weights=spec["weights"], config=gpu_config(0))
+        return DenseInference(on_gpu, patch=patch, device_budget=spec.get("device_budget"))
+    if method == "gpu+host":
+        return DenseInference(net, patch=patch, device=gpu_device(0), host_ram=True,
+                              device_budget=spec.get("device_budget"))
+    if method == "cpu-gpu":
+        return DenseInference(net, patch=patch, device=gpu_device(0), pipeline=pipeline)
+    return DenseInference(net, patch=patch, method="shift" if method == "cct-shift" else "mpf")
+
+
 def worker(spec: dict) -> dict:
     """One row, in this process: time it, save its output, report peak RSS."""
     net = cct.Net(spec["model"], cct.TEST, weights=spec["weights"])
@@ -139,13 +164,7 @@ def worker(spec: dict) -> dict:
         timing, out, extra = _monai(net, geom, vol, patch, runs)
         voxels = int(np.prod(out.shape[1:]))
     else:
-        if method == "cct-plan":
-            di = DenseInference(net, budget=spec.get("budget"))
-        elif method == "cct-pipe":
-            theta = spec.get("theta") or "auto"
-            di = DenseInference(net, patch=patch, pipeline=int(theta) if theta != "auto" else theta)
-        else:
-            di = DenseInference(net, patch=patch, method="shift" if method == "cct-shift" else "mpf")
+        di = _dense_inference(method, net, spec, patch)
         di.prepare(vol.shape)
         last: list = []
         timing = time_call(lambda: last.append(di(vol)), repeats=runs)
@@ -154,10 +173,19 @@ def worker(spec: dict) -> dict:
         extra = {"plan": di.plan.describe().splitlines()[0], "predicted_peak_bytes": di.plan.peak_bytes,
                  "predicted_voxels_per_s": di.plan.voxels_per_second, "patch": list(di.plan.patch),
                  "mpf": list(di.plan.mpf), "theta": di.plan.theta}
+        if method in GPU_METHODS:
+            import cupy
+
+            extra.update({"device_peak_bytes": di.plan.device_peak_bytes,
+                          "splits": [sp.describe() for sp in di.plan.splits if sp.split],
+                          "cupy_pool_bytes": int(cupy.get_default_memory_pool().total_bytes())})
     np.save(spec["out"], out)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"timing": timing, "voxels": voxels, "voxels_per_s": voxels / timing["median"], "peak_rss": rss,
             **extra}
+
+
+GPU_METHODS = ("gpu", "gpu+host", "cpu-gpu")
 
 
 def main() -> None:
@@ -165,12 +193,13 @@ def main() -> None:
     ap.add_argument("--nets", nargs="+", default=["n337:8:1,2", "n537:4:1"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--windows", type=int, default=8, help="window positions timed by the naive approach")
-    ap.add_argument("--methods", default="naive,cct-shift,cct-mpf,cct-plan,monai")
+    ap.add_argument("--methods", default="naive,cct-shift,cct-mpf,cct-plan,monai,gpu,gpu+host,cpu-gpu")
     ap.add_argument("--shift_grids", default="max",
                     help="grids cct-shift runs at: 'max' (the largest), 'none' or a list such as 1,2 "
                          "(it runs prod(stride) plain nets per patch)")
     ap.add_argument("--theta", default="auto", help="cct-pipe's first-stage layers (auto: the planner's)")
     ap.add_argument("--budget", default=None, help="memory budget of cct-plan (default CCT_MEMORY_BUDGET)")
+    ap.add_argument("--device_budget", default=None, help="GPU memory of the gpu and gpu+host rows (default: free)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--keep-env", action="store_true")
     ap.add_argument("--out", default=None)
@@ -182,11 +211,15 @@ def main() -> None:
     env = environment_report(removed)
     print_environment(env)
     methods = args.methods.split(",")
-    budget = None
-    if args.budget:
+    if gpu_count() == 0 and any(m in GPU_METHODS for m in methods):
+        print(f"skipped {', '.join(m for m in methods if m in GPU_METHODS)}: no GPU (CuPy sees none)")
+        methods = [m for m in methods if m not in GPU_METHODS]
+    budget = device_budget = None
+    if args.budget or args.device_budget:
         from cct.membudget import parse_size
 
-        budget = parse_size(args.budget)
+        budget = parse_size(args.budget) if args.budget else None
+        device_budget = parse_size(args.device_budget) if args.device_budget else None
     rows, results = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.nets:
@@ -209,16 +242,18 @@ def main() -> None:
             vpath = os.path.join(tmp, f"{name}_vol.npy")
             np.save(vpath, vol)
             ref = None
-            order = [m for m in ("cct-mpf", "naive", "cct-shift", "cct-plan", "cct-pipe", "monai") if m in methods]
+            order = [m for m in ("cct-mpf", "naive", "cct-shift", "cct-plan", "cct-pipe", "monai") + GPU_METHODS
+                     if m in methods]
             for method in order:
-                for g in (grids if method in ("cct-mpf", "cct-shift", "cct-pipe", "monai") else [max(grids)]):
+                for g in (grids if method in ("cct-mpf", "cct-shift", "cct-pipe", "monai") + GPU_METHODS
+                          else [max(grids)]):
                     if method == "cct-shift" and not _shift_wanted(args.shift_grids, g, grids):
                         continue
                     patch = (g * stride + fov - 1,) * 3
                     out = os.path.join(tmp, f"{name}_{method}_{g}.npy")
                     job = {"model": model, "weights": weights, "volume": vpath, "method": method, "patch": patch,
                            "runs": args.runs, "out": out, "windows": args.windows, "budget": budget,
-                           "theta": args.theta}
+                           "theta": args.theta, "device_budget": device_budget}
                     t0 = time.perf_counter()
                     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
                                           capture_output=True, text=True, env=os.environ.copy())
@@ -238,7 +273,7 @@ def main() -> None:
                                 "patch": res.get("patch", list(patch)), "volume": list(vol.shape),
                                 "max_abs_diff_vs_cct_mpf": diff, "wall_s": time.perf_counter() - t0})
                     results.append(res)
-                    label = f"{method} (theta {res.get('theta')})" if method == "cct-pipe" else method
+                    label = f"{method} (theta {res.get('theta')})" if method in ("cct-pipe", "cpu-gpu") else method
                     rows.append([name, int(fmaps), label, "x".join(map(str, res["patch"])) if method != "naive"
                                  else f"{fov}^3 windows", round(res["voxels_per_s"], 1), res["timing"]["median"],
                                  round(res["peak_rss"] / 2**20), f"{diff:.1e}", res.get("sw_batch_size", "")])

@@ -66,6 +66,11 @@ class Workspaces:
         """The number of buffers kept."""
         return len(self._bufs)
 
+    def items(self) -> list[tuple[Hashable, Any]]:
+        """``(key, buffer)`` of every buffer kept (a snapshot)."""
+        with self._lock:
+            return list(self._bufs.items())
+
     def take(self, device: Device, key: Hashable, shape: Sequence[int] | int, dtype=np.float32,
              zeroed: bool = False, grow: bool = False) -> tuple[Any, bool]:
         """``(buffer, created)``: the buffer of ``key`` in ``device``'s memory (see the class docstring) and
@@ -160,6 +165,11 @@ class Device:
     def synchronize(self) -> None:
         """Wait for the work queued on this device (nothing to wait for on the host)."""
 
+    def free_bytes(self) -> int | None:
+        """Bytes this device can still allocate (a GPU: the driver's free memory plus what CuPy's pool holds
+        unused); None on the host, whose budget is :attr:`cct.config.Config.memory_budget`."""
+        return None
+
     def use(self) -> None:
         """Make this device the current one of the calling thread (a GPU's CuPy device; no-op on the host)."""
 
@@ -245,6 +255,11 @@ class CupyDevice(Device):
 
     def synchronize(self) -> None:
         _cupy.cuda.Device(self.index).synchronize()
+
+    def free_bytes(self) -> int | None:
+        with _cupy.cuda.Device(self.index):
+            free, _total = _cupy.cuda.runtime.memGetInfo()
+            return int(free) + int(_cupy.get_default_memory_pool().free_bytes())
 
     def use(self) -> None:
         _cupy.cuda.Device(self.index).use()

@@ -2,11 +2,15 @@
 
     cct infer --model deploy.prototxt --weights w.caffemodel --input vol.h5:raw --output out.h5:prob \
               [--blob prob] [--patch 64,64,64] [--mode valid|same] [--padding zero|mirror] \
-              [--method mpf|shift|strided] [--memory_budget 4G] [--plan_only] [--restart]
+              [--method mpf|shift|strided] [--memory_budget 4G] [--plan_only] [--restart] \
+              [--gpu N [--host_ram] [--device_memory_budget 8G]]
 
 Prints the plan (patch, fragments, per-layer strategy, predicted voxels/s and peak memory), streams the
 volume tile by tile (progress with voxels/s and ETA), and resumes an interrupted run into the same output
-unless ``--restart``.
+unless ``--restart``. ``--gpu N`` builds the net on GPU N and runs it there; with ``--host_ram`` the net
+stays in host RAM and its convolutions run on the GPU in sub-layers that fit ``--device_memory_budget``
+(ZNNi section VII-B); with ``--pipeline auto|THETA`` the first theta layers run on the CPU and a copy of the
+rest on the GPU (the CPU-GPU pipeline, VII-C).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from ..membudget import parse_size
 from ..tools import tool_parser
 from .dense import METHODS
 from .pipeline import DenseInference
+from .placement import gpu_config, gpu_device
 from .tiling import MODES, PADDINGS
 from .volume_io import InputVolume
 
@@ -66,15 +71,38 @@ def build_parser() -> FlagParser:
                                                          "CCT_MEMORY_BUDGET, else the physical memory)")
     p.add_argument("--pipeline", default="off",
                    help="two-stage CPU pipeline (ZNNi VII): off, auto (the planner picks the split with the patch, "
-                        "by predicted throughput) or THETA, the convolution/pooling layers of the first stage")
+                        "by predicted throughput) or THETA, the convolution/pooling layers of the first stage; "
+                        "with --gpu N the CPU-GPU pipeline (first stage on the CPU, the rest on the GPU)")
+    p.add_argument("--gpu", default=None, help="run on GPU N (the net built there; an error when there is no GPU)")
+    p.add_bool("host_ram", "with --gpu: GPU + host RAM (ZNNi VII-B): activations in host RAM, each convolution on "
+                           "the GPU in sub-layers over samples, input and output maps that fit the device budget",
+               default=False)
+    p.add_argument("--device_memory_budget", default=None,
+                   help="with --gpu: the GPU memory the plan may use, e.g. 8G (default: the GPU's free memory)")
     p.add_bool("plan_only", "print the plan and exit")
     p.add_bool("restart", "ignore a partial output of an interrupted run and start over")
     return p
 
 
+def _gpu_index(args: argparse.Namespace) -> int | None:
+    """``--gpu N`` as one device id (None without it); the GPU-only flags refused without it."""
+    if args.gpu is None:
+        if args.host_ram or args.device_memory_budget:
+            raise CctError("--host_ram and --device_memory_budget need --gpu N")
+        return None
+    try:
+        return int(args.gpu)
+    except ValueError:
+        raise CctError(f"--gpu {args.gpu!r}: cct infer runs on one GPU, give its id (e.g. --gpu 0)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """``cct infer`` on parsed arguments."""
-    net = cct.Net(args.model, cct.TEST, weights=args.weights, dtype=np.float32)
+    gpu = _gpu_index(args)
+    pipelined = args.pipeline not in (None, "off", "0")
+    on_gpu = gpu is not None and not args.host_ram and not pipelined  # else the net stays on the host
+    config = gpu_config(gpu) if on_gpu else None
+    net = cct.Net(args.model, cct.TEST, weights=args.weights, dtype=np.float32, config=config)
     if args.weights is None:
         log.warning("no --weights: the net runs with the weights of its fillers")
     budget = parse_size(args.memory_budget, "--memory_budget") if args.memory_budget else None
@@ -85,8 +113,12 @@ def run(args: argparse.Namespace) -> int:
         if any(f not in ("0", "1") for f in flags):
             raise CctError(f"--mpf {args.mpf!r}: expected 0/1 per pooling layer, e.g. 1,1,0")
         mpf = tuple(f == "1" for f in flags)
+    device_budget = parse_size(args.device_memory_budget, "--device_memory_budget") \
+        if args.device_memory_budget else None
     di = DenseInference(net, patch=patch, mode=args.mode, padding=args.padding, method=args.method, mpf=mpf,
-                        blob=args.blob, budget=budget, pipeline=args.pipeline)
+                        blob=args.blob, budget=budget, pipeline=args.pipeline,
+                        device=gpu_device(gpu) if gpu is not None and not on_gpu else None,
+                        host_ram=bool(args.host_ram), device_budget=device_budget)
     if mpf is not None and len(mpf) != len(di.geom.pools):
         raise CctError(f"--mpf has {len(mpf)} entries; the net has {len(di.geom.pools)} pooling layers "
                        f"({', '.join(op.name for op in di.geom.pools) or 'none'})")

@@ -15,6 +15,10 @@ fragments create); :meth:`PatchRunner.run` only computes. The activations (every
 layers' stride-1 buffers) live in one pool allocated at construction, a slot reused once the last layer
 reading it has run (:mod:`cct.infer.buffers`), and the direct convolutions share one set of buffers
 (:class:`cct.lowering.direct_layout.SharedScratch`); ``reuse=False`` gives every blob and layer its own.
+
+On a net built on a GPU every buffer, the patch and the output live in device memory (the array module
+``xp`` of the net's blobs). ``splits`` (GPU + host RAM, :mod:`cct.infer.hostsplit`) runs the named
+convolutions of a host net on ``device`` in sub-layers instead.
 """
 from __future__ import annotations
 
@@ -23,11 +27,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..device.driver import Device
 from ..errors import CctError, LayerError
 from ..lowering.direct_layout import SharedScratch
+from ..lowering.partition import BatchedLowering
+from ..lowering.type1 import Type1Lowering
 from .buffers import SlotPlan, plan_slots, stage_key, storage_roots
 from .fragments import FragmentPooling
 from .geometry import NetGeometry
+from .hostsplit import SplitConvolution, SplitMemory, SplitPlan, slice_shapes
 
 METHODS = ("mpf", "shift", "strided")
 
@@ -47,11 +55,13 @@ class PatchRunner:
     or ``"shift"`` (dense output; ``"shift"`` forces every ``mpf`` False) or ``"strided"``.
     ``blob``: the output blob (default the net's last output); ``reuse``: activation buffers reused across
     layers (default); ``theta``: the two-stage pipeline's split (:mod:`cct.infer.stages`; 0: one stage), whose
-    stages then get separate buffers since they run at the same time.
+    stages then get separate buffers since they run at the same time. ``splits``: convolutions (by layer
+    name) run on ``device`` in sub-layers with their activations in host RAM (:mod:`cct.infer.hostsplit`).
     """
 
     def __init__(self, net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool] | None = None,
-                 method: str = "mpf", blob: str | None = None, reuse: bool = True, theta: int = 0) -> None:
+                 method: str = "mpf", blob: str | None = None, reuse: bool = True, theta: int = 0,
+                 splits: Sequence[SplitPlan] = (), device: Device | None = None) -> None:
         if method not in METHODS:
             raise CctError(f"unknown dense-inference method '{method}' (use {', '.join(METHODS)})")
         npool = len(geom.pools)
@@ -67,6 +77,10 @@ class PatchRunner:
             raise CctError(f"pipeline theta {theta}: the net has {len(geom.ops)} convolution/pooling layers, so theta "
                            f"must be 1..{len(geom.ops) - 1}")
         self.mpf = tuple(bool(m) for m in mpf)
+        self.splits = {sp.layer: sp for sp in splits}
+        if self.splits and (device is None or net.device.is_gpu):
+            raise CctError("sub-layers on a device (GPU + host RAM) need a host net and the device to run them on")
+        self.device = device if device is not None else net.device
         self.grid = tuple(int(g) for g in grid)
         self.blob = blob or geom.output_blob
         if not net.has_blob(self.blob):
@@ -134,10 +148,13 @@ class PatchRunner:
         shape = tuple(inp.shape)
         self.slots = SlotPlan()
         self.pool: list = []
+        self.scratch: SharedScratch | None = None  # the direct convolutions' shared buffers (with reuse)
+        self.split_memory: SplitMemory | None = None  # GPU + host RAM: the split convolutions' device buffer
         views = self._bind_pool() if self.reuse else {}
         inp.reshape((1, shape[1]) + self.run_shape)
         pools = {op.layer: (op, i) for i, op in enumerate(geom.pools)}
         self.steps: list[tuple[int, object, list, list]] = []
+        offload: list[tuple[int, SplitPlan]] = []
         for i, layer in enumerate(net.layers):
             lp = net.param.layer[i]
             if lp.type == "Input":
@@ -148,6 +165,7 @@ class PatchRunner:
                 runner = FragmentPooling(lp, pools[i][0].size, bottom[0])
                 if views:
                     runner.stages = [views[stage_key(i, a)] for a in range(geom.num_spatial)]
+            split = self.splits.get(lp.name)
             try:
                 if isinstance(runner, FragmentPooling):
                     runner.reshape(bottom[0], top[0])
@@ -157,9 +175,18 @@ class PatchRunner:
                 raise
             except (CctError, ValueError) as e:
                 raise LayerError(lp.name, lp.type, f"patch {list(self.run_shape)}: {e}") from e
+            if split is not None:
+                if (split.batch, split.channels_in) != tuple(bottom[0].shape[:2]):
+                    raise LayerError(lp.name, lp.type, f"sub-layer plan for a batch of {split.batch} x "
+                                     f"{split.channels_in} maps; the layer's input is {list(bottom[0].shape)}")
+                offload.append((len(self.steps), split))
             self.steps.append((i, runner, bottom, top))
+        if offload:
+            self._offload(offload)
         if self.reuse:
             self._share_conv_scratch()
+            if net.device.is_gpu:
+                self._share_device_work()
         for name, view in views.items():
             if isinstance(name, str) and net.blobs[name].data is not view:  # pragma: no cover (a layer reallocated)
                 raise CctError(f"internal: blob '{name}' left its activation buffer during setup")
@@ -170,10 +197,35 @@ class PatchRunner:
                            f"{list(self.grid)} voxels (is it after the last convolution?)")
         self.channels = int(out.shape[1])
 
+    def _offload(self, offload: Sequence[tuple[int, SplitPlan]]) -> None:
+        """Run the convolutions of ``offload`` (step, plan) on the device in sub-layers; they run one after
+        another, so their slices share one device buffer, the largest layer's (:class:`SplitMemory`)."""
+        def shapes(k: int, sp: SplitPlan) -> list[tuple[int, ...]]:
+            _i, layer, bottom, top = self.steps[k]
+            group = layer.param.convolution_param.group or 1
+            return slice_shapes(sp, bottom[0].shape, top[0].shape, layer.blobs[0].shape, group)
+
+        elements = max(sum(_prod(s) for s in shapes(k, sp)) for k, sp in offload)
+        self.split_memory = SplitMemory(self.device, elements, self.net.dtype)
+        for k, sp in offload:
+            i, layer, bottom, top = self.steps[k]
+            self.steps[k] = (i, SplitConvolution(layer, sp, self.split_memory, bottom[0], top[0]), bottom, top)
+
+    def _share_device_work(self) -> None:
+        """On a GPU: one type 1 lowering for the convolutions that run it (what a device layer runs by default),
+        so its cached work buffers are the largest layer's rather than one set per layer (the planner's
+        ``"gpu"`` peak counts the largest); the layers run one after another."""
+        shared = Type1Lowering()
+        for _i, runner, _b, _t in self.steps:
+            low = getattr(runner, "lowering", None)
+            if isinstance(low, BatchedLowering) and isinstance(low.inner, Type1Lowering):
+                runner.lowering = BatchedLowering(shared, batch_partition=low.batch_partition, partitions=1,
+                                                  plan_report=low.plan_report)
+
     def _share_conv_scratch(self) -> None:
         """One set of direct-convolution buffers (padded input, blocked output) for all the layers instead of one
         per layer: they run one after another (a pipeline's stages run on two threads, whose buffers differ)."""
-        shared = SharedScratch()
+        shared = self.scratch = SharedScratch()
         for _i, runner, _b, _t in self.steps:
             lowering = getattr(runner, "lowering", None)
             inner = getattr(lowering, "inner", lowering)
@@ -187,9 +239,13 @@ class PatchRunner:
         if tuple(patch.shape[1:]) != self.patch_shape or patch.shape[0] != inp.shape[1]:
             raise CctError(f"patch of shape {list(patch.shape)}; expected {[inp.shape[1], *self.patch_shape]}")
 
-    def new_output(self) -> np.ndarray:
-        """An (uninitialised) dense output array of one patch."""
-        return np.empty((self.channels,) + self.out_shape, dtype=self.net.dtype)
+    def new_output(self):
+        """An (uninitialised) dense output array of one patch, in the net's memory (a GPU's for a GPU net)."""
+        return self.net.blobs[self.geom.input_blob].xp.empty((self.channels,) + self.out_shape, dtype=self.net.dtype)
+
+    def split_runners(self) -> list[SplitConvolution]:
+        """The convolutions that run on the device in sub-layers (GPU + host RAM)."""
+        return [r for _i, r, _b, _t in self.steps if isinstance(r, SplitConvolution)]
 
     def load(self, patch: np.ndarray, shift: Sequence[int]) -> None:
         """Copy the window of ``patch`` at ``shift`` (one run's input) into the net's input blob."""

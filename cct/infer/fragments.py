@@ -13,9 +13,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-import numpy as np
-
 from ..blob import Blob
+from ..device.driver import array_module
 from ..proto import caffe_pb2
 
 
@@ -70,7 +69,7 @@ def pool_stride1(x, window: Sequence[int], average: bool, stages: Sequence) -> N
     AVE divides by the window's size: the windows of a pooling with stride = window and no padding are
     never clipped (the sum's order differs from the one-pass sum, within float rounding).
     """
-    src = x
+    src, xp = x, array_module(x)  # numpy, or cupy for a net on a GPU
     for a, (p, dst) in enumerate(zip(window, stages)):
         n = dst.shape[2 + a]
 
@@ -82,7 +81,7 @@ def pool_stride1(x, window: Sequence[int], average: bool, stages: Sequence) -> N
             if average:
                 dst += part(o)
             else:
-                np.maximum(dst, part(o), out=dst)
+                xp.maximum(dst, part(o), out=dst)
         src = dst
     if average:
         count = 1

@@ -5,6 +5,13 @@ is ``(N, C, *spatial)``. Calling it on an array ``(C, *spatial)`` (or ``spatial`
 the dense output ``(C_out, *out)``; :meth:`DenseInference.run_files` streams a volume from a file to a
 file tile by tile (never loading it whole), shows progress with voxels/s and ETA, and resumes an
 interrupted run from the tiles already written.
+
+On a GPU (ZNNi section VII): a net built on a GPU (``config=cct.infer.gpu_config(N)``) runs there whole,
+each input patch uploaded by the device driver and each output tile downloaded into the output's buffer;
+with ``host_ram=True`` and ``device=`` a GPU, a host net keeps its activations in host RAM and runs its
+convolutions on the GPU in sub-layers that fit the device budget (:mod:`cct.infer.hostsplit`); with
+``device=`` and ``pipeline=`` a host net runs the CPU-GPU pipeline (its first theta layers on the host, a copy
+of the rest on the device, :mod:`cct.infer.stages`). A CuPy volume gives a CuPy output, a numpy one numpy.
 """
 from __future__ import annotations
 
@@ -16,11 +23,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..device.driver import Device, device_of, to_host
 from ..distributed.comm import Comm, LocalComm
 from ..errors import CctError
 from ..progress import Progress
 from .dense import METHODS, PatchRunner
 from .geometry import NetGeometry, analyze, check_chain
+from .placement import copy_to_device, gemm_speedup, target_of
 from .plan import InferencePlan, choose_plan, parse_pipeline, plan_for_patch
 from .stages import TwoStagePipeline
 from .surgery import convert_inner_products
@@ -41,11 +50,19 @@ class DenseInference:
     ``blob``: the output blob (default the net's last output); ``pipeline``: ``"off"``, ``"auto"`` (the
     planner picks theta with the patch, by predicted throughput) or theta, the number of convolution/pooling
     layers of the first stage of the two-stage CPU pipeline (:mod:`cct.infer.stages`; same output).
+    ``device``: where the convolutions run (default the net's device: a net built on a GPU runs there);
+    ``host_ram``: GPU + host RAM (activations in host RAM, convolutions on ``device`` in sub-layers);
+    ``device_budget``: the device's memory budget in bytes (default its free memory; the planner's budget on
+    a GPU, the sub-layers' in GPU + host RAM). A host net with ``device`` and ``pipeline`` runs the CPU-GPU
+    pipeline; ``device_speedup``: the device's speed over the host's its stage is priced at (default
+    :func:`cct.infer.placement.gemm_speedup`, measured once here).
     """
 
     def __init__(self, net, patch: Sequence[int] | None = None, mode: str = "valid", padding: str = "zero",
                  method: str = "mpf", mpf: Sequence[bool] | None = None, blob: str | None = None,
-                 budget: int | None = None, pipeline: str | int = "off") -> None:
+                 budget: int | None = None, pipeline: str | int = "off", device: Device | None = None,
+                 host_ram: bool = False, device_budget: int | None = None,
+                 device_speedup: float | None = None) -> None:
         if method not in METHODS:
             raise CctError(f"unknown method '{method}' (use {', '.join(METHODS)})")
         net, self.notes = convert_inner_products(net)
@@ -59,8 +76,19 @@ class DenseInference:
         self.mode, self.padding, self.method = mode, padding, method
         self.mpf = tuple(mpf) if mpf is not None else None
         self.pipeline = parse_pipeline(pipeline)
+        self.target = target_of(net.device, device, host_ram, self.pipeline != "off")
+        self.device: Device = device if device is not None else net.device
+        self.device_net = None
+        self.device_speedup = None
+        if self.target == "cpu-gpu":  # the second stage's copy of the net, on the device
+            self.device_net = copy_to_device(net, self.device)
+            self.device_speedup = device_speedup if device_speedup is not None else gemm_speedup(self.device)
+        self.device_budget = device_budget if device_budget is not None else self.device.free_bytes()
         self.stages: TwoStagePipeline | None = None
         self.budget = budget if budget is not None else net.config.memory_budget
+        if self.target == "gpu":
+            self.budget = self.device_budget
+        self._device_patch = self._device_out = self._host_out = None
         self.channels = int(net.blobs[self.geom.input_blob].shape[1])
         self.plan: InferencePlan | None = None
         self.runner: PatchRunner | None = None
@@ -90,8 +118,16 @@ class DenseInference:
         limit = tuple(-(-o // u) for o, u in zip(probe.output, unit))
         if self.patch is not None:
             return plan_for_patch(self.net, geom, self.patch, limit, self.method, self.mpf, self.budget,
-                                  pipeline=self.pipeline)
-        return choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf, pipeline=self.pipeline)
+                                  pipeline=self.pipeline, target=self.planner_target, device_budget=self.device_budget,
+                                  device_speedup=self.device_speedup)
+        return choose_plan(self.net, geom, self.budget, limit, self.method, mpf=self.mpf, pipeline=self.pipeline,
+                           target=self.planner_target, device_budget=self.device_budget,
+                           device_speedup=self.device_speedup)
+
+    @property
+    def planner_target(self) -> str:
+        """Where :func:`cct.infer.plan.predict` puts the convolutions (the CPU-GPU pipeline: its host net)."""
+        return "host" if self.target == "cpu-gpu" else self.target
 
     def prepare(self, spatial: Sequence[int]) -> Tiling:
         """Plan (:meth:`make_plan`), build the patch runner and the tiling for a volume of ``spatial`` shape."""
@@ -101,29 +137,60 @@ class DenseInference:
             self.plan.notes = list(self.notes)
             log.debug("%s", self.plan.describe())
             self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob,
-                                      theta=self.plan.theta)
-            self.stages = TwoStagePipeline(self.runner, self.plan.theta) if self.plan.theta else None
+                                      theta=self.plan.theta, splits=self.plan.splits,
+                                      device=self.device if self.target == "gpu+host" else None)
+            second = None
+            if self.target == "cpu-gpu":
+                second = PatchRunner(self.device_net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob,
+                                     theta=self.plan.theta)
+            self.stages = TwoStagePipeline(self.runner, self.plan.theta, second=second) if self.plan.theta else None
+            if self.device.is_gpu and self.target == "cpu-gpu":
+                self._host_out = np.empty((self.runner.channels,) + self.runner.out_shape, dtype=self.net.dtype)
+            if self.target == "gpu":  # the patch and the output tile in device memory, allocated once
+                self._device_patch = self.device.empty((self.channels,) + self.runner.patch_shape, self.net.dtype)
+                self._device_out = self.runner.new_output()
+                self._host_out = np.empty((self.runner.channels,) + self.runner.out_shape, dtype=self.net.dtype)
             self._prepared_for = spatial
         r = self.runner
         return Tiling(spatial, self.geom.field_of_view, r.patch_shape, r.out_shape, r.out_step, self.mode,
                       self.padding)
 
     # -- running ---------------------------------------------------------------------------
-    def __call__(self, volume) -> np.ndarray:
-        """Dense output ``(C_out, *out)`` of an in-memory volume (numpy array)."""
-        volume = np.asarray(volume)
+    def __call__(self, volume, out=None):
+        """Dense output ``(C_out, *out)`` of an in-memory volume: a numpy volume gives a numpy array, a CuPy
+        volume a CuPy array on its GPU; ``out``: the array to write it into (numpy or CuPy, that shape)."""
+        home = device_of(volume)
+        volume = volume if home.is_gpu else np.asarray(volume)
         spatial = self.volume_layout(volume.shape)
         vol = volume.reshape((self.channels,) + spatial)
         tiling = self.prepare(spatial)
-        out = np.empty((self.runner.channels,) + tiling.output, dtype=self.net.dtype)
-        for tile, result in self._results(tiling, list(tiling), lambda box: vol[(slice(None),) + tuple(box)]):
-            out[(slice(None),) + tuple(slice(s, s + n) for s, n in zip(tile.start, tile.size))] = result
+        shape = (self.runner.channels,) + tiling.output
+        if out is None:
+            out = home.empty(shape, dtype=self.net.dtype)
+        elif tuple(out.shape) != shape:
+            raise CctError(f"out= has shape {list(out.shape)}; the dense output has {list(shape)}")
+        dest = device_of(out)
+
+        def read(box):
+            return home.download(vol[(slice(None),) + tuple(box)])  # the host's: the tile is cut (and padded) there
+
+        for tile, result in self._results(tiling, list(tiling), read):
+            region = out[(slice(None),) + tuple(slice(s, s + n) for s, n in zip(tile.start, tile.size))]
+            if dest.is_gpu and device_of(result).is_gpu:
+                region[...] = result
+            elif dest.is_gpu:
+                dest.upload(result, out=region)
+            else:
+                device_of(result).download(result, out=region)
         return out
 
     def _results(self, tiling: Tiling, tiles: list[Tile], read: Callable) -> Iterator[tuple[Tile, np.ndarray]]:
         """Each tile with its output (the part inside the volume), in one stage or the two-stage pipeline."""
-        def patch_of(tile: Tile) -> np.ndarray:
-            return tiling.read_patch(tile, read, self.channels, dtype=self.net.dtype)
+        def patch_of(tile: Tile):
+            patch = tiling.read_patch(tile, read, self.channels, dtype=self.net.dtype)
+            if self._device_patch is not None:
+                return self.device.upload(patch, out=self._device_patch)
+            return patch
 
         def inside(tile: Tile, result: np.ndarray) -> np.ndarray:
             return result[(slice(None),) + tuple(slice(0, n) for n in tile.size)]
@@ -133,14 +200,21 @@ class DenseInference:
                 yield tile, inside(tile, result)
             return
         for tile in tiles:
-            yield tile, inside(tile, self.runner.run(patch_of(tile)))
+            yield tile, inside(tile, self.runner.run(patch_of(tile), out=self._device_out))
+
+    def _on_host(self, result):
+        """A tile's output in host memory (downloaded into the one host buffer when it is a device's)."""
+        if not device_of(result).is_gpu:
+            return result
+        view = self._host_out[(slice(None),) + tuple(slice(0, n) for n in result.shape[1:])]
+        return self.device.download(result, out=view)
 
     def signature(self, input_spec: str, shape: Sequence[int], extra: str = "") -> str:
         """What identifies a job for resuming: input, net weights, plan, mode and padding."""
         h = hashlib.sha256()
         for blobs in self.net.params.values():
             for b in blobs:
-                h.update(np.ascontiguousarray(b.data).tobytes())
+                h.update(np.ascontiguousarray(to_host(b.data)).tobytes())
         h.update(str(self.net.param).encode())
         r = self.runner
         return json.dumps({"input": input_spec, "shape": list(shape), "patch": list(r.patch_shape),
@@ -205,7 +279,7 @@ class DenseInference:
                 with Progress(total, desc="infer", unit="vox", enabled=progress and comm.rank == 0,
                               unit_scale=True) as bar:
                     for tile, result in self._results(tiling, mine, read):
-                        turn(tile, result)
+                        turn(tile, self._on_host(result))
                         n = int(np.prod(tile.size))
                         vox += n
                         bar.update(n)
@@ -223,7 +297,7 @@ class DenseInference:
                            "voxels_per_second": vox / seconds if seconds > 0 else 0.0, "method": self.method,
                            "mpf": [bool(m) for m in r.mpf], "patch": list(r.patch_shape), "mode": self.mode,
                            "padding": self.padding, "output_shape": list(out_shape),
-                           "pipeline": self.plan.theta, "ranks": comm.size}
+                           "pipeline": self.plan.theta, "ranks": comm.size, "target": self.target}
                 if comm.rank == 0:
                     if comm.size > 1:
                         sink = OutputVolume(output_spec, out_shape, chunks, len(tiling), sig, resume=True,

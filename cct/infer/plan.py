@@ -11,10 +11,21 @@ Predicted peak bytes = the activation pool: every blob's data and the per-axis s
 MPF layer in slots reused once their last reader has run, the same slot plan the runner allocates
 (:func:`cct.infer.buffers.plan_slots`; a forward-only net never allocates a diff: :class:`cct.Blob` does on
 first use), the buffers each convolution keeps between calls (the direct kernels' once: the layers share one
-set) plus the largest transient (a convolution's workspace, :func:`conv_memory`, or a per-voxel layer's
-temporaries, :func:`elementwise_temporaries`), the index array MAX pooling keeps, the input patch and the output
-tile. Predicted time = the convolutions' forward passes times the number of shifted runs
+set per thread; a layer that splits its batch over ``p`` threads holds ``p`` sets, each sized for its chunk,
+:func:`partition_chunks`) plus the largest transient (a convolution's workspace, :func:`conv_memory`, or a
+per-voxel layer's temporaries, :func:`elementwise_temporaries`), the index array MAX pooling keeps, the input
+patch and the output tile. Predicted time = the convolutions' forward passes times the number of shifted runs
 (plain pooling layers need one run per offset), plus one streaming pass over each blob.
+
+``target`` (ZNNi section VII): ``"host"`` (the above); ``"gpu"``: the net lives on a GPU, every convolution
+runs type 1 over its whole batch there (what a device layer runs by default) and the peak is of device bytes
+(activations, type 1's workspace, the uploaded patch and the output tile) against the device's budget;
+``"gpu+host"``: the activations stay in host RAM (the peak and ``budget`` are the host's) and every
+convolution runs on the device in the sub-layers :func:`cct.infer.hostsplit.choose_split` picks under
+``device_budget`` (``InferencePlan.splits``; ``device_peak_bytes`` the largest sub-layer); ``"cpu-gpu"``: the
+CPU-GPU pipeline (:func:`with_pipeline` with ``device_speedup``: the first theta layers on all the host's threads,
+the rest on the device, priced as the host's seconds over ``device_speedup``). On a device the seconds are
+still the host cost model's (no model of a GPU is calibrated), a relative measure only.
 """
 from __future__ import annotations
 
@@ -24,14 +35,20 @@ from dataclasses import dataclass, field
 from ..errors import CctError, MemoryBudgetError
 from ..lowering import direct_layout as dl
 from ..lowering.calibrate import load_machine
+from ..lowering.chunking import split
 from ..lowering.cost_model import Machine, workspace_bytes
+from ..lowering.engine import lowering_budget
 from ..lowering.geometry import ConvGeometry
-from ..lowering.optimizer import machine_for_threads, predictions
+from ..lowering.optimizer import machine_for_threads, plan_convolution, predictions
 from ..lowering.partition import memory_budget
 from ..membudget import human
 from ..proto import caffe_pb2
 from .buffers import blob_shapes, op_batches, plan_slots
 from .geometry import NetGeometry
+from .hostsplit import SplitPlan, choose_splits
+
+TARGETS = ("host", "gpu", "gpu+host")  # where predict() puts the convolutions (cpu-gpu: with_pipeline's)
+PCIE_BYTES_PER_SECOND = 12e9  # host <-> device copies of the gpu+host sub-layers (PCIe 3 x16, as ZNNi's)
 
 
 @dataclass
@@ -66,6 +83,12 @@ class InferencePlan:
     stage_seconds: tuple[float, float] = (0.0, 0.0)  # per run, each stage on half the BLAS threads
     notes: list[str] = field(default_factory=list)  # e.g. InnerProduct layers run as convolutions
     shared_scratch: int = 0  # the direct convolutions' buffers, one set shared by the layers (per thread)
+    scratch_roles: list[tuple[int, int, int]] = field(default_factory=list)  # per partition thread, see predict
+    target: str = "host"  # where the convolutions run: host, gpu, gpu+host (module docstring)
+    device_budget: int | None = None  # gpu+host: the device's budget the sub-layers fit
+    device_peak_bytes: int = 0  # gpu+host: the largest sub-layer's device bytes
+    device_speedup: float = 1.0  # cpu-gpu: the device's speed over the host's the second stage is priced at
+    splits: list[SplitPlan] = field(default_factory=list)  # gpu+host: each convolution's sub-layers
 
     @property
     def voxels_per_second(self) -> float:
@@ -78,13 +101,29 @@ class InferencePlan:
     def describe(self) -> str:
         """The printed plan: patch, fragments, per-layer strategy, predicted voxels/s and peak bytes."""
         flags = ",".join("MPF" if m else "pool" for m in self.mpf) or "-"
-        lines = [f"dense inference plan ({self.chosen_by}): method {self.method}, input patch "
+        where = {"host": "", "gpu": ", on the GPU (device memory)",
+                 "cpu-gpu": ", CPU-GPU pipeline (first stage on the host, second on the device)",
+                 "gpu+host": ", GPU + host RAM (activations in host RAM, convolutions on the device)"}[self.target]
+        lines = [f"dense inference plan ({self.chosen_by}{where}): method {self.method}, input patch "
                  f"{'x'.join(map(str, self.patch))} -> output tile {'x'.join(map(str, self.tile))}, pooling layers "
                  f"[{flags}], {self.fragments} fragments per run, {self.runs} run(s) per patch",
                  f"  predicted {self.voxels_per_second:,.0f} output voxels/s, peak {human(self.peak_bytes)} "
                  f"(budget {human(self.budget) if self.budget else 'none'})"]
+        if self.target != "host":
+            lines.append("  (seconds from the host cost model: no GPU model is calibrated)")
+        if self.target == "gpu+host":
+            lines.append(f"  device: peak {human(self.device_peak_bytes)} (the layers share one buffer: the largest "
+                         f"slices and workspace, and the biases; device budget "
+                         f"{human(self.device_budget) if self.device_budget else 'none'}); "
+                         f"{sum(sp.split for sp in self.splits)} of {len(self.splits)} convolutions split")
+            lines.extend(f"  {sp.describe()}" for sp in self.splits)
         lines.extend(f"  {note}" for note in self.notes)
-        if self.theta:
+        if self.theta and self.target == "cpu-gpu":
+            lines.append(f"  CPU-GPU pipeline: first {self.theta} convolution/pooling layers on the host, the rest on "
+                         f"the device (queue of one; device priced at {self.device_speedup:.3g}x the host); predicted "
+                         f"{self.stage_seconds[0] * 1e3:.2f} + {self.stage_seconds[1] * 1e3:.2f} ms per run against "
+                         f"{self.one_stage_seconds * 1e3:.2f} ms per patch on the host alone")
+        elif self.theta:
             lines.append(f"  two-stage pipeline: first {self.theta} convolution/pooling layers on one worker, the rest "
                          f"on another (queue of one); predicted {self.stage_seconds[0] * 1e3:.2f} + "
                          f"{self.stage_seconds[1] * 1e3:.2f} ms per run against {self.one_stage_seconds * 1e3:.2f} ms "
@@ -112,7 +151,7 @@ def conv_memory(name: str, cg: ConvGeometry, batch: int, itemsize: int) -> tuple
 def direct_buffers(cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, int, int] | None:
     """Bytes of the direct kernels' ``(padded input, blocked output, blocked weights)`` buffers, or None when
     the register-blocked kernels do not run ``cg``."""
-    lay = dl.plan_layout(cg, 64 // itemsize)
+    lay = dl.plan_layout(cg, dl.priced_lanes() * 4 // itemsize)  # the kernels' vector width on this CPU
     if lay is None or dl.phase_geometry(cg) is not None:
         return None
     out = batch * cg.channels_out * cg.out_size / lay.efficiency if lay.efficiency < 1 else 0
@@ -122,6 +161,24 @@ def direct_buffers(cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, in
 # Per-voxel layers that write their top in one pass (a compiled kernel or a ufunc with ``out=``); the others
 # (Sigmoid, ELU, Scale, BatchNorm, ...) compute through numpy temporaries.
 _ONE_PASS = frozenset({"ReLU", "TanH", "AbsVal", "Dropout", "Split", "Silence", "Input", "Convolution", "Pooling"})
+
+
+def partition_chunks(net, cg: ConvGeometry, batch: int, cache: dict) -> list[int]:
+    """Images per chunk of each batch partition a direct convolution of ``cg`` on ``batch`` runs: the runtime's
+    plan (:func:`cct.lowering.optimizer.plan_convolution` on this machine's whole model with the net's engine
+    settings, forward only), one entry per partition thread (each holds its own direct buffers, sized for its
+    chunk)."""
+    key = ("partitions", cg, batch)
+    if batch <= 1:
+        return [batch]  # one image: one partition, one chunk
+    if key not in cache:
+        parts = net.config.engine.partitions
+        plan = plan_convolution(cg, batch, load_machine(measure_if_missing=False), budget=lowering_budget(net.config),
+                                partitions=parts if isinstance(parts, int) else "model", passes=("fwd",),
+                                names=["direct"])  # the layer runs direct: its partitions and chunk, priced alone
+        p = max(1, min(plan.partitions, batch))
+        cache[key] = [min(plan.b_p or (e - s), e - s) for s, e in split(batch, p)]
+    return cache[key]
 
 
 def elementwise_temporaries(net, shapes: dict[str, tuple[int, ...]], itemsize: int) -> int:
@@ -150,9 +207,11 @@ def activation_bytes(net, geom: NetGeometry, run_shape: Sequence[int], mpf: Sequ
 
 def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], method: str = "mpf",
             machine: Machine | None = None, budget: int | None = None, itemsize: int | None = None,
-            cache: dict | None = None) -> InferencePlan:
+            cache: dict | None = None, target: str = "host", device_budget: int | None = None) -> InferencePlan:
     """The predictions of one candidate (see the module docstring); ``cache`` keeps the convolution prices
-    between candidates of one planning."""
+    between candidates of one planning; ``target`` and ``device_budget``: where the convolutions run."""
+    if target not in TARGETS:
+        raise CctError(f"unknown inference target '{target}' (use {', '.join(TARGETS)})")
     machine = machine if machine is not None else load_machine(measure_if_missing=False)
     cache = {} if cache is None else cache
     cap = memory_budget(budget)
@@ -174,7 +233,10 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         patch = tuple(t + f - 1 for t, f in zip(tile, geom.field_of_view))
     shapes = blob_shapes(net, geom, run_shape, mpf)
     blob_bytes = sum(_prod(s) for s in shapes.values()) * itemsize
-    layers, seconds, work, kept, roles = [], 0.0, 0, 0, [0, 0, 0]
+    layers, seconds, work, kept = [], 0.0, 0, 0
+    roles: list[tuple[int, int, int]] = []  # per partition thread: the largest request of each direct buffer role
+    splits: list[SplitPlan] = []
+    offload: list[tuple[int, str, ConvGeometry, int]] = []  # gpu+host: (layer plan index, name, geometry, batch)
     pool_i = 0
     for k, op in enumerate(geom.ops):
         lp = net.param.layer[op.layer]
@@ -189,30 +251,53 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
             pool_i += 1
             continue
         cg = ConvGeometry.from_param(lp.convolution_param, shape)
-        key = (cg, shape[0])
+        key = (cg, shape[0], machine.threads)  # one cache serves the full and the half-thread machine
         if key not in cache:  # the optimizer's chunk-aware forward prices, as a TEST net's layer plans
             preds = predictions(cg, shape[0], machine, "fwd", None, cap)
             cache[key] = min(preds.items(), key=lambda kv: (kv[1], kv[0]))
         name, t = cache[key]
+        if target != "host":  # type 1 over the whole batch on the device
+            name, t = "type1", predictions(cg, shape[0], machine, "fwd", ["type1"], None)["type1"]
+            if target == "gpu+host":  # priced with the transfers once the sub-layers are chosen, below
+                offload.append((len(layers), lp.name, cg, shape[0]))
+                layers.append(LayerPlan(lp.name, shape, "type1 on the device", t, 0))
+                continue
+            ws = workspace_bytes("type1", cg, shape[0], itemsize)
+            layers.append(LayerPlan(lp.name, shape, name, t, ws))
+            seconds += t
+            work = max(work, ws)
+            continue
         kept_ws, transient = conv_memory(name, cg, shape[0], itemsize)
         layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient))
         seconds += t
         buffers = direct_buffers(cg, shape[0], itemsize) if name == "direct" else None
-        if buffers is not None:  # one buffer per role shared by the layers (SharedScratch), the largest request
-            roles = [max(r, b) for r, b in zip(roles, buffers)]
+        if buffers is not None:  # one buffer per role and thread shared by the layers (SharedScratch)
+            for k, chunk in enumerate(partition_chunks(net, cg, shape[0], cache)):
+                if k == len(roles):
+                    roles.append((0, 0, 0))
+                roles[k] = tuple(max(r, b) for r, b in zip(roles[k], direct_buffers(cg, chunk, itemsize)))
         else:
             kept += kept_ws
         work = max(work, transient)
+    device_peak = 0
+    if offload:
+        splits, device_peak = choose_splits([(n, cg, b) for _k, n, cg, b in offload], device_budget, itemsize)
+        for (k, _n, _cg, _b), sp in zip(offload, splits):
+            lp = layers[k]
+            lp.seconds += sp.transfer_bytes / PCIE_BYTES_PER_SECOND
+            lp.strategy, lp.workspace = f"type1 on the device, {sp.sub_layers} sub-layer(s)", sp.device_bytes
+    seconds += sum(lp.seconds for lp in layers if lp.name in {n for _k, n, _c, _b in offload})
     seconds += machine.streaming_seconds(blob_bytes / 2) if hasattr(machine, "streaming_seconds") else 0.0
     seconds *= runs
     work = max(work, elementwise_temporaries(net, shapes, itemsize))
     c_in = net.blobs[geom.input_blob].shape[1]
     c_out = net.blobs[geom.output_blob].shape[1]
     io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
-    shared = sum(roles)
+    shared = sum(sum(r) for r in roles)
     peak = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize) + kept + shared + work + io_bytes
     return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers,
-                         shared_scratch=shared)
+                         shared_scratch=shared, scratch_roles=roles, target=target, device_budget=device_budget,
+                         device_peak_bytes=device_peak, splits=splits)
 
 
 def parse_pipeline(text: str | int | None) -> str | int:
@@ -231,13 +316,14 @@ def parse_pipeline(text: str | int | None) -> str | int:
 
 
 def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | int,
-                  half: InferencePlan, scale: float = 1.0) -> InferencePlan:
+                  half: InferencePlan, scale: float = 1.0, device_speedup: float | None = None) -> InferencePlan:
     """``plan`` as a two-stage pipeline (ZNNi VII): ``half`` is the same candidate priced on half the BLAS
     threads (its seconds times ``scale``, see :func:`half_machine`); ``pipeline`` is ``"auto"`` (the best
     theta, kept only when predicted faster than one stage) or a theta. A run then takes the slower stage's
     time; the peak adds the hand-off buffer and the second stage's copy of the boundary blob, and the stages'
     activations are pooled apart (they run at the same time). ``"off"``
-    returns ``plan`` unchanged."""
+    returns ``plan`` unchanged. ``device_speedup`` (the CPU-GPU pipeline): the first stage runs on all the host's
+    threads (``plan``'s prices), the second on a device priced at the host's seconds over ``device_speedup``."""
     nops = len(geom.ops)
     if pipeline == "off" or plan.method == "strided" and pipeline == "auto":
         return plan
@@ -246,16 +332,24 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
                        f"1..{nops - 1}")
     if nops < 2:
         return plan
-    conv = iter(lp.seconds for lp in half.layers)
-    op_secs = [next(conv) if op.kind == "conv" else 0.0 for op in geom.ops]
-    rest = max(0.0, half.seconds / max(half.runs, 1) - sum(op_secs))
-    op_secs = [(t + rest / nops) * scale for t in op_secs]
+    def op_seconds(p: InferencePlan, factor: float) -> list[float]:
+        conv = iter(lp.seconds for lp in p.layers)
+        secs = [next(conv) if op.kind == "conv" else 0.0 for op in geom.ops]
+        rest = max(0.0, p.seconds / max(p.runs, 1) - sum(secs))
+        return [(t + rest / nops) * factor for t in secs]
+
+    if device_speedup is None:
+        first = second = op_seconds(half, scale)
+    else:
+        first = op_seconds(plan, 1.0)
+        second = [t / device_speedup for t in first]
+        plan.target, plan.device_speedup = "cpu-gpu", float(device_speedup)
     thetas = [pipeline] if isinstance(pipeline, int) else range(1, nops)
-    best = min(thetas, key=lambda th: (max(sum(op_secs[:th]), sum(op_secs[th:])), th))
-    stages = (sum(op_secs[:best]), sum(op_secs[best:]))
+    best = min(thetas, key=lambda th: (max(sum(first[:th]), sum(second[th:])), th))
+    stages = (sum(first[:best]), sum(second[best:]))
     seconds = max(stages) * plan.runs
-    if pipeline == "auto" and seconds >= plan.seconds:
-        return plan
+    if pipeline == "auto" and seconds >= plan.seconds and device_speedup is None:
+        return plan  # (the CPU-GPU pipeline was asked for by its device: it always runs)
     run_shape = geom.input_size(plan.grid, plan.mpf)
     size = ([run_shape] + geom.layer_sizes(run_shape, plan.mpf))[best]
     batch, pool_i = 1, 0
@@ -298,19 +392,21 @@ def mpf_choices(npool: int, method: str) -> list[tuple[bool, ...]]:
 
 def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int], method: str = "mpf",
                 machine: Machine | None = None, max_grid: int = 64,
-                mpf: Sequence[bool] | None = None, pipeline: str | int = "off") -> InferencePlan:
+                mpf: Sequence[bool] | None = None, pipeline: str | int = "off", target: str = "host",
+                device_budget: int | None = None, device_speedup: float | None = None) -> InferencePlan:
     """The candidate with the most predicted output voxels/s whose predicted peak fits ``budget``.
 
     ``limit``: the largest useful grid per axis (the volume's output over the stride); ``mpf``: fix the
     MPF choice instead of trying every combination; ``pipeline``: ``"off"``, ``"auto"`` or theta
-    (:func:`with_pipeline`: theta and the patch are then chosen together, by the pipelined throughput). Raises
+    (:func:`with_pipeline`: theta and the patch are then chosen together, by the pipelined throughput);
+    ``target``, ``device_budget``: where the convolutions run (:func:`predict`; on ``"gpu"`` ``budget`` is the
+    device's; ``device_speedup``: the CPU-GPU pipeline, :func:`with_pipeline`). Raises
     :class:`MemoryBudgetError` when even the smallest patch does not fit.
     """
     machine = machine if machine is not None else load_machine(measure_if_missing=False)
     best: InferencePlan | None = None
     smallest: InferencePlan | None = None
     cache: dict = {}
-    half_cache: dict = {}
     half, scale = half_machine(machine) if pipeline != "off" else (machine, 1.0)
     choices = [tuple(mpf)] if mpf is not None and method == "mpf" else mpf_choices(len(geom.pools), method)
     grids = sorted({g for g in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64) if g <= max_grid})
@@ -318,10 +414,12 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
         top = 0.0
         for g in grids:
             grid = tuple(min(g, max(1, lim)) for lim in limit)
-            cand = predict(net, geom, grid, flags, method, machine, budget, cache=cache)
+            cand = predict(net, geom, grid, flags, method, machine, budget, cache=cache, target=target,
+                           device_budget=device_budget)
             if pipeline != "off":
                 cand = with_pipeline(net, geom, cand, pipeline,
-                                     predict(net, geom, grid, flags, method, half, budget, cache=half_cache), scale)
+                                     predict(net, geom, grid, flags, method, half, budget, cache=cache), scale,
+                                     device_speedup)
             if smallest is None or cand.peak_bytes < smallest.peak_bytes:
                 smallest = cand
             if budget is not None and cand.peak_bytes > budget:
@@ -332,17 +430,19 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
                 break  # the whole volume in one patch, or past this choice's best size
             top = max(top, cand.voxels_per_second)
     if best is None:
+        knob = "the GPU's: --device_memory_budget" if target == "gpu" else "CCT_MEMORY_BUDGET / Config.memory_budget"
         raise MemoryBudgetError(f"even the smallest patch {list(smallest.patch) if smallest else '?'} needs "
                                 f"{human(smallest.peak_bytes) if smallest else '?'}, more than the memory budget "
-                                f"of {human(budget or 0)} (CCT_MEMORY_BUDGET / Config.memory_budget)")
+                                f"of {human(budget or 0)} ({knob})")
     return best
 
 
 def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence[int], method: str = "mpf",
                    mpf: Sequence[bool] | None = None, budget: int | None = None,
-                   machine: Machine | None = None, pipeline: str | int = "off") -> InferencePlan:
+                   machine: Machine | None = None, pipeline: str | int = "off", target: str = "host",
+                   device_budget: int | None = None, device_speedup: float | None = None) -> InferencePlan:
     """The plan for a user's ``--patch``: the largest valid patch within it on each axis (MPF on every
-    pooling layer unless ``mpf`` says otherwise)."""
+    pooling layer unless ``mpf`` says otherwise; ``target``, ``device_budget`` as :func:`choose_plan`)."""
     if len(patch) != geom.num_spatial:
         raise CctError(f"--patch has {len(patch)} axes; the net has {geom.num_spatial} spatial axes")
     flags = tuple(mpf) if mpf is not None else (True,) * len(geom.pools)
@@ -367,11 +467,12 @@ def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence
                 break
             g += 1
         grid.append(g)
-    plan = predict(net, geom, tuple(grid), flags, method, machine, budget)
+    plan = predict(net, geom, tuple(grid), flags, method, machine, budget, target=target,
+                   device_budget=device_budget)
     if pipeline != "off":
         machine = machine if machine is not None else load_machine(measure_if_missing=False)
         half, scale = half_machine(machine)
         plan = with_pipeline(net, geom, plan, pipeline,
-                             predict(net, geom, tuple(grid), flags, method, half, budget), scale)
+                             predict(net, geom, tuple(grid), flags, method, half, budget), scale, device_speedup)
     plan.chosen_by = "--patch"
     return plan

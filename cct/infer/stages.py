@@ -12,6 +12,11 @@ the net's own blobs with the next run at once. Every buffer is allocated at cons
 The BLAS threads are split between the stages: :meth:`TwoStagePipeline.results` runs under
 :func:`cct.blas.threads.blas_threads` with ``threads_per_stage`` (OpenBLAS's limit is process-wide, so
 both stages use the same count: half the BLAS threads each).
+
+The CPU-GPU pipeline (ZNNi VII-C) is the same pipeline with ``second``: a runner of a copy of the net on a
+device (built for the same patch and theta), whose layers after the split run the second stage. The hand-off
+is then uploaded into that copy's boundary blobs by the device driver, the second stage runs there and the
+output tile is the device's; the first stage keeps all the host's BLAS threads.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import numpy as np
 
 from ..blas.threads import blas_threads, get_num_threads
 from ..blob import Blob
+from ..device.driver import Device
 from ..errors import CctError
 from .dense import PatchRunner
 from .fragments import FragmentPooling
@@ -33,10 +39,11 @@ class TwoStagePipeline:
 
     ``theta``: the number of spatial ops (convolutions and poolings, in net order) in the first stage,
     ``1 <= theta < len(geom.ops)``; ``threads_per_stage``: BLAS threads of each stage (default half
-    the current count, at least 1).
+    the current count, at least 1); ``second``: the CPU-GPU pipeline's runner on a device (module docstring).
     """
 
-    def __init__(self, runner: PatchRunner, theta: int, threads_per_stage: int | None = None) -> None:
+    def __init__(self, runner: PatchRunner, theta: int, threads_per_stage: int | None = None,
+                 second: PatchRunner | None = None) -> None:
         ops = runner.geom.ops
         if not 1 <= theta < len(ops):
             raise CctError(f"pipeline theta {theta}: the net has {len(ops)} convolution/pooling layers, so theta "
@@ -44,28 +51,39 @@ class TwoStagePipeline:
         if runner.reuse and runner.theta != theta:
             raise CctError(f"pipeline theta {theta}: the patch runner's activation buffers were planned for theta "
                            f"{runner.theta} (build it with theta={theta}: the stages run at the same time)")
-        self.runner, self.theta = runner, int(theta)
-        self.threads_per_stage = threads_per_stage or max(1, get_num_threads() // 2)
+        self.runner, self.theta, self.second_runner = runner, int(theta), second
+        if second is not None and (second.theta != theta or second.patch_shape != runner.patch_shape
+                                   or second.shifts != runner.shifts):
+            raise CctError("the CPU-GPU pipeline's device runner must be built for the same patch, fragments and theta")
+        self.device: Device | None = second.device if second is not None else None
+        on_gpu = self.device is not None and self.device.is_gpu
+        self.threads_per_stage = threads_per_stage or max(1, get_num_threads() // (1 if on_gpu else 2))
         last_first = ops[theta - 1].layer
         next_op = ops[theta].layer
         # first stage: up to the theta-th op and the layers after it that come before the next op
         split = next((k for k, st in enumerate(runner.steps) if st[0] >= next_op), len(runner.steps))
         split = max(split, next(k for k, st in enumerate(runner.steps) if st[0] == last_first) + 1)
-        first, second = runner.steps[:split], runner.steps[split:]
+        first, rest = runner.steps[:split], runner.steps[split:]
         produced = {id(runner.net.blobs[runner.geom.input_blob])}
         for _i, _r, _b, top in first:
             produced.update(id(t) for t in top)
         boundary: dict[int, Blob] = {}
-        for _i, _r, bottom, _t in second:
+        for _i, _r, bottom, _t in rest:
             for b in bottom:
                 if id(b) in produced and id(b) not in boundary:
                     boundary[id(b)] = b
         self.boundary = list(boundary.values())
-        self.private = {id(b): Blob(b.shape, dtype=b.dtype, device=b.device, name=b.name) for b in self.boundary}
         self.handoff = [np.empty(b.shape, dtype=b.dtype) for b in self.boundary]
         self.first = first
+        if second is not None:  # the second stage: the device copy's layers, reading its own boundary blobs
+            names = {id(b): name for name, b in runner.net.blobs.items()}
+            self.private = {id(b): second.net.blobs[names[id(b)]] for b in self.boundary}
+            self.second = second.steps[split:]
+            self.top = second.net.blobs[second.blob]
+            return
+        self.private = {id(b): Blob(b.shape, dtype=b.dtype, device=b.device, name=b.name) for b in self.boundary}
         self.second = []
-        for i, r, bottom, top in second:
+        for i, r, bottom, top in rest:
             mb = [self.private.get(id(b), b) for b in bottom]
             mt = [self.private.get(id(t), t) for t in top]
             if any(x is not y for x, y in zip(mb + mt, bottom + top)):  # re-bind views (Split, Reshape) to copies
@@ -80,7 +98,8 @@ class TwoStagePipeline:
     def describe(self) -> str:
         """Where the stages split and how many BLAS threads each gets."""
         ops = self.runner.geom.ops
-        return (f"two-stage pipeline: stage 1 = {', '.join(op.name for op in ops[:self.theta])}; stage 2 = "
+        where = f" on {self.device.name}" if self.device is not None else ""
+        return (f"two-stage pipeline: stage 1 = {', '.join(op.name for op in ops[:self.theta])}; stage 2{where} = "
                 f"{', '.join(op.name for op in ops[self.theta:])}; {self.threads_per_stage} BLAS thread(s) each; "
                 f"hand-off {sum(h.nbytes for h in self.handoff)} bytes")
 
@@ -123,7 +142,9 @@ class TwoStagePipeline:
                         np.copyto(h, b.data)
                     full.put((item, k))
 
-        out = runner.new_output()
+        out = (self.second_runner or runner).new_output()
+        if self.device is not None:
+            self.device.use()
         with blas_threads(self.threads_per_stage):
             worker = threading.Thread(target=produce, name="cct-infer-stage1", daemon=True)
             worker.start()
@@ -134,10 +155,13 @@ class TwoStagePipeline:
                         break
                     item, k = got
                     for h, b in zip(self.handoff, self.boundary):
-                        np.copyto(self.private[id(b)].data, h)
+                        if self.device is not None:
+                            self.device.upload(h, out=self.private[id(b)].data)
+                        else:
+                            np.copyto(self.private[id(b)].data, h)
                     free.put(True)
                     runner.forward(self.second)
-                    runner.place(self.top.data, runner.shifts[k], out)
+                    runner.place(self.top.data, runner.shifts[k], out)  # same shifts and fragments on the device
                     if k == len(runner.shifts) - 1:
                         yield item, out
             finally:

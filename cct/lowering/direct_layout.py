@@ -110,6 +110,10 @@ class SharedScratch:
         """The number of buffers kept."""
         return len(self._pool)
 
+    def sizes(self) -> list[tuple[str, int]]:
+        """``(role, bytes)`` of every buffer kept (one per role and thread), e.g. to check a memory plan."""
+        return sorted((key[0], int(buf.nbytes)) for key, buf in self._pool.items())
+
     def zeros(self, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any = np) -> Any:
         """The zeroed-once buffer of ``tag``'s role for ``shape`` (see the class docstring)."""
         role = tag[0] if isinstance(tag, tuple) else tag
