@@ -12,7 +12,7 @@ row runs in its own process (so its peak resident memory is its own) and times, 
 * ``monai``: the same net and weights in PyTorch in its dense form (pooling with stride 1, later layers
   dilated: filter rarefaction) run by MONAI's ``sliding_window_inference`` with ``roi_size`` = the patch,
   ``overlap`` = (field of view - 1) / patch so the valid outputs tile, the ROI weight map 1 on the valid
-  part, ``sw_batch_size`` tuned over 1, 2, 4;
+  part, ``sw_batch_size`` tuned over 1, 2, 4 (when the volume holds more than one window);
 * on a GPU (ZNNi VII; skipped with a line where CuPy sees none): ``gpu`` (the net built on GPU 0, patches
   uploaded and tiles downloaded), ``gpu+host`` (activations in host RAM, each convolution on the GPU in
   sub-layers under ``--device_budget``) and ``cpu-gpu`` (the first theta layers on the CPU, the rest on the GPU,
