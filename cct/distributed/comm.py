@@ -50,7 +50,8 @@ ANY_TAG = -1
 ABORT_GRACE_S = 0.3  # see MPIComm.abort
 
 
-def _contiguous(array: np.ndarray, what: str) -> np.ndarray:
+def as_message(array: np.ndarray, what: str) -> np.ndarray:
+    """``array`` itself when it is a C-contiguous host array (what a message buffer must be); else a clean error."""
     if not isinstance(array, np.ndarray):
         raise DistributedError(f"{what}: expected a numpy array, got {type(array).__name__} "
                                "(copy device arrays to the host first)")
@@ -59,7 +60,8 @@ def _contiguous(array: np.ndarray, what: str) -> np.ndarray:
     return array
 
 
-def _check_op(op: str) -> str:
+def check_op(op: str) -> str:
+    """``op`` when it names a reduction cct's communicators know; else a clean error."""
     if op not in OPS:
         raise DistributedError(f"unknown reduction '{op}' (use one of {', '.join(OPS)})")
     return op
@@ -241,8 +243,8 @@ class LocalComm(Comm):
         pass
 
     def allreduce(self, array, op="sum", out=None):
-        _check_op(op)
-        _contiguous(array, "allreduce")
+        check_op(op)
+        as_message(array, "allreduce")
         if out is None:
             return array.copy()
         if out is not array:
@@ -257,15 +259,15 @@ class LocalComm(Comm):
         return array
 
     def allgather(self, array, out):
-        out[0] = _contiguous(array, "allgather")
+        out[0] = as_message(array, "allgather")
         return out
 
     def alltoall(self, send, out):
-        np.copyto(out, _contiguous(send, "alltoall"))
+        np.copyto(out, as_message(send, "alltoall"))
         return out
 
     def reduce_scatter(self, send, out):
-        np.copyto(out, _contiguous(send, "reduce_scatter")[0])
+        np.copyto(out, as_message(send, "reduce_scatter")[0])
         return out
 
     def bcast_obj(self, obj, root=0):
@@ -281,7 +283,7 @@ class LocalComm(Comm):
 
     def send(self, array, dest, tag=0):
         self._self_only(dest, "send")
-        self._mailbox[tag].append(np.array(_contiguous(array, "send"), copy=True))
+        self._mailbox[tag].append(np.array(as_message(array, "send"), copy=True))
 
     def _take(self, tag: int, what: str):
         return self._take_tagged(tag, what)[0]
@@ -371,8 +373,8 @@ class MPIComm(Comm):
         self._call("barrier", self.handle.Barrier)
 
     def allreduce(self, array, op="sum", out=None):
-        _contiguous(array, "allreduce")
-        mop = self._ops[_check_op(op)]
+        as_message(array, "allreduce")
+        mop = self._ops[check_op(op)]
         if out is None:
             out = np.empty_like(array)
         send = self._MPI.IN_PLACE if out is array else array
@@ -380,8 +382,8 @@ class MPIComm(Comm):
         return out
 
     def iallreduce(self, array, op="sum", out=None):
-        _contiguous(array, "iallreduce")
-        mop = self._ops[_check_op(op)]
+        as_message(array, "iallreduce")
+        mop = self._ops[check_op(op)]
         if out is None:
             out = np.empty_like(array)
         send = self._MPI.IN_PLACE if out is array else array
@@ -389,20 +391,20 @@ class MPIComm(Comm):
         return Request(handle, result=out, what="iallreduce", rank=self.rank)
 
     def bcast(self, array, root=0):
-        self._call("bcast", self.handle.Bcast, _contiguous(array, "bcast"), root)
+        self._call("bcast", self.handle.Bcast, as_message(array, "bcast"), root)
         return array
 
     def allgather(self, array, out):
-        self._call("allgather", self.handle.Allgather, _contiguous(array, "allgather"), _contiguous(out, "allgather"))
+        self._call("allgather", self.handle.Allgather, as_message(array, "allgather"), as_message(out, "allgather"))
         return out
 
     def alltoall(self, send, out):
-        self._call("alltoall", self.handle.Alltoall, _contiguous(send, "alltoall"), _contiguous(out, "alltoall"))
+        self._call("alltoall", self.handle.Alltoall, as_message(send, "alltoall"), as_message(out, "alltoall"))
         return out
 
     def reduce_scatter(self, send, out):
-        self._call("reduce_scatter", self.handle.Reduce_scatter_block, _contiguous(send, "reduce_scatter"),
-                   _contiguous(out, "reduce_scatter"), self._MPI.SUM)
+        self._call("reduce_scatter", self.handle.Reduce_scatter_block, as_message(send, "reduce_scatter"),
+                   as_message(out, "reduce_scatter"), self._MPI.SUM)
         return out
 
     def bcast_obj(self, obj, root=0):
@@ -415,18 +417,18 @@ class MPIComm(Comm):
         return self._call("allgather_obj", self.handle.allgather, obj)
 
     def send(self, array, dest, tag=0):
-        self._call("send", self.handle.Send, _contiguous(array, "send"), dest, tag)
+        self._call("send", self.handle.Send, as_message(array, "send"), dest, tag)
 
     def recv(self, out, source=ANY_SOURCE, tag=ANY_TAG):
-        self._call("recv", self.handle.Recv, _contiguous(out, "recv"), self._src(source), self._tag(tag))
+        self._call("recv", self.handle.Recv, as_message(out, "recv"), self._src(source), self._tag(tag))
         return out
 
     def isend(self, array, dest, tag=0):
-        handle = self._call("isend", self.handle.Isend, _contiguous(array, "isend"), dest, tag)
+        handle = self._call("isend", self.handle.Isend, as_message(array, "isend"), dest, tag)
         return Request(handle, what="isend", rank=self.rank)
 
     def irecv(self, out, source=ANY_SOURCE, tag=ANY_TAG):
-        handle = self._call("irecv", self.handle.Irecv, _contiguous(out, "irecv"), self._src(source),
+        handle = self._call("irecv", self.handle.Irecv, as_message(out, "irecv"), self._src(source),
                             self._tag(tag))
         return Request(handle, result=out, what="irecv", rank=self.rank)
 

@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .comm import ANY_SOURCE, ANY_TAG, Comm, Request, _check_op, _contiguous
+from .comm import ANY_SOURCE, ANY_TAG, Comm, Request, as_message, check_op
 from .errors import DistributedError
 
 #: seconds a worker waits for its peers in one operation before the job is ended
@@ -230,8 +230,8 @@ class ThreadComm(Comm):
         return self.iallreduce(array, op, out).wait()
 
     def iallreduce(self, array, op="sum", out=None):
-        _contiguous(array, "iallreduce")
-        combine = self._reduce(_check_op(op))
+        as_message(array, "iallreduce")
+        combine = self._reduce(check_op(op))
         if out is None:
             out = np.empty_like(array)
         seq, slot = self._post("allreduce", array, combine)
@@ -241,22 +241,22 @@ class ThreadComm(Comm):
 
     def bcast(self, array, root=0):
         self._check_rank(root, "bcast")
-        part = _contiguous(array, "bcast") if self.rank == root else None
+        part = as_message(array, "bcast") if self.rank == root else None
         np.copyto(array, self._collective("bcast", part, lambda parts: parts[root].copy()))
         return array
 
     def allgather(self, array, out):
-        np.copyto(out, self._collective("allgather", _contiguous(array, "allgather"), np.stack))
+        np.copyto(out, self._collective("allgather", as_message(array, "allgather"), np.stack))
         return out
 
     def alltoall(self, send, out):
-        got = self._collective("alltoall", _contiguous(send, "alltoall"), lambda parts: [p.copy() for p in parts])
+        got = self._collective("alltoall", as_message(send, "alltoall"), lambda parts: [p.copy() for p in parts])
         for r, part in enumerate(got):
             out[r] = part[self.rank]
         return out
 
     def reduce_scatter(self, send, out):
-        total = self._collective("reduce_scatter", _contiguous(send, "reduce_scatter"), self._reduce("sum"))
+        total = self._collective("reduce_scatter", as_message(send, "reduce_scatter"), self._reduce("sum"))
         np.copyto(out, total[self.rank])
         return out
 
@@ -344,16 +344,16 @@ class ThreadComm(Comm):
 
     def send(self, array, dest, tag=0):
         self._check_rank(dest, "send")
-        self._post_send(_Message(self.rank, tag, np.array(_contiguous(array, "send"), copy=True)), dest)
+        self._post_send(_Message(self.rank, tag, np.array(as_message(array, "send"), copy=True)), dest)
 
     def isend(self, array, dest, tag=0):
         self._check_rank(dest, "isend")
-        msg = self._post_send(_Message(self.rank, tag, _contiguous(array, "isend")), dest)
+        msg = self._post_send(_Message(self.rank, tag, as_message(array, "isend")), dest)
         return Request(_Pending(self, lambda: msg.done, f"isend to worker {dest}"), what="isend", rank=self.rank)
 
     def irecv(self, out, source=ANY_SOURCE, tag=ANY_TAG):
         self._check_rank(source, "irecv", any_ok=True)
-        _contiguous(out, "irecv")
+        as_message(out, "irecv")
         g, recv = self._group, _Receive(source, tag, out)
         with g.world.cond:
             box = g.sends[self.rank]

@@ -125,7 +125,7 @@ def _normalization_mode(layer: Layer, default: int, allow_legacy: bool = True) -
     return default
 
 
-def _normalizer(mode: int, outer: int, inner: int, valid_count):
+def loss_normalizer(mode: int, outer: int, inner: int, valid_count):
     """Caffe's get_normalizer, clamped to >= 1 (``valid_count`` may be an xp scalar)."""
     if mode == _NORM.FULL:
         return max(1, outer * inner)
@@ -212,7 +212,7 @@ class SoftmaxWithLossLayer(LossLayer):
         logp = xp.log(xp.maximum(p_true, prob.dtype.type(FLT_MIN)))
         loss = -xp.where(valid, logp, 0).sum()
         count = valid.sum()
-        top[0].data[...] = loss / _normalizer(self.normalization, self.outer, self.inner, count)
+        top[0].data[...] = loss / loss_normalizer(self.normalization, self.outer, self.inner, count)
         if len(top) >= 2:
             top[1].data[...] = prob.reshape(bottom[0].shape)
 
@@ -228,7 +228,7 @@ class SoftmaxWithLossLayer(LossLayer):
         onehot = xp.arange(self.num_labels)[None, :, None] == lab[:, None, :]
         grad = (prob - onehot) * valid[:, None, :]
         count = valid.sum()
-        scale = top[0].diff / _normalizer(self.normalization, self.outer, self.inner, count)
+        scale = top[0].diff / loss_normalizer(self.normalization, self.outer, self.inner, count)
         bottom[0].diff[...] = (grad * scale).reshape(bottom[0].shape)
 
 
@@ -301,7 +301,7 @@ class SigmoidCrossEntropyLossLayer(LossLayer):
         else:
             loss = -xp.where(valid, per, 0).sum()
             count = valid.sum()
-        self.norm_ = _normalizer(self.normalization, self.outer, self.inner, count)
+        self.norm_ = loss_normalizer(self.normalization, self.outer, self.inner, count)
         top[0].data[...] = loss / self.norm_
 
     def backward(self, top, propagate_down, bottom):
@@ -315,9 +315,9 @@ class SigmoidCrossEntropyLossLayer(LossLayer):
         valid = self._valid(xp, t)
         if valid is not None:
             grad = grad * valid
-            norm = _normalizer(self.normalization, self.outer, self.inner, valid.sum())
+            norm = loss_normalizer(self.normalization, self.outer, self.inner, valid.sum())
         else:
-            norm = _normalizer(self.normalization, self.outer, self.inner, x.size)
+            norm = loss_normalizer(self.normalization, self.outer, self.inner, x.size)
         bottom[0].diff[...] = (grad * (top[0].diff / norm)).reshape(bottom[0].shape)
 
 
@@ -561,7 +561,7 @@ class InfogainLossLayer(LossLayer):
         xp, prob, valid, rows, _, _ = self._common(bottom)
         logp = xp.log(xp.maximum(prob, prob.dtype.type(LOG_THRESHOLD)))
         loss = -((rows * logp).sum(axis=1) * valid).sum()
-        top[0].data[...] = loss / _normalizer(self.normalization, self.outer, self.inner, valid.sum())
+        top[0].data[...] = loss / loss_normalizer(self.normalization, self.outer, self.inner, valid.sum())
         if len(top) >= 2:
             top[1].data[...] = prob.reshape(bottom[0].shape)
 
@@ -572,7 +572,7 @@ class InfogainLossLayer(LossLayer):
         xp, prob, valid, rows, H, lab = self._common(bottom)
         row_sum = H.sum(axis=1)[lab]  # (outer, inner)
         g = (prob * row_sum[:, None, :] - rows) * valid[:, None, :]
-        scale = top[0].diff / _normalizer(self.normalization, self.outer, self.inner, valid.sum())
+        scale = top[0].diff / loss_normalizer(self.normalization, self.outer, self.inner, valid.sum())
         bottom[0].diff[...] = (g * scale).reshape(bottom[0].shape)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..blob import Blob
 from ..layers.base import Layer
-from ..layers.loss import FLT_MIN, _normalizer, check_label_range
+from ..layers.loss import FLT_MIN, check_label_range, loss_normalizer
 from .boxexchange import BoxExchange
 from .split import Split
 
@@ -140,7 +140,7 @@ class LossStep(LabelledBox):
         self.comm.allreduce(sums, out=sums)
         big_n, _c, big_h, big_w = self.global_shape
         count_all = int(round(sums[1])) if self.layer.has_ignore else None
-        self.normalizer = float(_normalizer(self.layer.normalization, big_n, big_h * big_w, count_all))
+        self.normalizer = float(loss_normalizer(self.layer.normalization, big_n, big_h * big_w, count_all))
         top[0].data[...] = np.float32(sums[0]) / np.float32(self.normalizer)
         return moved
 
