@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 import test_distributed_train as dp
-from mpirun import needs_mpi
+from mpirun import needs_mpi, run_mpi, script
 from test_parallel_plan_owt import train
 from test_parallel_plan_spatial import _predicted, _Rank
 
@@ -214,3 +214,27 @@ def test_loss_regions_groups_and_refusals(case, monkeypatch):
     (case / "fcn.prototxt").write_text(FCN.replace('top: "loss_valid"\n', 'top: "loss_valid" top: "prob"\n'))
     with pytest.raises(PlanError, match=r"layer 'loss_valid' n=1 h=1 w=1 c=2: a SoftmaxWithLoss with a second top"):
         PerLayerExecutor(cct.Net("fcn.prototxt", "TRAIN"), _Rank(2), {"loss_valid": Split(c=2)})
+
+
+
+@needs_mpi()
+def test_snapshots_resume_across_a_split_data_layer_and_data_parallelism(case):
+    """Issue 32's resume across configurations when the data layer is split other than by sample (every rank
+    reads the global batch and keeps its band of rows; under data parallelism each rank reads its shard and
+    stops at its own position): one launch of 2 ranks at batch 2 chains LeNet's data layer and conv1 split h=2
+    for 5 iterations with a snapshot, data parallelism resumed to 8 with a snapshot, the split resumed to 10.
+    Each run logs real Caffe's batch-4 losses for its iterations and the last ends with Caffe's weights."""
+    split = "spatial:h=2:mnist,conv1"
+    runs = [("a", 5, "--init", "init.caffemodel", "--snapshot", "5", "--parallel", split),
+            ("b", 8, "--resume", "snap_iter_5.solverstate", "--snapshot", "8"),
+            ("c", 10, "--resume", "snap_iter_8.solverstate", "--parallel", split)]
+    args = ["python", script("train_run.py")]
+    for out, iters, *extra in runs:
+        args += ["++", str(case), "2", str(iters), str(case / f"{out}.caffemodel"), *extra]
+    p = run_mpi(2, args[:2] + args[3:], timeout=180)
+    assert p.stderr.count("Per-layer splits on 2 MPI ranks: mnist n=1 h=2 w=1 c=1, conv1 n=1 h=2") == 2
+    want = json.loads((case / "losses.json").read_text())["losses"]
+    for out, first, last in (("a", 0, 5), ("b", 5, 8), ("c", 8, 10)):
+        got = json.loads((case / f"{out}.caffemodel.json").read_text())["losses"]
+        assert np.allclose(got, want[first:last], rtol=1e-5), (out, got, want[first:last])
+    dp._compare(case / "c.caffemodel", case / "final.caffemodel", 1e-5)

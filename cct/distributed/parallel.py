@@ -227,8 +227,14 @@ class DataParallel:
 
     # -- snapshots ---------------------------------------------------------------------------------
     def gather_read_states(self, states: dict) -> list[dict] | None:
-        """Every rank's train-net read states on the root (None elsewhere)."""
-        return self.comm.gather_obj(states, root=0)
+        """Every rank's train-net read states on the root (None elsewhere), each with the shared counter state
+        of its layer (``shared``: where the next global batch starts; a rank resuming under another sharding
+        of that layer continues from it, :func:`cct.data.stream.continued_state`)."""
+        ranks = self.comm.gather_obj(states, root=0)
+        if ranks is None:
+            return None
+        shared = shared_counter_states(ranks)
+        return [{name: {**s, "shared": shared[name]} for name, s in r.items()} for r in ranks]
 
     def gather_rng_states(self) -> list[dict] | None:
         return self.comm.gather_obj(self.solver.random_source.state(), root=0)
