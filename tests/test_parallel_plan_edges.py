@@ -217,15 +217,18 @@ def test_loss_regions_groups_and_refusals(case, monkeypatch):
 
 
 
+
 @needs_mpi()
 def test_snapshots_resume_across_a_split_data_layer_and_data_parallelism(case):
     """Issue 32's resume across configurations when the data layer is split other than by sample (every rank
     reads the global batch and keeps its band of rows; under data parallelism each rank reads its shard and
-    stops at its own position): one launch of 2 ranks at batch 2 chains LeNet's data layer and conv1 split h=2
-    for 5 iterations with a snapshot, data parallelism resumed to 8 with a snapshot, the split resumed to 10.
-    Each run logs real Caffe's batch-4 losses for its iterations and the last ends with Caffe's weights."""
+    stops at its own position): one process at batch 4 for 3 iterations with a snapshot, then one launch of 2
+    ranks at batch 2 chaining LeNet's data layer and conv1 split h=2 resumed to 5 with a snapshot, data
+    parallelism resumed to 8 with a snapshot, the split resumed to 10. Each run logs real Caffe's batch-4 losses
+    for its iterations and the last ends with Caffe's weights."""
+    train(case, 0, 4, 3, "one.caffemodel", "--init", "init.caffemodel", "--snapshot", "3")
     split = "spatial:h=2:mnist,conv1"
-    runs = [("a", 5, "--init", "init.caffemodel", "--snapshot", "5", "--parallel", split),
+    runs = [("a", 5, "--resume", "snap_iter_3.solverstate", "--snapshot", "5", "--parallel", split),
             ("b", 8, "--resume", "snap_iter_5.solverstate", "--snapshot", "8"),
             ("c", 10, "--resume", "snap_iter_8.solverstate", "--parallel", split)]
     args = ["python", script("train_run.py")]
@@ -233,8 +236,10 @@ def test_snapshots_resume_across_a_split_data_layer_and_data_parallelism(case):
         args += ["++", str(case), "2", str(iters), str(case / f"{out}.caffemodel"), *extra]
     p = run_mpi(2, args[:2] + args[3:], timeout=180)
     assert p.stderr.count("Per-layer splits on 2 MPI ranks: mnist n=1 h=2 w=1 c=1, conv1 n=1 h=2") == 2
+    assert "written by 1 rank(s), this run has 2: the data read positions restart from the shared record " \
+           "counter (mnist at record 12)" in p.stderr
     want = json.loads((case / "losses.json").read_text())["losses"]
-    for out, first, last in (("a", 0, 5), ("b", 5, 8), ("c", 8, 10)):
+    for out, first, last in (("one", 0, 3), ("a", 3, 5), ("b", 5, 8), ("c", 8, 10)):
         got = json.loads((case / f"{out}.caffemodel.json").read_text())["losses"]
         assert np.allclose(got, want[first:last], rtol=1e-5), (out, got, want[first:last])
     dp._compare(case / "c.caffemodel", case / "final.caffemodel", 1e-5)

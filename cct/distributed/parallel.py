@@ -83,6 +83,9 @@ class DataParallel:
         self.rank, self.size = comm.rank, comm.size
         self.shares: list[int] | None = None
         self.block: tuple[int, int] | None = None  # this rank's (start, count) of every global batch
+        #: data layers every rank reads whole (split other than by sample): name -> global batch; resharding
+        #: (a resume under another rank count) leaves them reading the whole global batch
+        self.whole_batch: dict[str, int] = {}
         comm.agree(definition_hash(solver), "the solver and net definitions (solver prototxt, net prototxt, "
                    "level/stage)")
         self.broadcast_weights()
@@ -150,7 +153,10 @@ class DataParallel:
             states = self.comm.bcast_obj({n: layer.get_read_state() for n, layer in layers} if self.is_root
                                          else None)
         for name, layer in layers:
-            if self.shares is None:
+            if name in self.whole_batch:
+                g = self.whole_batch[name]
+                layer.set_shard(0, g, state=states.get(name), block=(0, g))
+            elif self.shares is None:
                 layer.set_shard(self.rank, self.size, state=states.get(name))
             else:
                 layer.set_shard(self.rank, sum(self.shares), state=states.get(name), block=self.block)
