@@ -7,13 +7,16 @@ convolutions split by channel (c dividing the groups or the groups dividing c). 
 the global batch; the bytes the ranks receive equal the planner's count."""
 import json
 import re
+import subprocess
+import sys
 
 import h5py
 import numpy as np
 import pytest
 import test_distributed_train as dp
-from mpirun import needs_mpi
+from mpirun import needs_mpi, run_mpi, script
 from test_parallel_plan_owt import train
+from test_parallel_plan_perlayer import _plan_file
 from test_parallel_plan_spatial import _predicted, _Rank
 
 import cct
@@ -214,3 +217,45 @@ def test_loss_regions_groups_and_refusals(case, monkeypatch):
     (case / "fcn.prototxt").write_text(FCN.replace('top: "loss_valid"\n', 'top: "loss_valid" top: "prob"\n'))
     with pytest.raises(PlanError, match=r"layer 'loss_valid' n=1 h=1 w=1 c=2: a SoftmaxWithLoss with a second top"):
         PerLayerExecutor(cct.Net("fcn.prototxt", "TRAIN"), _Rank(2), {"loss_valid": Split(c=2)})
+
+
+
+
+
+@needs_mpi()
+def test_snapshots_resume_across_a_split_data_layer_and_data_parallelism(case):
+    """Issue 32's resume across configurations when the data layer is split other than by sample (every worker
+    reads the global batch and keeps its band of rows; under data parallelism each reads its shard and stops at
+    its own position): one process at batch 4 for 3 iterations with a snapshot, then one launch of 2 ranks at
+    batch 2 chaining a plan file (LeNet's data layer and conv1 split h=2) resumed to 5 with a snapshot, data
+    parallelism resumed to 8 with a snapshot, the plan resumed to 10; and the plan on 2 in-process workers
+    (``cct train --devices cpu,cpu:1``) resumed from 8 to 10. Each run logs real Caffe's batch-4 losses for its
+    iterations; both last runs end with Caffe's weights."""
+    plan = _plan_file(case / "split.plan", 2, {"mnist": Split(h=2), "conv1": Split(h=2)})
+    train(case, 0, 4, 3, "one.caffemodel", "--init", "init.caffemodel", "--snapshot", "3")
+    runs = [("a", 5, "--resume", "snap_iter_3.solverstate", "--snapshot", "5", "--parallel", str(plan)),
+            ("b", 8, "--resume", "snap_iter_5.solverstate", "--snapshot", "8"),
+            ("c", 10, "--resume", "snap_iter_8.solverstate", "--parallel", str(plan))]
+    args = ["python", script("train_run.py")]
+    for out, iters, *extra in runs:
+        args += ["++", str(case), "2", str(iters), str(case / f"{out}.caffemodel"), *extra]
+    p = run_mpi(2, args[:2] + args[3:], timeout=180)
+    assert p.stderr.count("Per-layer splits on 2 MPI ranks: mnist n=1 h=2 w=1 c=1, conv1 n=1 h=2") == 2
+    assert "written by 1 rank(s), this run has 2: the data read positions restart from the shared record " \
+           "counter (mnist at record 12)" in p.stderr
+    want = json.loads((case / "losses.json").read_text())["losses"]
+    for out, first, last in (("one", 0, 3), ("a", 3, 5), ("b", 5, 8), ("c", 8, 10)):
+        got = json.loads((case / f"{out}.caffemodel.json").read_text())["losses"]
+        assert np.allclose(got, want[first:last], rtol=1e-5), (out, got, want[first:last])
+    dp._compare(case / "c.caffemodel", case / "final.caffemodel", 1e-5)
+    # the same plan on in-process workers (ThreadComm), each at the prototxt's batch of 2
+    (case / "net.prototxt").write_text((case / "net.prototxt").read_text().replace("batch_size: 4", "batch_size: 2"))
+    (case / "solver.prototxt").write_text((case / "solver.prototxt").read_text().replace("solver_sgd_lenet", "snap"))
+    q = subprocess.run([sys.executable, "-m", "cct", "train", "--solver", "solver.prototxt", "--snapshot",
+                        "snap_iter_8.solverstate", "--devices", "cpu,cpu:1", "--parallel", str(plan), "--noprogress"],
+                       cwd=case, env=dp._plain_env(), capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert "Per-layer splits on 2 in-process workers: mnist n=1 h=2 w=1 c=1, conv1 n=1 h=2" in q.stderr
+    logged = [float(x) for x in re.findall(r"Iteration \d+ \(.*\), loss = (\S+)", q.stderr)]
+    assert np.allclose(logged, want[8:], rtol=1e-5), (logged, want[8:])
+    dp._compare(case / "snap_iter_10.caffemodel", case / "final.caffemodel", 1e-5)

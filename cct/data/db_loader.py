@@ -14,7 +14,7 @@ from ..errors import CctError
 from ..proto import caffe_pb2
 from .db import DB, parse_datum
 from .decode_pool import DecodePool
-from .stream import RESTART_MSG, keeps, rng_state, set_rng_state
+from .stream import RESTART_MSG, continued_state, keeps, rng_state, set_rng_state
 from .transformer import DataTransformer
 
 log = logging.getLogger("cct")
@@ -39,9 +39,11 @@ class DBLoader:
         self.decode = DecodePool()  # encoded records (JPEG/PNG) are decoded side by side
 
     def state(self) -> dict:
-        return {"pos": self.pos, "offset": self.offset, "transform_rng": rng_state(self.transformer.rng)}
+        return {"pos": self.pos, "offset": self.offset, "transform_rng": rng_state(self.transformer.rng),
+                "shard": self.shard}
 
     def set_state(self, state: dict) -> None:
+        state = continued_state(state, self.shard)
         self.cursor.seek_to_first()
         self.pos = 0
         for _ in range(int(state["pos"]) % max(1, len(self.db))):

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CctError
-from .stream import keeps, rng_state, set_rng_state
+from .stream import continued_state, keeps, rng_state, set_rng_state
 
 
 def resolve_listed(path: str, list_file: str) -> str:
@@ -90,9 +90,10 @@ class HDF5Loader:
     def state(self) -> dict:
         # file_perm and row_perm are replaced, never mutated, so a state can refer to them.
         return {"cur_file": self.cur_file, "file_perm": self.file_perm, "cur_row": self.cur_row,
-                "row_perm": self.row_perm, "offset": self.offset, "rng": rng_state(self.rng)}
+                "row_perm": self.row_perm, "offset": self.offset, "rng": rng_state(self.rng), "shard": self.shard}
 
     def set_state(self, state: dict) -> None:
+        state = continued_state(state, self.shard)
         self.file_perm = np.asarray(state["file_perm"], dtype=np.int64)
         self.cur_file = int(state["cur_file"])
         self._load(self.files[self.file_perm[self.cur_file]], permute=False)

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import CctError
 from .decode_pool import DecodePool
-from .stream import RESTART_MSG, keeps, rng_state, set_rng_state
+from .stream import RESTART_MSG, continued_state, keeps, rng_state, set_rng_state
 from .transformer import DataTransformer, read_image
 
 log = logging.getLogger("cct")
@@ -42,9 +42,10 @@ class ImageListLoader:
 
     def state(self) -> dict:
         return {"pos": self.pos, "offset": self.offset, "lines": self._order if self.shuffle else None,
-                "rng": rng_state(self.rng), "transform_rng": rng_state(self.transformer.rng)}
+                "rng": rng_state(self.rng), "transform_rng": rng_state(self.transformer.rng), "shard": self.shard}
 
     def set_state(self, state: dict) -> None:
+        state = continued_state(state, self.shard)
         if state["lines"] is not None:
             self.lines = [tuple(x) for x in state["lines"]]
             self._order = tuple(self.lines)

@@ -4,6 +4,13 @@
 Every loader counts the records it passes (``offset``, a counter of the whole record stream that never
 wraps); a loader sharded as ``(start, count, period)`` keeps only the records whose offset modulo
 ``period`` lies in ``[start, start + count)`` and steps over the others.
+
+A read state records the sharding it was taken under (``shard``); a snapshot of several ranks adds to each
+rank's state the shared counter state (``shared``: the state of the rank that read furthest, where the next
+global batch starts). A loader restoring a state taken under another sharding continues from ``shared``
+(:func:`continued_state`): each rank's own position is only right for its own sharding (under data
+parallelism rank 0 of N stops N-1 records before the global batch's end, a data layer split other than by
+sample reads every record of the global batch on every rank, all from the same state).
 """
 from __future__ import annotations
 
@@ -29,3 +36,12 @@ def keeps(shard: tuple[int, int, int], offset: int) -> bool:
     start, count, period = shard
     return start <= offset % period < start + count
 
+
+
+def continued_state(state: dict, shard: tuple[int, int, int]) -> dict:
+    """The read state a loader sharded as ``shard`` continues from: ``state``, or its shared counter state
+    (``state["shared"]``) when ``state`` was taken under another sharding and a snapshot gave it one."""
+    saved = state.get("shard")
+    if saved is None or "shared" not in state or tuple(int(x) for x in saved) == tuple(shard):
+        return state
+    return state["shared"]

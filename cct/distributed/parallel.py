@@ -83,6 +83,9 @@ class DataParallel:
         self.rank, self.size = comm.rank, comm.size
         self.shares: list[int] | None = None
         self.block: tuple[int, int] | None = None  # this rank's (start, count) of every global batch
+        #: data layers every rank reads whole (split other than by sample): name -> global batch; resharding
+        #: (a resume under another rank count) leaves them reading the whole global batch
+        self.whole_batch: dict[str, int] = {}
         comm.agree(definition_hash(solver), "the solver and net definitions (solver prototxt, net prototxt, "
                    "level/stage)")
         self.broadcast_weights()
@@ -150,7 +153,10 @@ class DataParallel:
             states = self.comm.bcast_obj({n: layer.get_read_state() for n, layer in layers} if self.is_root
                                          else None)
         for name, layer in layers:
-            if self.shares is None:
+            if name in self.whole_batch:
+                g = self.whole_batch[name]
+                layer.set_shard(0, g, state=states.get(name), block=(0, g))
+            elif self.shares is None:
                 layer.set_shard(self.rank, self.size, state=states.get(name))
             else:
                 layer.set_shard(self.rank, sum(self.shares), state=states.get(name), block=self.block)
@@ -227,8 +233,14 @@ class DataParallel:
 
     # -- snapshots ---------------------------------------------------------------------------------
     def gather_read_states(self, states: dict) -> list[dict] | None:
-        """Every rank's train-net read states on the root (None elsewhere)."""
-        return self.comm.gather_obj(states, root=0)
+        """Every rank's train-net read states on the root (None elsewhere), each with the shared counter state
+        of its layer (``shared``: where the next global batch starts; a rank resuming under another sharding
+        of that layer continues from it, :func:`cct.data.stream.continued_state`)."""
+        ranks = self.comm.gather_obj(states, root=0)
+        if ranks is None:
+            return None
+        shared = shared_counter_states(ranks)
+        return [{name: {**s, "shared": shared[name]} for name, s in r.items()} for r in ranks]
 
     def gather_rng_states(self) -> list[dict] | None:
         return self.comm.gather_obj(self.solver.random_source.state(), root=0)

@@ -376,6 +376,7 @@ def attach(solver, ex):
     all-reduce, its slices gathered before every snapshot and test. Returns ``ex``."""
     par = solver.parallel
     solver.net.executor = ex
+    par.whole_batch = dict(getattr(ex, "whole_batch", {}))  # its data layers read whole, if any
     par.keep_local(ex.owned_param_ids(), ex.diffs_final_per_layer)
     par.share_slices.append(lambda: ex.gather_owned(solver.history))
     return ex

@@ -626,6 +626,11 @@ class PerLayerExecutor:
             if isinstance(step, DataStep):
                 step.read_global(self.comm)
 
+    @property
+    def whole_batch(self) -> dict[str, int]:
+        """The split data layers (every rank reads the whole global batch): layer name -> global batch."""
+        return {self.net.layer_names[s.index]: s.global_batch for s in self.steps.values() if isinstance(s, DataStep)}
+
     def owned_param_ids(self) -> list[int]:
         """The parameters of the layers split by channel (each rank owns a slice; reduced here)."""
         net = self.net
