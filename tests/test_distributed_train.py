@@ -52,16 +52,16 @@ def _plain_env():
 
 def _train(case, n, batch, iters, out, *extra, timeout=90):
     """train_run.py on n ranks (n = 0: one plain process without mpiexec)."""
-    return _train_runs(case, n, [(batch, iters, out, *extra)], timeout=timeout)[0]
+    return _train_runs(n, [(case, batch, iters, out, *extra)], timeout=timeout)[0]
 
 
-def _train_runs(case, n, runs, timeout=90):
-    """Several train_run.py runs (``(batch, iters, out, *extra)`` each, in ``case``) one after another in one
+def _train_runs(n, runs, timeout=90):
+    """Several train_run.py runs (``(workdir, batch, iters, out, *extra)`` each) one after another in one
     launch on n ranks (n = 0: one plain process without mpiexec): one start and one import of cct for all.
     Returns the finished process, and its stderr cut into the runs' logs."""
     args = ["python", script("train_run.py")]
-    for batch, iters, out, *extra in runs:
-        args += [str(case), str(batch), str(iters), str(out), *extra, "++"]
+    for run in runs:
+        args += [str(x) for x in run] + ["++"]
     args, timeout = args[:-1], timeout * len(runs)
     if n == 0:
         p = subprocess.run([sys.executable] + args[1:], capture_output=True, text=True, timeout=timeout,
@@ -85,16 +85,16 @@ def runs(tmp_path_factory):
     (case / "solver_test.prototxt").write_text(solver + "test_iter: 3\ntest_interval: 2\n")
     init = ("--init", "init.caffemodel")
     test = ("--solver", "solver_test.prototxt", "--test_batch", "4")
-    two = {"data": (2, 10, case / "out.caffemodel", *init),
-           "shares 3,1": (2, 10, case / "shares_3_1.caffemodel", *init, "--shares", "3,1"),
-           "shares auto": (2, 10, case / "shares_auto.caffemodel", *init, "--shares", "auto"),
-           "test two": (2, 4, case / "two.caffemodel", *init, *test),
+    two = {"data": (case, 2, 10, case / "out.caffemodel", *init),
+           "shares 3,1": (case, 2, 10, case / "shares_3_1.caffemodel", *init, "--shares", "3,1"),
+           "shares auto": (case, 2, 10, case / "shares_auto.caffemodel", *init, "--shares", "auto"),
+           "test two": (case, 2, 4, case / "two.caffemodel", *init, *test),
            # the last: the devices stay set for the rest of the process's runs
-           "devices": (2, 10, case / "devices.caffemodel", *init, "--devices", "cpu:0:threads=1,cpu:1:threads=1")}
-    one = {"test one": (4, 4, case / "one.caffemodel", *init, *test),
-           "iter_size one": (6, 4, case / "iter_size_one.caffemodel", *init, "--iter_size", "2")}
-    logs = dict(zip(two, _train_runs(case, 2, list(two.values()))[1]))
-    logs.update(zip(one, _train_runs(case, 0, list(one.values()))[1]))
+           "devices": (case, 2, 10, case / "devices.caffemodel", *init, "--devices", "cpu:0:threads=1,cpu:1:threads=1")}
+    one = {"test one": (case, 4, 4, case / "one.caffemodel", *init, *test),
+           "iter_size one": (case, 6, 4, case / "iter_size_one.caffemodel", *init, "--iter_size", "2")}
+    logs = dict(zip(two, _train_runs(2, list(two.values()))[1]))
+    logs.update(zip(one, _train_runs(0, list(one.values()))[1]))
     return case, logs
 
 
