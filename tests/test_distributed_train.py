@@ -55,20 +55,20 @@ def _train(case, n, batch, iters, out, *extra, timeout=90):
     return _train_runs(n, [(case, batch, iters, out, *extra)], timeout=timeout)[0]
 
 
-def _train_runs(n, runs, timeout=90):
+def _train_runs(n, runs, timeout=90, env=None):
     """Several train_run.py runs (``(workdir, batch, iters, out, *extra)`` each) one after another in one
     launch on n ranks (n = 0: one plain process without mpiexec): one start and one import of cct for all.
-    Returns the finished process, and its stderr cut into the runs' logs."""
+    ``env``: variables set for the launch. Returns the finished process, and its stderr cut into the runs' logs."""
     args = ["python", script("train_run.py")]
     for run in runs:
         args += [str(x) for x in run] + ["++"]
     args, timeout = args[:-1], timeout * len(runs)
     if n == 0:
         p = subprocess.run([sys.executable] + args[1:], capture_output=True, text=True, timeout=timeout,
-                           env=_plain_env())
+                           env={**_plain_env(), **(env or {})})
         assert p.returncode == 0, p.stderr[-3000:]
     else:
-        p = run_mpi(n, args, timeout=timeout)
+        p = run_mpi(n, args, timeout=timeout, env=env)
     logs = run_logs(p.stderr)
     assert len(logs) == len(runs), p.stderr[-3000:]
     return p, logs
