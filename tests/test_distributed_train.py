@@ -106,6 +106,9 @@ def test_two_ranks_at_batch_2_equal_caffe_at_batch_4(runs):
     assert got["ranks"] == 2 and np.allclose(got["losses"], want, rtol=1e-5)  # the global batch's loss
     stats = got["stats"]
     assert stats["iterations"] == 10 and stats["bytes"] == 4 * 431080 and stats["buckets"] >= 2
+    # the gradient all-reduce writes into the diffs: every rank trained with the flat parameter views intact
+    # (test_flat_params.py)
+    assert got["flat_params_intact"] is True
 
 
 def test_ranks_compose_with_each_ranks_own_devices(runs):
