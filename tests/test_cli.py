@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cct.cli import main
+
 GPU_FALLBACK = ("solver_mode: GPU but no GPU is available (CuPy missing or no device visible); "
                 "training on the CPU")
 
@@ -170,11 +172,24 @@ def test_train_positional_iterations_and_weights(workdir):
     (["time"], "Need a model definition"),
     (["frobnicate"], "unknown command 'frobnicate'"),
 ])
-def test_bad_input_exits_nonzero_with_message(workdir, args, needle):
+def test_bad_input_exits_nonzero_with_message(workdir, args, needle, monkeypatch, capfd):
+    """In this process (``cct.cli.main``, what ``python -m cct`` runs; one process end to end below)."""
     (workdir / "bad.prototxt").write_text('net: "net.prototxt"\nbase_lr: oops\n')
-    r = cct(*args, cwd=workdir)
+    monkeypatch.chdir(workdir)
+    try:
+        code = main(args)
+    except SystemExit as e:  # what python -m cct's sys.exit(main()) exits with
+        code = e.code
+    stderr = capfd.readouterr().err
+    assert code not in (0, None)
+    assert needle in stderr
+    assert "Traceback" not in stderr
+
+
+def test_bad_input_exits_nonzero_with_message_as_a_process(workdir):
+    r = cct("train", "--solver=solver.prototxt", "--bogus=1", cwd=workdir)
     assert r.returncode != 0
-    assert needle in r.stderr
+    assert "unrecognized arguments" in r.stderr
     assert "Traceback" not in r.stderr
 
 
