@@ -256,10 +256,15 @@ def test_sighup_snapshots_and_sigint_stops(tmp_path):
 
 
 def test_device_query_and_help(tmp_path):
+    """device_query as a real process (--help and no command: test_help_and_no_command, in this process)."""
     r = cct("device_query", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "BLAS backend:" in r.stdout and "CPU cores:" in r.stdout
-    r = cct("--help", cwd=tmp_path)
-    assert r.returncode == 0 and "train" in r.stdout and "make_digits" in r.stdout
-    r = cct(cwd=tmp_path)
-    assert r.returncode == 1 and "usage: cct" in r.stderr
+
+
+def test_help_and_no_command(capsys):
+    """In this process (``cct.cli.main``, what ``python -m cct`` runs)."""
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "make_digits" in out
+    assert main([]) == 1 and "usage: cct" in capsys.readouterr().err
