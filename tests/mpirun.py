@@ -52,3 +52,12 @@ def run_mpi(n: int, args: list[str], cwd: str | None = None, timeout: float = 60
 
 def script(name: str) -> str:
     return os.path.join(SCRIPTS, name)
+
+
+#: the line train_run.py's rank 0 writes to stderr before each of the runs of one launch (``++``-separated)
+RUN_MARK = "=== train_run.py run"
+
+
+def run_logs(stderr: str) -> list[str]:
+    """The stderr of a train_run.py launch cut into its runs (what came before the first run dropped)."""
+    return [part.split("\n", 1)[1] if "\n" in part else "" for part in stderr.split(RUN_MARK)[1:]]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cct.cli import main
+
 GPU_FALLBACK = ("solver_mode: GPU but no GPU is available (CuPy missing or no device visible); "
                 "training on the CPU")
 
@@ -170,22 +172,37 @@ def test_train_positional_iterations_and_weights(workdir):
     (["time"], "Need a model definition"),
     (["frobnicate"], "unknown command 'frobnicate'"),
 ])
-def test_bad_input_exits_nonzero_with_message(workdir, args, needle):
+def test_bad_input_exits_nonzero_with_message(workdir, args, needle, monkeypatch, capfd):
+    """In this process (``cct.cli.main``, what ``python -m cct`` runs; one process end to end below)."""
     (workdir / "bad.prototxt").write_text('net: "net.prototxt"\nbase_lr: oops\n')
-    r = cct(*args, cwd=workdir)
+    monkeypatch.chdir(workdir)
+    try:
+        code = main(args)
+    except SystemExit as e:  # what python -m cct's sys.exit(main()) exits with
+        code = e.code
+    stderr = capfd.readouterr().err
+    assert code not in (0, None)
+    assert needle in stderr
+    assert "Traceback" not in stderr
+
+
+def test_bad_input_exits_nonzero_with_message_as_a_process(workdir):
+    r = cct("train", "--solver=solver.prototxt", "--bogus=1", cwd=workdir)
     assert r.returncode != 0
-    assert needle in r.stderr
+    assert "unrecognized arguments" in r.stderr
     assert "Traceback" not in r.stderr
 
 
-def test_gpu_flag_without_gpu_is_an_error(workdir):
+def test_gpu_flag_without_gpu_is_an_error(workdir, monkeypatch, capfd):
     from cct.device.driver import cupy_available
 
     if cupy_available():
         pytest.skip("a GPU is present")
-    r = cct("train", "--solver=solver.prototxt", "--gpu=0", cwd=workdir)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "no GPU is available" in r.stderr or "CuPy is not installed" in r.stderr
+    monkeypatch.chdir(workdir)  # the error in this process (cct.cli.main); the fallback run below is a process
+    assert main(["train", "--solver=solver.prototxt", "--gpu=0"]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    assert "no GPU is available" in err or "CuPy is not installed" in err
     # solver_mode GPU in the file falls back to the CPU with a log line
     (workdir / "gpu_solver.prototxt").write_text(SOLVER.replace("solver_mode: CPU", "solver_mode: GPU")
                                                  .replace("max_iter: 10", "max_iter: 1"))
@@ -241,10 +258,15 @@ def test_sighup_snapshots_and_sigint_stops(tmp_path):
 
 
 def test_device_query_and_help(tmp_path):
+    """device_query as a real process (--help and no command: test_help_and_no_command, in this process)."""
     r = cct("device_query", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "BLAS backend:" in r.stdout and "CPU cores:" in r.stdout
-    r = cct("--help", cwd=tmp_path)
-    assert r.returncode == 0 and "train" in r.stdout and "make_digits" in r.stdout
-    r = cct(cwd=tmp_path)
-    assert r.returncode == 1 and "usage: cct" in r.stderr
+
+
+def test_help_and_no_command(capsys):
+    """In this process (``cct.cli.main``, what ``python -m cct`` runs)."""
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "make_digits" in out
+    assert main([]) == 1 and "usage: cct" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from mpirun import ROOT, mpiexec, needs_mpi, run_mpi, script
+from mpirun import ROOT, mpiexec, needs_mpi, run_logs, run_mpi, script
 
 from cct.io.caffemodel import read_weights
 from cct.io.prototxt import read_net_prototxt, to_text
@@ -52,65 +52,103 @@ def _plain_env():
 
 def _train(case, n, batch, iters, out, *extra, timeout=90):
     """train_run.py on n ranks (n = 0: one plain process without mpiexec)."""
-    args = ["python", script("train_run.py"), str(case), str(batch), str(iters), str(out), *extra]
+    return _train_runs(n, [(case, batch, iters, out, *extra)], timeout=timeout)[0]
+
+
+def _train_runs(n, runs, timeout=90, env=None):
+    """Several train_run.py runs (``(workdir, batch, iters, out, *extra)`` each) one after another in one
+    launch on n ranks (n = 0: one plain process without mpiexec): one start and one import of cct for all.
+    ``env``: variables set for the launch. Returns the finished process, and its stderr cut into the runs' logs."""
+    args = ["python", script("train_run.py")]
+    for run in runs:
+        args += [str(x) for x in run] + ["++"]
+    args, timeout = args[:-1], timeout * len(runs)
     if n == 0:
         p = subprocess.run([sys.executable] + args[1:], capture_output=True, text=True, timeout=timeout,
-                           env=_plain_env())
+                           env={**_plain_env(), **(env or {})})
         assert p.returncode == 0, p.stderr[-3000:]
-        return p
-    return run_mpi(n, args, timeout=timeout)
+    else:
+        p = run_mpi(n, args, timeout=timeout, env=env)
+    logs = run_logs(p.stderr)
+    assert len(logs) == len(runs), p.stderr[-3000:]
+    return p, logs
 
 
-def test_two_ranks_at_batch_2_equal_caffe_at_batch_4(case):
-    _train(case, 2, 2, 10, case / "out.caffemodel", "--init", "init.caffemodel")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The runs the tests below check, from Caffe's initial weights in one copy of the case: the 2-rank runs in
+    one launch, their one-process references in one plain process (each run writes its own output file).
+    Returns the case folder and each run's log by name."""
+    case = tmp_path_factory.mktemp("runs") / "case"
+    shutil.copytree(CASE, case)
+    solver = (case / "solver.prototxt").read_text()
+    (case / "solver_test.prototxt").write_text(solver + "test_iter: 3\ntest_interval: 2\n")
+    init = ("--init", "init.caffemodel")
+    test = ("--solver", "solver_test.prototxt", "--test_batch", "4")
+    two = {"data": (case, 2, 10, case / "out.caffemodel", *init),
+           "shares 3,1": (case, 2, 10, case / "shares_3_1.caffemodel", *init, "--shares", "3,1"),
+           "shares auto": (case, 2, 10, case / "shares_auto.caffemodel", *init, "--shares", "auto"),
+           "test two": (case, 2, 4, case / "two.caffemodel", *init, *test),
+           # the last: the devices stay set for the rest of the process's runs
+           "devices": (case, 2, 10, case / "devices.caffemodel", *init, "--devices", "cpu:0:threads=1,cpu:1:threads=1")}
+    one = {"test one": (case, 4, 4, case / "one.caffemodel", *init, *test),
+           "iter_size one": (case, 6, 4, case / "iter_size_one.caffemodel", *init, "--iter_size", "2")}
+    logs = dict(zip(two, _train_runs(2, list(two.values()))[1]))
+    logs.update(zip(one, _train_runs(0, list(one.values()))[1]))
+    return case, logs
+
+
+def test_two_ranks_at_batch_2_equal_caffe_at_batch_4(runs):
+    case, _ = runs
     _compare(case / "out.caffemodel", case / "final.caffemodel", 1e-4)
     got = json.loads((case / "out.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
     assert got["ranks"] == 2 and np.allclose(got["losses"], want, rtol=1e-5)  # the global batch's loss
     stats = got["stats"]
     assert stats["iterations"] == 10 and stats["bytes"] == 4 * 431080 and stats["buckets"] >= 2
+    # the gradient all-reduce writes into the diffs: every rank trained with the flat parameter views intact
+    # (test_flat_params.py)
+    assert got["flat_params_intact"] is True
 
 
-def test_ranks_compose_with_each_ranks_own_devices(case):
+def test_ranks_compose_with_each_ranks_own_devices(runs):
     """Each rank splits its batch of 2 over two CPU devices (the scheduler's executor): the gradients
     are final only after its finish_backward, and the run still equals Caffe's batch-4 run."""
-    _train(case, 2, 2, 10, case / "out.caffemodel", "--init", "init.caffemodel", "--devices",
-           "cpu:0:threads=1,cpu:1:threads=1")
-    _compare(case / "out.caffemodel", case / "final.caffemodel", 1e-4)
+    case, _ = runs
+    _compare(case / "devices.caffemodel", case / "final.caffemodel", 1e-4)
 
 
 @pytest.mark.parametrize("shares", ["3,1", "auto"])
-def test_unequal_batch_shares_keep_the_update_exact(case, shares):
+def test_unequal_batch_shares_keep_the_update_exact(runs, shares):
     """Stretch goal: rank 0 takes 3 and rank 1 takes 1 record of every global batch of 4 (or shares
     set from the measured speeds); gradients weighted by share: still Caffe's batch-4 run."""
-    _train(case, 2, 2, 10, case / "out.caffemodel", "--init", "init.caffemodel", "--shares", shares)
-    _compare(case / "out.caffemodel", case / "final.caffemodel", 1e-4)
-    got = json.loads((case / "out.caffemodel.json").read_text())
+    case, _ = runs
+    out = case / f"shares_{shares.replace(',', '_')}.caffemodel"
+    _compare(out, case / "final.caffemodel", 1e-4)
+    got = json.loads(out.with_name(out.name + ".json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
     assert np.allclose(got["losses"], want, rtol=1e-5)
     assert sum(got["shares"]) == 4 and (shares == "auto" or got["shares"] == [3, 1])
 
 
-def test_three_ranks_with_iter_size_equal_one_process_at_the_combined_batch(case):
+def test_three_ranks_with_iter_size_equal_one_process_at_the_combined_batch(runs):
+    case, _ = runs  # the one-process run at batch 6 (iter_size 2) is the fixture's
     _train(case, 3, 2, 4, case / "three.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")
-    _train(case, 0, 6, 4, case / "one.caffemodel", "--init", "init.caffemodel", "--iter_size", "2")
-    _compare(case / "three.caffemodel", case / "one.caffemodel", 1e-5)
+    _compare(case / "three.caffemodel", case / "iter_size_one.caffemodel", 1e-5)
     a = json.loads((case / "three.caffemodel.json").read_text())["losses"]
-    b = json.loads((case / "one.caffemodel.json").read_text())["losses"]
+    b = json.loads((case / "iter_size_one.caffemodel.json").read_text())["losses"]
     assert np.allclose(a, b, rtol=1e-5)
 
 
 _TEST_OUTPUT = re.compile(r"Test net output #\d+: (\w+) = ([-\d.e]+)")
 
 
-def test_test_outputs_are_the_mean_over_test_iter_batches_as_in_one_process(case, monkeypatch):
+def test_test_outputs_are_the_mean_over_test_iter_batches_as_in_one_process(runs, monkeypatch):
     """test_iter: 3 (test batch 4, the prototxt's, on the root as in Caffe's multi-GPU): rank 0 of a
     2-rank run logs at iterations 0, 2 and 4 what one process at the global batch logs, and the last
     values are the mean over the last three test batches under the final weights (computed directly here)."""
-    (case / "solver.prototxt").write_text((case / "solver.prototxt").read_text() + "test_iter: 3\ntest_interval: 2\n")
-    two = _train(case, 2, 2, 4, case / "two.caffemodel", "--init", "init.caffemodel", "--test_batch", "4")
-    one = _train(case, 0, 4, 4, case / "one.caffemodel", "--init", "init.caffemodel", "--test_batch", "4")
-    got, want = _TEST_OUTPUT.findall(two.stderr), _TEST_OUTPUT.findall(one.stderr)
+    case, logs = runs
+    got, want = _TEST_OUTPUT.findall(logs["test two"]), _TEST_OUTPUT.findall(logs["test one"])
     assert len(got) == 6 and [n for n, _ in got] == [n for n, _ in want] == ["accuracy", "loss"] * 3
     assert np.allclose([float(v) for _, v in got], [float(v) for _, v in want], rtol=1e-5, atol=1e-6)
     monkeypatch.chdir(case)  # the HDF5 list names data.h5 relative to the case

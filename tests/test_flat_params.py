@@ -1,24 +1,20 @@
 """Flat parameter buffers (cct.net.flat_params): every learnable param's data and diff is a view of the flat
 buffers, and stays one after what writes weights: weight sharing, test nets sharing the train net's weights,
-copy_from (binary and HDF5 caffemodels), the pycaffe shim, snapshot/restore, the device scheduler, two
-data-parallel MPI ranks."""
+copy_from (binary and HDF5 caffemodels), the pycaffe shim, snapshot/restore, the device scheduler (two
+data-parallel MPI ranks: test_distributed_train.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpirun import needs_mpi, run_mpi, script
 
 import caffe
 from cct import scheduler
 from cct.io.prototxt import parse_text
 from cct.net import Net
 from cct.net.flat_params import FlatParams
-from cct.paths import shared_path
 from cct.proto import caffe_pb2
 from cct.scheduler import CpuDevice
 from cct.solver import get_solver
-
-LENET_CASE = shared_path("reference", "solver_sgd_lenet")
 
 NET = """
 name: "flat"
@@ -227,23 +223,9 @@ def test_device_scheduler_keeps_the_views(tmp_path):
         np.testing.assert_allclose(p.data, r.data, rtol=1e-5, atol=1e-6)
 
 
-@needs_mpi()
-@pytest.mark.skipif(not LENET_CASE.is_dir(), reason="shared/reference not available")
-def test_data_parallel_ranks_keep_the_views(tmp_path):
-    """Two MPI ranks (the gradient all-reduce writes into the diffs) train LeNet with the views intact."""
-    import json
-    import shutil
-
-    from cct.io.caffemodel import read_weights
-
-    case = tmp_path / "case"
-    shutil.copytree(LENET_CASE, case)
-    out = case / "out.caffemodel"
-    run_mpi(2, ["python", script("train_run.py"), str(case), "2", "4", str(out), "--init", "init.caffemodel"],
-            timeout=90)
-    assert json.loads((case / "out.caffemodel.json").read_text())["flat_params_intact"] is True
-    got = read_weights(str(out))
-    assert got.keys() and all(np.isfinite(b).all() for blobs in got.values() for b in blobs)
+# Two MPI ranks (the gradient all-reduce writes into the diffs) train LeNet with the views intact: asserted on
+# test_distributed_train.py's 2-rank runs (flat_params_intact in test_two_ranks_at_batch_2_equal_caffe_at_batch_4),
+# which share one launch instead of starting one more here.
 
 
 def test_solver_setup_logs_no_extra_sharing(tmp_path, caplog):

@@ -5,6 +5,7 @@ convolution, both LRNs, a Concat and an Eltwise of differently split inputs) tra
 configurations on 2 and 3 ranks equals one process at the global batch, and the bytes the ranks receive
 equal the planner's count."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -89,6 +90,17 @@ def test_lrn_regions_are_the_planners_channel_and_spatial_halos(case, monkeypatc
         PerLayerExecutor(net, _Rank(2), {"soft2": Split(w=2)})
 
 
+@pytest.fixture(scope="module")
+def net_case(tmp_path_factory):
+    """A copy of the case training NET, with the one-process references of the runs below (5 iterations at
+    batch 4 and 6) from one plain process."""
+    case = tmp_path_factory.mktemp("lrn") / "case"
+    shutil.copytree(dp.CASE, case)
+    (case / "net.prototxt").write_text(NET)
+    dp._train_runs(0, [(case, 2 * ranks, 5, case / f"one{ranks}.caffemodel") for ranks in (2, 3)])
+    return case
+
+
 @needs_mpi()
 @pytest.mark.parametrize("ranks, splits", [
     # the Concat by width from a channel and a height split; the Eltwise by channel from a channel and a
@@ -102,18 +114,17 @@ def test_lrn_regions_are_the_planners_channel_and_spatial_halos(case, monkeypatc
          "norm2": Split(h=3), "soft2": Split(w=3), "fc6": Split(c=3), "fc7b": Split(c=3), "fc7": Split(),
          "fc8": Split(c=3)}),
 ], ids=["two", "three"])
-def test_caffenet_like_net_with_lrn_under_mixed_splits_equals_one_process(case, monkeypatch, ranks, splits):
+def test_caffenet_like_net_with_lrn_under_mixed_splits_equals_one_process(net_case, monkeypatch, ranks, splits):
     """5 SGD iterations (momentum, weight decay) at batch 2 per rank under a mixed plan end with one
-    process's weights at the global batch; the bytes received equal the planner's (5 steps and the last
-    forward pass). The Concat and the Eltwise take each input from its own split."""
-    (case / "net.prototxt").write_text(NET)
-    train(case, 0, 2 * ranks, 5, "one.caffemodel")
-    p = train(case, ranks, 2, 5, "split.caffemodel", "--parallel", _spatial_arg(splits))
+    process's weights at the global batch (the fixture's); the bytes received equal the planner's (5 steps and
+    the last forward pass). The Concat and the Eltwise take each input from its own split."""
+    case = net_case
+    p = train(case, ranks, 2, 5, f"split{ranks}.caffemodel", "--parallel", _spatial_arg(splits))
     assert f"Per-layer splits on {ranks} MPI ranks: conv1 " in p.stderr
     assert all(f"{name} {s}" in p.stderr for name, s in splits.items())  # the joins and LRNs run split
-    dp._compare(case / "split.caffemodel", case / "one.caffemodel", 1e-5)
-    one = json.loads((case / "one.caffemodel.json").read_text())["losses"]
-    got = json.loads((case / "split.caffemodel.json").read_text())
+    dp._compare(case / f"split{ranks}.caffemodel", case / f"one{ranks}.caffemodel", 1e-5)
+    one = json.loads((case / f"one{ranks}.caffemodel.json").read_text())["losses"]
+    got = json.loads((case / f"split{ranks}.caffemodel.json").read_text())
     assert np.allclose(got["losses"], one, rtol=1e-5)
     monkeypatch.chdir(case)
     step, forward = _predicted(case / "net.prototxt", ranks, 2, splits)

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 import test_distributed_train as dp
-from mpirun import needs_mpi, run_mpi, script
+from mpirun import needs_mpi
 
 from cct.parallel_plan.measured import MARGIN, pick_measured
 
@@ -40,10 +40,14 @@ def test_the_pick_needs_data_parallelism_measured():
 @pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
 def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_path):
     env = {"CCT_CACHE_DIR": str(tmp_path / "cache")}
-    args = ["python", script("train_run.py"), str(case), "2", "10", str(case / "auto.caffemodel"), "--init",
-            "init.caffemodel", "--parallel", "auto"]
-    p = run_mpi(2, args, timeout=180, env=env)
-    line = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
+    auto = ("--init", "init.caffemodel", "--parallel", "auto")
+    optimum = ("--init", "init.caffemodel", "--parallel", OPTIMUM)
+    # one launch: auto measures; the next run (another iteration count: the same net and ranks) takes the
+    # cached times; DeePa's optimum as candidates
+    runs = [(case, 2, 10, case / "auto.caffemodel", *auto), (case, 2, 1, case / "again.caffemodel", *auto),
+            (case, 2, 10, case / "parts.caffemodel", *optimum)]
+    _, (first, again, parts) = dp._train_runs(2, runs, timeout=180, env=env)
+    line = next(x for x in first.splitlines() if "--parallel auto: measured step ms" in x)
     assert "cached" not in line and "data " in line and "owt " in line
     ran = line.rsplit("running ", 1)[1].split(" (")[0]
     assert f"{ran} " in line  # one of the measured candidates (which one wins depends on this box's load)
@@ -53,17 +57,13 @@ def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_p
     want = json.loads((case / "losses.json").read_text())["losses"]
     assert np.allclose(got, want, rtol=1e-5)
     assert list((tmp_path / "cache").glob("deepa-pick-*.json"))
-    # the next run (another iteration count: the same net and ranks) takes the cached times
-    args[4], args[5] = "1", str(case / "again.caffemodel")
-    p = run_mpi(2, args, timeout=180, env=env)
-    again = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
-    assert "cached" in again and again.rsplit("running ", 1)[1] == line.rsplit("running ", 1)[1]
+    # the next run takes the cached times
+    cached = next(x for x in again.splitlines() if "--parallel auto: measured step ms" in x)
+    assert "cached" in cached and cached.rsplit("running ", 1)[1] == line.rsplit("running ", 1)[1]
     # DeePa's optimum as candidates (one with conv1/pool1 by height, conv2/pool2 and ip1 by channel, ip2 by
     # sample): its channel and height splits alone and the optimum itself layer by layer ("deepa") measured
     # beside data parallelism and the tail's splits; whichever runs, training is still Caffe's
-    args[4], args[5] = "10", str(case / "parts.caffemodel")
-    p = run_mpi(2, args[:-1] + [OPTIMUM], timeout=180, env=env)
-    line = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
+    line = next(x for x in parts.splitlines() if "--parallel auto: measured step ms" in x)
     assert all(f"{name} " in line for name in ("data", "owt", "conv c=2", "spatial", "deepa")), line
     ran = line.rsplit("running ", 1)[1].split(" (")[0]
     assert ran in ("data", "owt", "conv c=2", "spatial", "deepa")
@@ -76,15 +76,16 @@ def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_p
         if "deepa" in entry["seconds"]:
             entry["seconds"]["deepa"] = 0.5 * min(entry["seconds"].values())  # the fastest by far, whatever the load
     cache_file.write_text(json.dumps(data))
-    args[5] = str(case / "deepa.caffemodel")
-    p = run_mpi(2, args[:-1] + [OPTIMUM], timeout=180, env=env)
-    line = next(x for x in p.stderr.splitlines() if "--parallel auto: measured step ms" in x)
+    # one launch: the edited cache's pick; then each rank splitting its batch over two devices (the last run:
+    # the devices stay set for the rest of the process)
+    _, (deepa, devices) = dp._train_runs(2, [(case, 2, 10, case / "deepa.caffemodel", *optimum),
+                                             (case, 2, 10, case / "devices.caffemodel", *auto, "--devices",
+                                              "cpu:0:threads=1,cpu:1:threads=1")], timeout=180, env=env)
+    line = next(x for x in deepa.splitlines() if "--parallel auto: measured step ms" in x)
     assert "cached" in line and line.rsplit("running ", 1)[1].startswith("deepa (")
     assert ("--parallel auto: running deepa: conv1 n=1 h=2 w=1 c=1, pool1 n=1 h=2 w=1 c=1, conv2 n=1 h=1 w=1 c=2, "
-            "pool2 n=1 h=1 w=1 c=2, ip1 n=1 h=1 w=1 c=2") in p.stderr
+            "pool2 n=1 h=1 w=1 c=2, ip1 n=1 h=1 w=1 c=2") in deepa
     dp._compare(case / "deepa.caffemodel", case / "final.caffemodel", 1e-4)
     # each rank splitting its batch over two devices: no split candidate can run with that executor yet
-    args[4], args[5] = "10", str(case / "devices.caffemodel")
-    p = run_mpi(2, args + ["--devices", "cpu:0:threads=1,cpu:1:threads=1"], timeout=180, env=env)
-    assert "--parallel auto: the train net has its own executor (--devices); data parallelism" in p.stderr
+    assert "--parallel auto: the train net has its own executor (--devices); data parallelism" in devices
     dp._compare(case / "devices.caffemodel", case / "final.caffemodel", 1e-4)

@@ -3,6 +3,7 @@ by sample, its fully-connected tail by output channel (OWT) or by channel within
 every run equals one process at the global batch (real Caffe's batch-4 run for 2 ranks at batch 2)."""
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -27,15 +28,41 @@ def train(case, ranks: int, batch: int, iters: int, out: str, *extra: str):
     return run_mpi(ranks, args, timeout=180)
 
 
-def test_owt_equals_caffe_and_resumes_across_configurations(case):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The runs the tests below check, in one 2-rank launch (and one plain process for their one-process
+    references): in a copy of the case, OWT for 5 iterations with a snapshot, data parallelism resumed to 8,
+    OWT and data parallelism resumed from there to 10 with a TEST net; in a second copy with the CaffeNet-like
+    net, OWT for 5 iterations. Returns both folders and each run's log by name."""
+    case, other = (tmp_path_factory.mktemp("owt") / name for name in ("case", "caffenet"))
+    for path in (case, other):
+        shutil.copytree(dp.CASE, path)
+    (other / "net.prototxt").write_text(CAFFENET_LIKE)
+    solver = (case / "solver.prototxt").read_text()
+    (case / "solver_test.prototxt").write_text(solver + "test_iter: 2\ntest_interval: 9\n")  # mid-run: no snapshot
+    test = ("--solver", "solver_test.prototxt", "--resume", "snap_iter_8.solverstate")
+    init = ("--init", "init.caffemodel")
+    two = {"a": (case, 2, 5, case / "a.caffemodel", *init, "--snapshot", "5", "--parallel", "owt"),
+           "b": (case, 2, 8, case / "b.caffemodel", "--resume", "snap_iter_5.solverstate", "--snapshot", "8"),
+           "c": (case, 2, 10, case / "c.caffemodel", *test, "--parallel", "owt"),
+           "d": (case, 2, 10, case / "d.caffemodel", *test),
+           "caffenet": (other, 2, 5, other / "owt.caffemodel", "--parallel", "owt")}
+    one = {"caffenet one": (other, 4, 5, other / "one.caffemodel"),
+           "uneven one": (case, 12, 3, case / "one.caffemodel", *init)}
+    logs = dict(zip(two, dp._train_runs(2, list(two.values()))[1]))
+    logs.update(zip(one, dp._train_runs(0, list(one.values()))[1]))
+    return case, other, logs
+
+
+def test_owt_equals_caffe_and_resumes_across_configurations(runs):
     """10 SGD iterations (momentum, weight decay, step lr) of LeNet on 2 ranks at batch 2 in three runs:
     OWT (ip1, ip2 by output channel: 250 and 5 per rank) for 5 with a snapshot (the slices and their
     momentum gathered: single-process files), data parallelism resumed for 3 more with a snapshot, OWT
     resumed to 10 with a TEST net: real Caffe's batch-4 weights, and rank 0's test of the whole net. The
     first run's losses are Caffe's, only the convolutions' gradients are all-reduced, and the tail's
     exchanges move exactly the bytes counted below."""
-    p = train(case, 2, 2, 5, "a.caffemodel", "--init", "init.caffemodel", "--snapshot", "5", "--parallel", "owt")
-    assert "OWT on 2 MPI ranks" in p.stderr
+    case, _, logs = runs
+    assert "OWT on 2 MPI ranks" in logs["a"]
     got = json.loads((case / "a.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
     assert np.allclose(got["losses"], want[:5], rtol=1e-5)
@@ -45,22 +72,17 @@ def test_owt_equals_caffe_and_resumes_across_configurations(case):
     # 5 iterations and the forward that displays the last loss
     forward = 2 * 800 + 4 * 250 + 2 * 5
     assert got["owt_bytes"] == 4 * (5 * 2 * forward + forward)
-    train(case, 2, 2, 8, "b.caffemodel", "--resume", "snap_iter_5.solverstate", "--snapshot", "8")
-    solver = (case / "solver.prototxt").read_text()
-    (case / "solver.prototxt").write_text(solver + "test_iter: 2\ntest_interval: 9\n")  # mid-run: no snapshot before
-    p = train(case, 2, 2, 10, "c.caffemodel", "--resume", "snap_iter_8.solverstate", "--parallel", "owt")
     _compare(case / "c.caffemodel", case / "final.caffemodel", 1e-5)  # measured 1.2e-7 straight
     # rank 0 tested the whole net (the slices gathered first): the same outputs as data parallelism's test
-    data = train(case, 2, 2, 10, "d.caffemodel", "--resume", "snap_iter_8.solverstate")
     outputs = re.compile(r"Test net output #\d+: \w+ = [-\d.e]+")
-    assert outputs.findall(p.stderr) and outputs.findall(p.stderr) == outputs.findall(data.stderr)
+    assert outputs.findall(logs["c"]) and outputs.findall(logs["c"]) == outputs.findall(logs["d"])
 
 
-def test_uneven_slices_on_3_ranks_and_a_mixed_tail_on_4_ranks_equal_one_process(case):
-    """One process at batch 12; OWT on 3 ranks at batch 4 (ip1's 500 outputs as 167/167/166, ip2's 10 as
-    4/3/3: padded exchanges); the tail as n=2 c=2 on 4 ranks at batch 3 (two groups of samples, each
-    splitting the channels; ranks 0 and 2 holding the same slices all-reduce their gradients)."""
-    train(case, 0, 12, 3, "one.caffemodel", "--init", "init.caffemodel")
+def test_uneven_slices_on_3_ranks_and_a_mixed_tail_on_4_ranks_equal_one_process(runs):
+    """One process at batch 12 (the fixture's); OWT on 3 ranks at batch 4 (ip1's 500 outputs as 167/167/166,
+    ip2's 10 as 4/3/3: padded exchanges); the tail as n=2 c=2 on 4 ranks at batch 3 (two groups of samples,
+    each splitting the channels; ranks 0 and 2 holding the same slices all-reduce their gradients)."""
+    case = runs[0]
     train(case, 3, 4, 3, "owt3.caffemodel", "--init", "init.caffemodel", "--parallel", "owt")
     p = train(case, 4, 3, 3, "mixed4.caffemodel", "--init", "init.caffemodel", "--parallel", "owt2")
     assert "Tail split n=2 c=2 on 4 MPI ranks" in p.stderr
@@ -96,14 +118,12 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc8" bottom: "label" top: 
 """
 
 
-def test_a_caffenet_like_net_with_groups_and_lrn_under_owt_equals_one_process(case):
+def test_a_caffenet_like_net_with_groups_and_lrn_under_owt_equals_one_process(runs):
     """Grouped convolution, LRN, max pooling and a three-layer FC tail with ReLUs: OWT on 2 ranks at
     batch 2 ends with one process's weights at batch 4 (5 iterations, momentum and weight decay)."""
-    (case / "net.prototxt").write_text(CAFFENET_LIKE)
-    train(case, 0, 4, 5, "one.caffemodel")
-    p = train(case, 2, 2, 5, "owt.caffemodel", "--parallel", "owt")
-    assert "fc6 (32 of 64 outputs per rank), fc7 (16 of 32 outputs per rank), fc8 (5 of 10" in p.stderr
-    _compare(case / "owt.caffemodel", case / "one.caffemodel", 1e-5)
+    _, other, logs = runs
+    assert "fc6 (32 of 64 outputs per rank), fc7 (16 of 32 outputs per rank), fc8 (5 of 10" in logs["caffenet"]
+    _compare(other / "owt.caffemodel", other / "one.caffemodel", 1e-5)
 
 
 def test_cct_train_parallel_auto_and_omnivore_refused(case):

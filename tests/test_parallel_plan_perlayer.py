@@ -3,6 +3,7 @@ differently split layers moves exactly the planner's regions, mixed factorisatio
 ranks) reduce each parameter slice among the ranks sharing it, and every run equals real Caffe's batch-4
 LeNet run."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -33,12 +34,36 @@ def _run_plan(case, monkeypatch, ranks, batch, splits, out):
     batch-4 run; return the run's json and the planner's (bytes per step, per forward pass)."""
     plan = _plan_file(case / f"{out}.plan", ranks, splits)
     p = _train(case, ranks, batch, 10, f"{out}.caffemodel", "--init", "init.caffemodel", "--parallel", str(plan))
+    return (p, *_check_run(case, monkeypatch, ranks, batch, splits, out))
+
+
+def _check_run(case, monkeypatch, ranks, batch, splits, out):
+    """Compare the run ``out`` under ``splits`` with Caffe's batch-4 run; return its json and the planner's
+    (bytes per step, per forward pass)."""
     dp._compare(case / f"{out}.caffemodel", case / "final.caffemodel", 1e-5)
     got = json.loads((case / f"{out}.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
     assert np.allclose(got["losses"], want, rtol=1e-5)
     monkeypatch.chdir(case)
-    return p, got, _predicted(case / "net.prototxt", ranks, batch, splits)
+    return got, _predicted(case / "net.prototxt", ranks, batch, splits)
+
+
+FOUR = {"conv1": Split(n=2, h=2), "pool1": Split(n=2, w=2), "conv2": Split(n=2, c=2), "pool2": Split(h=2, c=2),
+        "ip1": Split(n=2, c=2), "ip2": Split(c=4)}
+FEWER = {"conv1": Split(h=2), "pool1": Split(w=4), "conv2": Split(c=2), "pool2": Split(n=2), "ip1": Split(),
+         "ip2": Split(c=2)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """The 4-rank runs below in one launch in one copy of the case: 10 SGD iterations at batch 1 from Caffe's
+    initial weights under the plans FOUR and FEWER. Returns the case folder."""
+    case = tmp_path_factory.mktemp("perlayer") / "case"
+    shutil.copytree(dp.CASE, case)
+    runs = [(case, 1, 10, case / f"{out}.caffemodel", "--init", "init.caffemodel", "--parallel",
+             str(_plan_file(case / f"{out}.plan", 4, splits))) for out, splits in (("four", FOUR), ("fewer", FEWER))]
+    dp._train_runs(4, runs, timeout=180)
+    return case
 
 
 @needs_mpi()
@@ -61,26 +86,22 @@ def test_rows_to_channels_and_different_tail_splits_move_the_planned_bytes_on_tw
 
 
 @needs_mpi()
-def test_mixed_factorisations_on_four_ranks_equal_caffe_with_the_planned_bytes(case, monkeypatch):
+def test_mixed_factorisations_on_four_ranks_equal_caffe_with_the_planned_bytes(four_ranks, monkeypatch):
     """Below the tail, configurations with two split axes: conv1 n=2 h=2, pool1 n=2 w=2, conv2 n=2 c=2
     (its filter slices' gradients summed by the 2 ranks sharing each), pool2 h=2 c=2, ip1 n=2 c=2, ip2 c=4:
     4 ranks at batch 1 equal Caffe's batch-4 run (slices gathered for the file) with the planner's bytes."""
-    splits = {"conv1": Split(n=2, h=2), "pool1": Split(n=2, w=2), "conv2": Split(n=2, c=2),
-              "pool2": Split(h=2, c=2), "ip1": Split(n=2, c=2), "ip2": Split(c=4)}
-    _p, got, (step, forward) = _run_plan(case, monkeypatch, 4, 1, splits, "four")
+    got, (step, forward) = _check_run(four_ranks, monkeypatch, 4, 1, FOUR, "four")
     assert sum(got["split_bytes_all"]) == 10 * step + forward
     assert got["stats"]["bytes"] == 4 * (20 * 25 + 20)  # only conv1's filters are whole on every rank
 
 
 @needs_mpi()
-def test_configurations_on_fewer_ranks_equal_caffe_with_the_planned_bytes(case, monkeypatch):
+def test_configurations_on_fewer_ranks_equal_caffe_with_the_planned_bytes(four_ranks, monkeypatch):
     """Layers on 2 or 1 of 4 ranks (the others idle for them: they send their part of the input, compute
     nothing): conv1 h=2, pool1 w=4, conv2 c=2, pool2 n=2, ip1 whole on rank 0, ip2 c=2 (its slices broadcast
     to the idle ranks before the snapshot): 4 ranks at batch 1 equal Caffe's batch-4 run with the planner's
     bytes; all-reduced: conv1's and ip1's whole filters."""
-    splits = {"conv1": Split(h=2), "pool1": Split(w=4), "conv2": Split(c=2), "pool2": Split(n=2), "ip1": Split(),
-              "ip2": Split(c=2)}
-    _p, got, (step, forward) = _run_plan(case, monkeypatch, 4, 1, splits, "fewer")
+    got, (step, forward) = _check_run(four_ranks, monkeypatch, 4, 1, FEWER, "fewer")
     assert sum(got["split_bytes_all"]) == 10 * step + forward
     assert got["stats"]["bytes"] == 4 * (20 * 25 + 20 + 800 * 500 + 500)
 

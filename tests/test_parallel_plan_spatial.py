@@ -3,6 +3,7 @@ rank computes a band of the output rows (or columns) for the whole batch, exchan
 neighbours; every run equals one process at the global batch (real Caffe's batch-4 run for 2 ranks at
 batch 2) and moves exactly the bytes the planner predicts."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -43,15 +44,33 @@ def _predicted(net_path, ranks, batch, splits):
     return step, forward
 
 
+MIXED = {"mnist": "n=2", "conv1": "h=2", "pool1": "h=2", "conv2": "c=2", "pool2": "n=2", "ip1": "c=2", "ip2": "c=2",
+         "loss": "n=2"}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The 2-rank runs the tests below check, in one launch in one copy of the case, from Caffe's initial
+    weights for 10 iterations at batch 2: conv1, pool1 and conv2 by height; the plan file MIXED. Returns the
+    case folder and each run's log by name."""
+    case = tmp_path_factory.mktemp("spatial") / "case"
+    shutil.copytree(dp.CASE, case)
+    (case / "mixed.plan").write_text("workers: 2\n" + "".join(f"{k}: {v}\n" for k, v in MIXED.items()))
+    runs = {"h=2": (case, 2, 10, case / "two.caffemodel", "--init", "init.caffemodel", "--parallel",
+                    "spatial:h=2:conv1,pool1,conv2"),
+            "mixed": (case, 2, 10, case / "mixed.caffemodel", "--init", "init.caffemodel", "--parallel",
+                      str(case / "mixed.plan"))}
+    return case, dict(zip(runs, dp._train_runs(2, list(runs.values()), timeout=180)[1]))
+
+
 @needs_mpi()
-def test_lenet_split_by_height_on_two_ranks_equals_caffe_with_the_predicted_bytes(case, monkeypatch):
+def test_lenet_split_by_height_on_two_ranks_equals_caffe_with_the_predicted_bytes(two_ranks, monkeypatch):
     """conv1, pool1 and conv2 split h=2 (bands of 12, 6 and 4 rows; conv2's 5x5 kernel reads 2 rows of
     the neighbour's pool1 band): 2 ranks at batch 2 end with real Caffe's batch-4 weights and losses after
     10 SGD iterations; the bytes the ranks receive equal the planner's count (10 steps and the final
     forward pass that displays the last loss)."""
-    p = _train(case, 2, 2, 10, "two.caffemodel", "--init", "init.caffemodel", "--parallel",
-               "spatial:h=2:conv1,pool1,conv2")
-    assert "Per-layer splits on 2 MPI ranks: conv1 n=1 h=2 w=1 c=1, pool1 n=1 h=2 w=1 c=1, conv2 n=1 h=2" in p.stderr
+    case, logs = two_ranks
+    assert "Per-layer splits on 2 MPI ranks: conv1 n=1 h=2 w=1 c=1, pool1 n=1 h=2 w=1 c=1, conv2 n=1 h=2" in logs["h=2"]
     dp._compare(case / "two.caffemodel", case / "final.caffemodel", 1e-5)
     got = json.loads((case / "two.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
@@ -162,16 +181,13 @@ def test_intersections_of_boxes():
 
 
 @needs_mpi()
-def test_spatial_channel_and_tail_splits_together_equal_caffe(case):
+def test_spatial_channel_and_tail_splits_together_equal_caffe(two_ranks):
     """One plan, three kinds of split (cct.parallel_plan.perlayer): conv1 and pool1 by height, conv2 by
     output channel, the fully-connected tail by output channel (OWT): 2 ranks at batch 2 end with real
     Caffe's batch-4 weights after 10 SGD iterations (snapshot files gathered as usual)."""
-    nodes = {"mnist": "n=2", "conv1": "h=2", "pool1": "h=2", "conv2": "c=2", "pool2": "n=2", "ip1": "c=2",
-             "ip2": "c=2", "loss": "n=2"}
-    (case / "mixed.plan").write_text("workers: 2\n" + "".join(f"{k}: {v}\n" for k, v in nodes.items()))
-    p = _train(case, 2, 2, 10, "mixed.caffemodel", "--init", "init.caffemodel", "--parallel", str(case / "mixed.plan"))
+    case, logs = two_ranks
     assert ("Per-layer splits on 2 MPI ranks: conv1 n=1 h=2 w=1 c=1, pool1 n=1 h=2 w=1 c=1, conv2 n=1 h=1 w=1 c=2, "
-            "ip1 n=1 h=1 w=1 c=2, ip2 n=1 h=1 w=1 c=2; every other layer by sample") in p.stderr
+            "ip1 n=1 h=1 w=1 c=2, ip2 n=1 h=1 w=1 c=2; every other layer by sample") in logs["mixed"]
     dp._compare(case / "mixed.caffemodel", case / "final.caffemodel", 1e-5)
     got = json.loads((case / "mixed.caffemodel.json").read_text())
     want = json.loads((case / "losses.json").read_text())["losses"]
