@@ -12,9 +12,9 @@ TXT2 = znni_prototxt("n726", fmaps=3, nd=2, kernels=[2, 2, 1, 1, 2, 1])  # field
 TXT3 = znni_prototxt("n726", fmaps=2, nd=3, kernels=[2, 1, 1, 1, 2, 1])  # field of view 9, stride 4
 
 
-def random_net(txt: str, dtype=np.float64, seed: int = 0) -> cct.Net:
-    """The TEST net of prototxt text ``txt`` with standard-normal weights scaled by 0.5."""
-    net = cct.Net(text_format.Parse(txt, caffe_pb2.NetParameter()), cct.TEST, dtype=dtype)
+def random_net(txt: str, dtype=np.float64, seed: int = 0, config: Config | None = None) -> cct.Net:
+    """The TEST net of prototxt text ``txt`` with standard-normal weights scaled by 0.5 (built under ``config``)."""
+    net = cct.Net(text_format.Parse(txt, caffe_pb2.NetParameter()), cct.TEST, dtype=dtype, config=config)
     rng = np.random.default_rng(seed)
     for blobs in net.params.values():
         for b in blobs:

@@ -5,7 +5,9 @@ import scipy.fft as sfft
 
 from cct.device.driver import cupy_available, to_host
 from cct.lowering import ConvGeometry, get_strategy
+from cct.lowering.direct_layout import SharedScratch
 from cct.lowering.fft import FFTConvolution, fft_shape, half_shape, inverse_spectrum, spectrum
+from cct.proto import caffe_pb2
 
 
 def _extended(a, points):
@@ -113,6 +115,42 @@ def test_fft_buffers_are_reused_and_results_stay_correct():
             np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4)
         sizes.append(len(s._scratch))
     assert sizes[0] == sizes[1] > 0
+
+
+def _geometry(c, m, shape, k, stride=1, pad=0, dilation=1, group=1):
+    p = caffe_pb2.ConvolutionParameter(num_output=m, group=group, kernel_size=[k], stride=[stride], pad=[pad],
+                                       dilation=[dilation])
+    return ConvGeometry.from_param(p, (2, c) + shape)
+
+
+def test_layers_sharing_one_scratch_by_role_hold_what_forward_buffers_says():
+    """Dense inference's FFT layers take their buffers from one SharedScratch by role: taking turns, each still
+    equals type 1 (a buffer another layer left data in is zeroed again), and the scratch ends holding, per role,
+    the largest of the layers' :meth:`forward_buffers` (so the planner's prediction is the bytes held)."""
+    rng = np.random.default_rng(4)
+    t = get_strategy("type1")
+    for geoms in ([_geometry(3, 4, (11,), 3), _geometry(4, 2, (14,), 2, 2, 1)],
+                  [_geometry(4, 6, (9, 10), 3, 2, 1), _geometry(6, 4, (12, 7), 2, 1, 0, 2, 2)],
+                  [_geometry(6, 4, (7, 8, 9), 3, 1, 0, 2, 2), _geometry(2, 5, (6, 6, 6), 2, 2, 1)]):
+        shared = SharedScratch()
+        layers = [FFTConvolution() for _ in geoms]
+        for layer in layers:
+            layer.share_scratch(shared)
+        want: dict = {}
+        for g, n in zip(geoms, (3, 2)):
+            for role, nbytes in layers[0].forward_buffers(g, n, 4).items():
+                want[role] = max(want.get(role, 0), nbytes)
+        for _ in range(2):
+            for layer, g, n in zip(layers, geoms, (3, 2)):
+                x = rng.standard_normal((n, g.channels_in) + g.in_shape).astype(np.float32)
+                w = rng.standard_normal(g.weight_shape).astype(np.float32)
+                out = np.full((n, g.channels_out) + tuple(g.out_shape), np.nan, np.float32)
+                layer.forward_into(x, w, None, g, out)
+                np.testing.assert_allclose(out, t.forward(x, w, None, g), rtol=1e-4, atol=1e-4)
+        assert shared.sizes() == sorted(want.items())
+        cg = geoms[0].channels_in // geoms[0].group
+        spectrum_bytes = 8 * geoms[0].channels_out * cg * int(np.prod(half_shape(fft_shape(geoms[0]))))
+        assert layers[0].kernel_bytes(geoms[0], 4) == spectrum_bytes + 4 * int(np.prod(geoms[0].weight_shape))
 
 
 def test_direct_output_channel_blocks_with_a_tail():

@@ -164,9 +164,9 @@ def test_direct_buffers_are_counted_per_partition_thread():
     vol = np.random.default_rng(7).standard_normal((32, 32, 32)).astype(np.float32)
     di = DenseInference(net, patch=(32, 32, 32))
     di(vol)
-    roles = di.plan.scratch_roles  # per thread: (padded input, blocked output, blocked weights)
+    roles = di.plan.scratch_roles  # per thread: bytes per role (padded input, blocked output, blocked weights)
     split = [st[1].lowering for st in di.runner.steps
              if getattr(getattr(st[1], "lowering", None), "partitions", 1) not in (1, "model")]
     assert roles and (len(roles) > 1) == any(p.partitions > 1 and p.inner.name == "direct" for p in split)
-    want = sorted([("xpad", r[0]) for r in roles if r[0]] + [("y", r[1]) for r in roles if r[1]])
+    want = sorted((role, n) for r in roles for role, n in r.items() if n and role != "weights")  # weights: per layer
     assert di.runner.scratch.sizes() == want  # every thread's set, each its largest request

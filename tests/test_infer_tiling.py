@@ -1,12 +1,14 @@
 """Dense inference, part 2: overlap-save tiling, valid/same modes, file I/O, resume, errors, the planner."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import h5py
 import numpy as np
 import pytest
 
+from cct.config import current
 from cct.errors import CctError, MemoryBudgetError
 from cct.infer.geometry import analyze
 from cct.infer.naive import naive_dense
@@ -196,13 +198,17 @@ def test_plan_fits_the_budget_and_a_smaller_budget_gives_a_smaller_patch():
         DenseInference(net, budget=10 << 10).make_plan((40, 40, 40))
 
 
-def test_predicted_peak_is_within_15_percent_of_measured():
+@pytest.mark.parametrize("forced", [None, "fft"])
+def test_predicted_peak_is_within_15_percent_of_measured(forced):
+    """As planned (direct kernels here) and with every convolution forced to FFT (``EngineConfig.overrides``,
+    which the planner prices as the layers run them): the layers' shared buffers are the plan's, role by role."""
     import tracemalloc
 
     txt = TXT3.replace("num_output: 2 ", "num_output: 6 ")
     vol = np.random.default_rng(7).standard_normal((32, 32, 32)).astype(np.float32)
-    DenseInference(_net(txt, dtype=np.float32), patch=(32, 32, 32))(vol)  # compiles the kernels (numba)
-    net = _net(txt, dtype=np.float32)
+    config = current().replace(engine=dataclasses.replace(current().engine, overrides={"*": forced} if forced else {}))
+    DenseInference(_net(txt, dtype=np.float32, config=config), patch=(32, 32, 32))(vol)  # compiles (numba)
+    net = _net(txt, dtype=np.float32, config=config)
     tracemalloc.start()
     try:
         di = DenseInference(net, patch=(32, 32, 32))  # the measured span: setup and a whole run
@@ -212,3 +218,7 @@ def test_predicted_peak_is_within_15_percent_of_measured():
         tracemalloc.stop()
     peak -= result.nbytes  # __call__'s result array holds the whole output, not part of the plan
     assert abs(peak - di.plan.peak_bytes) <= 0.15 * di.plan.peak_bytes, (peak, di.plan.describe())
+    strategies = {lp.strategy for lp in di.plan.layers}
+    assert strategies == {"fft"} if forced else "fft" not in strategies
+    want = sorted((role, n) for r in di.plan.scratch_roles for role, n in r.items() if n and role != "weights")
+    assert di.runner.scratch.sizes() == want

@@ -13,7 +13,7 @@ run of the plain net and returns its own strided output (every ``stride``-th win
 Shapes are fixed at construction (the convolutions plan their lowering then, for the batch sizes the
 fragments create); :meth:`PatchRunner.run` only computes. The activations (every blob's data and the MPF
 layers' stride-1 buffers) live in one pool allocated at construction, a slot reused once the last layer
-reading it has run (:mod:`cct.infer.buffers`), and the direct convolutions share one set of buffers
+reading it has run (:mod:`cct.infer.buffers`), and the direct and FFT convolutions share one set of buffers
 (:class:`cct.lowering.direct_layout.SharedScratch`); ``reuse=False`` gives every blob and layer its own.
 
 On a net built on a GPU every buffer, the patch and the output live in device memory (the array module
@@ -27,10 +27,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..config import runs_in_own_config
 from ..device.driver import Device
 from ..errors import CctError, LayerError
 from ..lowering.direct_layout import SharedScratch
-from ..lowering.partition import BatchedLowering
+from ..lowering.partition import BatchedLowering, PartitionWorkers
 from ..lowering.type1 import Type1Lowering
 from .buffers import SlotPlan, plan_slots, stage_key, storage_roots
 from .fragments import FragmentPooling
@@ -142,13 +143,14 @@ class PatchRunner:
                 net.blobs[name].bind_data(views[name])
         return views
 
+    @runs_in_own_config
     def _setup(self) -> None:
         net, geom = self.net, self.geom
         inp = net.blobs[geom.input_blob]
         shape = tuple(inp.shape)
         self.slots = SlotPlan()
         self.pool: list = []
-        self.scratch: SharedScratch | None = None  # the direct convolutions' shared buffers (with reuse)
+        self.scratch: SharedScratch | None = None  # the direct and FFT convolutions' shared buffers (with reuse)
         self.split_memory: SplitMemory | None = None  # GPU + host RAM: the split convolutions' device buffer
         views = self._bind_pool() if self.reuse else {}
         inp.reshape((1, shape[1]) + self.run_shape)
@@ -223,14 +225,18 @@ class PatchRunner:
                                                   plan_report=low.plan_report)
 
     def _share_conv_scratch(self) -> None:
-        """One set of direct-convolution buffers (padded input, blocked output) for all the layers instead of one
-        per layer: they run one after another (a pipeline's stages run on two threads, whose buffers differ)."""
+        """One set of convolution buffers (the direct kernels' padded input and blocked output, FFT's transform
+        buffers) and of partition threads for all the layers instead of one per layer: they run one after another
+        (a pipeline's stages run on two threads, whose buffers differ)."""
         shared = self.scratch = SharedScratch()
+        workers = PartitionWorkers()  # and one set of partition threads: the buffers are kept per thread
         for _i, runner, _b, _t in self.steps:
             lowering = getattr(runner, "lowering", None)
             inner = getattr(lowering, "inner", lowering)
             if hasattr(inner, "share_scratch"):
                 inner.share_scratch(shared)
+            if isinstance(lowering, BatchedLowering):
+                lowering.share_workers(workers)
 
     # -- running ------------------------------------------------------------------------
     def check_patch(self, patch: np.ndarray) -> None:
@@ -252,9 +258,14 @@ class PatchRunner:
         window = tuple(slice(s, s + n) for s, n in zip(shift, self.run_shape))
         self.net.blobs[self.geom.input_blob].data[0] = patch[(slice(None),) + window]
 
-    @staticmethod
-    def forward(steps: Sequence[tuple[int, object, list, list]]) -> None:
-        """Run ``steps`` (layer index, layer or fragment pooling, bottoms, tops) in order."""
+    @property
+    def config(self):
+        """The net's :class:`cct.config.Config`: the layers are planned and run under it."""
+        return self.net.config
+
+    @runs_in_own_config
+    def forward(self, steps: Sequence[tuple[int, object, list, list]]) -> None:
+        """Run ``steps`` (layer index, layer or fragment pooling, bottoms, tops) in order (on any thread)."""
         for _i, runner, bottom, top in steps:
             if isinstance(runner, FragmentPooling):
                 runner.forward(bottom[0], top[0])

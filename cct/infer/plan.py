@@ -10,9 +10,10 @@ predicted output voxels per second whose predicted peak memory fits the budget.
 Predicted peak bytes = the activation pool: every blob's data and the per-axis stride-1 pooling buffers of each
 MPF layer in slots reused once their last reader has run, the same slot plan the runner allocates
 (:func:`cct.infer.buffers.plan_slots`; a forward-only net never allocates a diff: :class:`cct.Blob` does on
-first use), the buffers each convolution keeps between calls (the direct kernels' once: the layers share one
-set per thread; a layer that splits its batch over ``p`` threads holds ``p`` sets, each sized for its chunk,
-:func:`partition_chunks`) plus the largest transient (a convolution's workspace, :func:`conv_memory`, or a
+first use), the buffers the direct and FFT convolutions take from the layers' shared scratch (one buffer per
+role and thread, as large as the largest request, :func:`scratch_buffers`; a layer that splits its batch over
+``p`` threads holds ``p`` sets, each sized for its chunk, :func:`partition_chunks`), what each layer keeps (FFT:
+its weights' spectrum, :func:`conv_memory`) plus the largest transient (a lowered GEMM's workspace or a
 per-voxel layer's temporaries, :func:`elementwise_temporaries`), the index array MAX pooling keeps, the input
 patch and the output tile. Predicted time = the convolutions' forward passes times the number of shifted runs
 (plain pooling layers need one run per offset), plus one streaming pass over each blob.
@@ -37,7 +38,8 @@ from ..lowering import direct_layout as dl
 from ..lowering.calibrate import load_machine
 from ..lowering.chunking import split
 from ..lowering.cost_model import Machine, workspace_bytes
-from ..lowering.engine import lowering_budget
+from ..lowering.cost_model import strategy as priced_strategy
+from ..lowering.engine import lowering_budget, override_for
 from ..lowering.geometry import ConvGeometry
 from ..lowering.optimizer import machine_for_threads, plan_convolution, predictions
 from ..lowering.partition import memory_budget
@@ -82,8 +84,8 @@ class InferencePlan:
     one_stage_seconds: float = 0.0  # the one-stage prediction when ``theta`` is set
     stage_seconds: tuple[float, float] = (0.0, 0.0)  # per run, each stage on half the BLAS threads
     notes: list[str] = field(default_factory=list)  # e.g. InnerProduct layers run as convolutions
-    shared_scratch: int = 0  # the direct convolutions' buffers, one set shared by the layers (per thread)
-    scratch_roles: list[tuple[int, int, int]] = field(default_factory=list)  # per partition thread, see predict
+    shared_scratch: int = 0  # the direct and FFT convolutions' buffers, one set shared by the layers (per thread)
+    scratch_roles: list[dict[str, int]] = field(default_factory=list)  # per partition thread: bytes per role
     target: str = "host"  # where the convolutions run: host, gpu, gpu+host (module docstring)
     device_budget: int | None = None  # gpu+host: the device's budget the sub-layers fit
     device_peak_bytes: int = 0  # gpu+host: the largest sub-layer's device bytes
@@ -135,17 +137,28 @@ class InferencePlan:
 
 
 def conv_memory(name: str, cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, int]:
-    """``(kept, transient)`` bytes of a convolution's forward pass by strategy ``name``: the direct kernels
-    keep their padded input (and, for a layout that drops positions, output) buffer between calls
-    (:func:`predict` counts the largest once: the layers share one set); the other strategies' workspace
-    (:func:`cct.lowering.cost_model.workspace_bytes`) is counted as kept for FFT (its transforms are cached)
-    and as transient for the lowered GEMMs."""
+    """``(kept, transient)`` bytes of a convolution's forward pass on one ``batch`` by strategy ``name`` outside the
+    buffers the layers share by role (:func:`scratch_buffers`): FFT keeps its weights' spectrum per layer; the
+    lowered GEMMs' workspace (:func:`cct.lowering.cost_model.workspace_bytes`) is transient."""
+    if name == "fft":
+        return priced_strategy("fft").kernel_bytes(cg, itemsize), 0
+    if scratch_buffers(name, cg, batch, itemsize) is not None:
+        return 0, 0
+    return 0, workspace_bytes(name, cg, batch, itemsize)
+
+
+def scratch_buffers(name: str, cg: ConvGeometry, batch: int, itemsize: int) -> dict[str, int] | None:
+    """Bytes per role of the buffers a convolution by ``name`` takes from the layers' shared scratch
+    (:class:`cct.lowering.direct_layout.SharedScratch`) for one chunk of ``batch`` images, or None when it
+    takes none: the direct kernels' padded input and blocked output (and their blocked weights, counted
+    alike), FFT's transform buffers (:meth:`cct.lowering.fft.FFTConvolution.forward_buffers`)."""
+    if name == "fft":
+        return priced_strategy("fft").forward_buffers(cg, batch, itemsize)
     if name == "direct":
         buffers = direct_buffers(cg, batch, itemsize)
         if buffers is not None:
-            return sum(buffers), 0
-    ws = workspace_bytes(name, cg, batch, itemsize)
-    return (ws, 0) if name.startswith("fft") else (0, ws)
+            return dict(zip(("xpad", "y", "weights"), buffers))
+    return None
 
 
 def direct_buffers(cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, int, int] | None:
@@ -163,19 +176,19 @@ def direct_buffers(cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, in
 _ONE_PASS = frozenset({"ReLU", "TanH", "AbsVal", "Dropout", "Split", "Silence", "Input", "Convolution", "Pooling"})
 
 
-def partition_chunks(net, cg: ConvGeometry, batch: int, cache: dict) -> list[int]:
-    """Images per chunk of each batch partition a direct convolution of ``cg`` on ``batch`` runs: the runtime's
-    plan (:func:`cct.lowering.optimizer.plan_convolution` on this machine's whole model with the net's engine
-    settings, forward only), one entry per partition thread (each holds its own direct buffers, sized for its
-    chunk)."""
-    key = ("partitions", cg, batch)
+def partition_chunks(net, cg: ConvGeometry, batch: int, cache: dict, name: str = "direct") -> list[int]:
+    """Images per chunk of each batch partition a convolution of ``cg`` on ``batch`` by ``name`` runs: the
+    runtime's plan (:func:`cct.lowering.optimizer.plan_convolution` on this machine's whole model with the net's
+    engine settings, forward only), one entry per partition thread (each holds its own scratch buffers, sized for
+    its chunk)."""
+    key = ("partitions", name, cg, batch)
     if batch <= 1:
         return [batch]  # one image: one partition, one chunk
     if key not in cache:
         parts = net.config.engine.partitions
         plan = plan_convolution(cg, batch, load_machine(measure_if_missing=False), budget=lowering_budget(net.config),
                                 partitions=parts if isinstance(parts, int) else "model", passes=("fwd",),
-                                names=["direct"])  # the layer runs direct: its partitions and chunk, priced alone
+                                names=[name])  # the layer runs ``name``: its partitions and chunk, priced alone
         p = max(1, min(plan.partitions, batch))
         cache[key] = [min(plan.b_p or (e - s), e - s) for s, e in split(batch, p)]
     return cache[key]
@@ -234,7 +247,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     shapes = blob_shapes(net, geom, run_shape, mpf)
     blob_bytes = sum(_prod(s) for s in shapes.values()) * itemsize
     layers, seconds, work, kept = [], 0.0, 0, 0
-    roles: list[tuple[int, int, int]] = []  # per partition thread: the largest request of each direct buffer role
+    roles: list[dict[str, int]] = []  # per partition thread: the largest request of each shared buffer role
     splits: list[SplitPlan] = []
     offload: list[tuple[int, str, ConvGeometry, int]] = []  # gpu+host: (layer plan index, name, geometry, batch)
     pool_i = 0
@@ -251,9 +264,10 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
             pool_i += 1
             continue
         cg = ConvGeometry.from_param(lp.convolution_param, shape)
-        key = (cg, shape[0], machine.threads)  # one cache serves the full and the half-thread machine
+        forced = "type1" if net.config.engine.mode == "caffe" else override_for(lp.name, net.config.engine)
+        key = (cg, shape[0], machine.threads, forced)  # one cache serves the full and the half-thread machine
         if key not in cache:  # the optimizer's chunk-aware forward prices, as a TEST net's layer plans
-            preds = predictions(cg, shape[0], machine, "fwd", None, cap)
+            preds = predictions(cg, shape[0], machine, "fwd", [forced] if forced else None, cap)
             cache[key] = min(preds.items(), key=lambda kv: (kv[1], kv[0]))
         name, t = cache[key]
         if target != "host":  # type 1 over the whole batch on the device
@@ -268,16 +282,17 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
             work = max(work, ws)
             continue
         kept_ws, transient = conv_memory(name, cg, shape[0], itemsize)
-        layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient))
-        seconds += t
-        buffers = direct_buffers(cg, shape[0], itemsize) if name == "direct" else None
-        if buffers is not None:  # one buffer per role and thread shared by the layers (SharedScratch)
-            for k, chunk in enumerate(partition_chunks(net, cg, shape[0], cache)):
+        own = 0  # the layer's share of the shared buffers, for its line of the plan
+        if scratch_buffers(name, cg, shape[0], itemsize) is not None:  # one buffer per role and thread (SharedScratch)
+            for k, chunk in enumerate(partition_chunks(net, cg, shape[0], cache, name)):
                 if k == len(roles):
-                    roles.append((0, 0, 0))
-                roles[k] = tuple(max(r, b) for r, b in zip(roles[k], direct_buffers(cg, chunk, itemsize)))
-        else:
-            kept += kept_ws
+                    roles.append({})
+                for role, nbytes in scratch_buffers(name, cg, chunk, itemsize).items():
+                    roles[k][role] = max(roles[k].get(role, 0), nbytes)
+                    own += nbytes
+        layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient + own))
+        seconds += t
+        kept += kept_ws
         work = max(work, transient)
     device_peak = 0
     if offload:
@@ -293,7 +308,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     c_in = net.blobs[geom.input_blob].shape[1]
     c_out = net.blobs[geom.output_blob].shape[1]
     io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
-    shared = sum(sum(r) for r in roles)
+    shared = sum(sum(r.values()) for r in roles)
     peak = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize) + kept + shared + work + io_bytes
     return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers,
                          shared_scratch=shared, scratch_roles=roles, target=target, device_budget=device_budget,

@@ -62,6 +62,14 @@ def config() -> EngineConfig:
     return current().engine
 
 
+def override_for(layer_name: str, cfg: EngineConfig) -> str | None:
+    """The strategy forced on conv layer ``layer_name``: ``cfg.overrides`` over ``CCT_LOWERING`` (per layer, else
+    ``"*"``), or None; every name given is checked against the registered strategies."""
+    overrides = {**parse_overrides(), **cfg.overrides}
+    check_names(overrides.values())
+    return overrides.get(layer_name, overrides.get("*"))
+
+
 def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
                   config: EngineConfig | None = None, passes: tuple[str, ...] | None = None) -> LoweringStrategy:
     """The strategy a conv layer should run for ``geom`` at ``batch`` images under ``config`` (None: the
@@ -75,15 +83,13 @@ def plan_lowering(layer_name: str, geom: ConvGeometry, batch: int,
     if cfg.mode == "caffe":
         log.info("%s: lowering type 1, one image per GEMM (Caffe-style mode)", layer_name)
         return BatchedLowering(get_strategy("type1"), batch_partition="caffe", partitions=1)
-    overrides = dict(parse_overrides())  # CCT_LOWERING from the environment
-    overrides.update(cfg.overrides)
-    check_names(overrides.values())
+    forced = override_for(layer_name, cfg)
     machine = load_machine(measure_if_missing=cfg.calibrate)
     if cfg.calibrate and cfg.partitions == "model" and machine.threads > 1:
         # constants for two partitions too (more partitions are only considered once calibrated)
         load_machine(measure_if_missing=True, threads=machine.threads // 2)
     budget = lowering_budget(current())
-    plan = plan_convolution(geom, batch, machine, override=overrides.get(layer_name, overrides.get("*")),
+    plan = plan_convolution(geom, batch, machine, override=forced,
                             budget=budget, partitions=cfg.partitions, passes=passes or PASSES,
                             tune=cfg.tune and not getattr(machine, "nominal", False))
     report = describe_plan(layer_name, plan)
@@ -101,9 +107,7 @@ def plan_device_lowering(layer_name: str, geom: ConvGeometry, batch: int, xp: ob
     ``tune_device`` the fastest measured there (:func:`cct.lowering.tune.pick_on_device`, cached per GPU
     model), else type 1; logs the choice."""
     cfg = config if config is not None else current().engine
-    overrides = {**parse_overrides(), **cfg.overrides}
-    check_names(overrides.values())
-    forced = overrides.get(layer_name, overrides.get("*"))
+    forced = override_for(layer_name, cfg)
     measured: dict[str, float] = {}
     if cfg.mode == "caffe":
         name, why = "type1", "Caffe-style mode"

@@ -150,7 +150,7 @@ def spectrum(a: Any, shape: tuple[int, ...], out: Any, conjugate: bool = False,
         if i < 0:
             return out, out
         ax = axes[i]
-        full = dl.scratch_zeros(scratch, (tag, "stage", i), have[:ax] + (shape[i],) + have[ax + 1:], cdt, xp)
+        full = dl.scratch_zeros(scratch, (f"fft.stage{i}", tag), have[:ax] + (shape[i],) + have[ax + 1:], cdt, xp)
         return full, full[(slice(None),) * ax + (slice(0, have[ax]),)]
 
     last = axes[-1]
@@ -176,10 +176,10 @@ def inverse_spectrum(a: Any, shape: tuple[int, ...], keep: tuple[int, ...], conj
     cur = a
     for i in range(nd - 1):
         ax = axes[i]
-        buf = dl.scratch_zeros(scratch, (tag, "i", i), cur.shape, a.dtype, xp)
+        buf = dl.scratch_zeros(scratch, (f"fft.istage{i}", tag), cur.shape, a.dtype, xp)
         cur = _c2c(cur, ax, conjugate, True, buf)[(slice(None),) * ax + (slice(0, keep[i]),)]
     last = axes[-1]
-    real = dl.scratch_zeros(scratch, (tag, "o"), cur.shape[:last] + (shape[-1],) + cur.shape[last + 1:],
+    real = dl.scratch_zeros(scratch, ("fft.ireal", tag), cur.shape[:last] + (shape[-1],) + cur.shape[last + 1:],
                             _real(a.dtype), xp)
     return _c2r(cur, last, shape[-1], conjugate, real)[(slice(None),) * last + (slice(0, keep[-1]),)]
 
@@ -230,6 +230,11 @@ class FFTConvolution(IntoLowering):
         """1-, 2- and 3-D convolutions with a non-empty output."""
         return 1 <= geom.num_spatial <= 3 and geom.out_size > 0
 
+    def share_scratch(self, scratch: dl.SharedScratch) -> None:
+        """Take the reused buffers from ``scratch``, shared by role with other convolutions that never run at
+        the same time (dense inference's layers), instead of keeping this layer's own per geometry."""
+        self._scratch = scratch
+
     def _buffer(self, tag: Any, shape: tuple[int, ...], dtype: Any, xp: Any) -> Any:
         return self._scratch.zeros(tag, shape, dtype, xp)
 
@@ -272,7 +277,7 @@ class FFTConvolution(IntoLowering):
             elif on_host:
                 hit[0][...] = w
             kept, _, spec = hit
-            wsp = self._buffer(("wsp", geom), _last_extended(geom.kernel_extent, shape) + (g, mg, cg), w.dtype, xp)
+            wsp = self._buffer(("fft.wpad", geom), _last_extended(geom.kernel_extent, shape) + (g, mg, cg), w.dtype, xp)
             taps = tuple(slice(None, e, d) for e, d in zip(geom.kernel_extent, geom.dilation))
             wsp[taps] = w.reshape((g, mg, cg) + w.shape[2:]).transpose(tuple(range(3, 3 + nd)) + (0, 1, 2))
             spectrum(wsp, shape, spec, conjugate=True, scratch=self._scratch, tag=("w", geom), axes=tuple(range(nd)))
@@ -291,9 +296,9 @@ class FFTConvolution(IntoLowering):
         xp = array_module(a)
         n, c, nd, g = a.shape[0], a.shape[1], geom.num_spatial, geom.group
         shape = fft_shape(geom)
-        buf = self._buffer((tag + "pad", geom), a.shape[:2] + _last_extended(extent, shape), a.dtype, xp)
+        buf = self._buffer((f"fft.{tag}pad", geom), a.shape[:2] + _last_extended(extent, shape), a.dtype, xp)
         buf[(slice(None), slice(None)) + place] = a[(slice(None), slice(None)) + src]
-        spec = self._buffer((tag + "s", geom), (g,) + half_shape(shape) + (n, c // g), _complex(a.dtype), xp)
+        spec = self._buffer((f"fft.{tag}s", geom), (g,) + half_shape(shape) + (n, c // g), _complex(a.dtype), xp)
         spectrum(buf.reshape((n, g, c // g) + buf.shape[2:]), shape, _rows_major(spec, nd), conjugate=conjugate,
                  scratch=self._scratch, tag=(tag, geom))
         return spec.reshape(g, -1, n, c // g)
@@ -321,7 +326,7 @@ class FFTConvolution(IntoLowering):
             return out
         shape = fft_shape(geom)
         xs = self._input_spectrum(x, geom)
-        ys = self._buffer(("ys", geom), (g,) + half_shape(shape) + (n, mg), xs.dtype, xp)
+        ys = self._buffer(("fft.ys", geom), (g,) + half_shape(shape) + (n, mg), xs.dtype, xp)
         blas.matmul(xs, self.kernel_transform(w, geom), out=ys.reshape(g, -1, n, mg))
         y = inverse_spectrum(_rows_major(ys, nd), shape, _spread_extent(geom), scratch=self._scratch, tag=("y", geom))
         y = _merge_groups(y[(slice(None),) * 3 + tuple(slice(None, None, s) for s in geom.stride)])
@@ -349,7 +354,7 @@ class FFTConvolution(IntoLowering):
         shape = fft_shape(geom)
         ds = self._gradient_spectrum(dy, geom)
         if dw is not None:
-            ws = self._buffer(("dws", geom), (g,) + half_shape(shape) + (mg, cg), ds.dtype, xp)
+            ws = self._buffer(("fft.dws", geom), (g,) + half_shape(shape) + (mg, cg), ds.dtype, xp)
             blas.matmul(ds.swapaxes(-1, -2), self._input_spectrum(x, geom), out=ws.reshape(g, -1, mg, cg))
             # inverted spatial axes first (as the weights' transform): (G, *kernel_extent, Mg, Cg)
             wd = inverse_spectrum(ws, shape, tuple(geom.kernel_extent), scratch=self._scratch, tag=("dw", geom),
@@ -357,7 +362,7 @@ class FFTConvolution(IntoLowering):
             taps = wd[(slice(None),) + tuple(slice(None, None, d) for d in geom.dilation)]
             dw += taps.transpose((0, nd + 1, nd + 2) + tuple(range(1, nd + 1))).reshape(dw.shape)
         if dx is not None:
-            xs = self._buffer(("dxs", geom), (g,) + half_shape(shape) + (n, cg), ds.dtype, xp)
+            xs = self._buffer(("fft.dxs", geom), (g,) + half_shape(shape) + (n, cg), ds.dtype, xp)
             blas.matmul(ds, self.kernel_transform(w, geom).swapaxes(-1, -2), out=xs.reshape(g, -1, n, cg))
             used = inverse_spectrum(_rows_major(xs, nd), shape, tuple(geom.used_extent), conjugate=True,
                                     scratch=self._scratch, tag=("dx", geom))
@@ -412,6 +417,37 @@ class FFTConvolution(IntoLowering):
                 + batch * m * (extended(spread) + extended(spread)) + m * cg * 2 * extended(geom.kernel_extent))
         spectra = (batch * c + m * cg + batch * m) * freq * 2 + (batch * c + batch * m + m * cg) * freq * 2
         return int(itemsize * (real + 2 * spectra))
+
+
+    def forward_buffers(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> dict[str, int]:
+        """Bytes per scratch role (the tag's first element) of one forward call on ``batch`` images, as
+        :meth:`forward_into` requests them: the zero-extended input and the stages and spectrum of its
+        transform, the output spectrum, the inverse stages, and the weights' zero-extended copy and transform
+        stages (their roles shared with the input's: the weights are transformed after it). The weights'
+        spectrum itself is kept per layer (:meth:`kernel_bytes`)."""
+        shape = fft_shape(geom)
+        nd, half = geom.num_spatial, half_shape(shape)[-1]
+        c, m, cg = geom.channels_in, geom.channels_out, geom.channels_in // geom.group
+        cplx, freq = 2 * itemsize, math.prod(half_shape(shape))
+
+        def stages(extent: tuple[int, ...]) -> list[int]:  # spectrum(): stage j spans extent[:j], shape[j:-1], half
+            return [math.prod(extent[:j]) * math.prod(shape[j:nd - 1]) * half for j in range(nd - 1)]
+
+        out: dict[str, int] = {"fft.xpad": itemsize * batch * c * math.prod(_last_extended(geom.used_extent, shape)),
+                               "fft.xs": cplx * batch * c * freq, "fft.ys": cplx * batch * m * freq,
+                               "fft.wpad": itemsize * m * cg * math.prod(_last_extended(geom.kernel_extent, shape))}
+        for j, (xn, wn) in enumerate(zip(stages(geom.used_extent), stages(geom.kernel_extent))):
+            out[f"fft.stage{j}"] = cplx * max(batch * c * xn, m * cg * wn)
+        keep = _spread_extent(geom)  # inverse_spectrum(): stage j spans keep[:j], shape[j:-1], half
+        for j in range(nd - 1):
+            out[f"fft.istage{j}"] = cplx * batch * m * math.prod(keep[:j]) * math.prod(shape[j:nd - 1]) * half
+        out["fft.ireal"] = itemsize * batch * m * math.prod(keep[:nd - 1]) * shape[-1]
+        return out
+
+    def kernel_bytes(self, geom: ConvGeometry, itemsize: int = 4) -> int:
+        """Bytes a layer keeps for its weights between calls: their spectrum and the copy they are compared with."""
+        cg = geom.channels_in // geom.group
+        return itemsize * geom.channels_out * cg * (2 * math.prod(half_shape(fft_shape(geom))) + math.prod(geom.kernel))
 
 
 def _fft_flops(shape: tuple[int, ...], nonzero: tuple[int, ...]) -> float:

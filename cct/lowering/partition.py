@@ -52,6 +52,32 @@ from .cost_model import PASSES, Machine, nominal_machine
 from .geometry import ConvGeometry
 
 
+class PartitionWorkers:
+    """The threads that run partitions ``1..p-1`` of a batch (the caller runs partition 0). A lowering has its own;
+    lowerings that never run at the same time (dense inference's layers) may share one, so that buffers kept per
+    thread (:class:`cct.lowering.direct_layout.SharedScratch`) are one set per partition, not per layer."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def executor(self, workers: int) -> ThreadPoolExecutor:
+        """An executor of at least ``workers`` threads (started now if fewer run)."""
+        with self._lock:
+            if self._pool is None or self._pool._max_workers < workers:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cct-partition")
+            return self._pool
+
+    def close(self) -> None:
+        """End the threads (a later call starts them again)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
 class BatchedLowering(IntoLowering):
     """Run ``inner`` on batch chunks of ``b_p`` images, optionally in ``p`` parallel partitions.
 
@@ -92,11 +118,10 @@ class BatchedLowering(IntoLowering):
         self.machine_for = machine_for
         self.chosen_plan = chosen_plan  # the optimizer's Plan this wrapper executes (None: built by hand)
         self.plan_report = plan_report  # its log line
-        self._pool: ThreadPoolExecutor | None = None
+        self._workers = PartitionWorkers()
         self._chosen: dict[tuple, int] = {}
         self._plans: dict[tuple, dict] = {}
         self._total_threads: int | None = None
-        self._lock = threading.Lock()
 
     # -- planning ---------------------------------------------------------------------------
     def supports(self, geom: ConvGeometry) -> bool:
@@ -176,19 +201,18 @@ class BatchedLowering(IntoLowering):
             self._executor(plan["p"] - 1)
 
     def _executor(self, p: int) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None or self._pool._max_workers < p:
-                if self._pool is not None:
-                    self._pool.shutdown(wait=True)
-                self._pool = ThreadPoolExecutor(max_workers=p, thread_name_prefix="cct-partition")
-            return self._pool
+        return self._workers.executor(p)
+
+    def share_workers(self, workers: PartitionWorkers) -> None:
+        """Run partitions on ``workers`` (shared with lowerings that never run at the same time) instead of this
+        lowering's own threads, which end now."""
+        if workers is not self._workers:
+            self._workers.close()
+            self._workers = workers
 
     def close(self) -> None:
         """End the partition threads (a later call starts them again)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        self._workers.close()
 
     def _run(self, geom: ConvGeometry, batch: int, itemsize: int, work: Callable[[int, int], Any],
              partitions: int | None = None, part_done: Callable[[int], Any] | None = None) -> list[list[Any]]:
