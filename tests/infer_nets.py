@@ -5,6 +5,7 @@ import numpy as np
 from google.protobuf import text_format
 
 import cct
+from cct.config import Config
 from cct.infer.znni_nets import znni_prototxt
 from cct.proto import caffe_pb2
 

@@ -128,6 +128,21 @@ def test_shifted_runs_and_mixed_fragments_equal_mpf(method, mpf):
     np.testing.assert_allclose(other, full, rtol=1e-10, atol=1e-12)
 
 
+def test_runner_runs_the_given_strategies_and_gives_the_same_output():
+    """The plan's lowerings reach the layers (as lowering overrides of the runner's config), whatever the layers
+    would pick themselves; each is exact, so the output is the default run's."""
+    txt = znni_prototxt("n337", fmaps=3, nd=2, kernels=REDUCED["n337"])
+    net = _net(txt)
+    geom = analyze(net)
+    x = np.random.default_rng(6).standard_normal((1,) + geom.input_size((2, 2), (True,) * 3))
+    want = PatchRunner(net, geom, (2, 2)).run(x).copy()
+    chosen = {"conv1": "type2", "conv2": "fft", "conv3": "type3"}
+    runner = PatchRunner(net, geom, (2, 2), strategies=chosen)
+    ran = {r.name: r.lowering.inner.name for _i, r, _b, _t in runner.steps if r.name in chosen}
+    assert ran == chosen and not net.config.engine.overrides  # the net's own config is left as it was
+    np.testing.assert_allclose(runner.run(x), want, rtol=1e-9, atol=1e-12)
+
+
 def test_strided_method_is_the_nets_own_output():
     txt = znni_prototxt("n726", fmaps=3, nd=2, kernels=REDUCED["n726"])
     net = _net(txt)

@@ -1,7 +1,6 @@
 """Dense inference, part 2: overlap-save tiling, valid/same modes, file I/O, resume, errors, the planner."""
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import h5py
@@ -13,7 +12,14 @@ from cct.errors import CctError, MemoryBudgetError
 from cct.infer.geometry import analyze
 from cct.infer.naive import naive_dense
 from cct.infer.pipeline import DenseInference
+from cct.infer.plan import layer_growth, predict
 from cct.infer.tiling import Tiling
+from cct.lowering.calibrate import load_machine
+from cct.lowering.cost_model import price
+from cct.lowering.cost_model import strategy as priced_strategy
+from cct.lowering.geometry import ConvGeometry
+from cct.lowering.optimizer import predictions, priced_chunk
+from cct.lowering.partition import memory_budget
 from tests.infer_nets import TXT2, TXT3, random_net
 
 _net = random_net
@@ -198,6 +204,29 @@ def test_plan_fits_the_budget_and_a_smaller_budget_gives_a_smaller_patch():
         DenseInference(net, budget=10 << 10).make_plan((40, 40, 40))
 
 
+def test_fft_layers_are_priced_without_the_fixed_weights_transform_and_share_their_buffers():
+    """An FFT layer's forward in a plan costs the optimizer's price less its weights' transform in every chunk
+    (dense inference's weights stay fixed: transformed once), and a second layer of the same shape adds only
+    its weights' spectrum to the peak (the transform buffers are shared by role)."""
+    txt = TXT3.replace("num_output: 2 ", "num_output: 6 ")
+    net = _net(txt, dtype=np.float32, config=current().replace(engine={"overrides": {"*": "fft"}}))
+    geom = analyze(net)
+    plan = predict(net, geom, (2, 2, 2), (True, True))
+    machine = load_machine(measure_if_missing=False)
+    cap = memory_budget(None)
+    for lp in plan.layers:
+        cg = ConvGeometry.from_param(net.layer_by_name(lp.name).param.convolution_param, lp.shape)
+        chunks = -(-lp.shape[0] // priced_chunk("fft", cg, lp.shape[0], machine, cap))
+        transform = price(priced_strategy("fft").weight_transform_ops(cg), machine)["total"]
+        full = predictions(cg, lp.shape[0], machine, "fwd", ["fft"], cap)["fft"]
+        assert transform > 0 and lp.seconds == pytest.approx(full - chunks * transform, rel=1e-12)
+    cg = ConvGeometry.from_param(net.layer_by_name("conv3").param.convolution_param, plan.layers[2].shape)
+    first, roles, own = layer_growth(net, "fft", cg, plan.layers[2].shape[0], 4, {}, [], 0)
+    again, same, _ = layer_growth(net, "fft", cg, plan.layers[2].shape[0], 4, {}, roles, 0)
+    assert same == roles and own > 0
+    assert again == priced_strategy("fft").kernel_bytes(cg, 4) and first == again + own
+
+
 @pytest.mark.parametrize("forced", [None, "fft"])
 def test_predicted_peak_is_within_15_percent_of_measured(forced):
     """As planned (direct kernels here) and with every convolution forced to FFT (``EngineConfig.overrides``,
@@ -206,7 +235,7 @@ def test_predicted_peak_is_within_15_percent_of_measured(forced):
 
     txt = TXT3.replace("num_output: 2 ", "num_output: 6 ")
     vol = np.random.default_rng(7).standard_normal((32, 32, 32)).astype(np.float32)
-    config = current().replace(engine=dataclasses.replace(current().engine, overrides={"*": forced} if forced else {}))
+    config = current().replace(engine={"overrides": {"*": forced} if forced else {}})
     DenseInference(_net(txt, dtype=np.float32, config=config), patch=(32, 32, 32))(vol)  # compiles (numba)
     net = _net(txt, dtype=np.float32, config=config)
     tracemalloc.start()
@@ -220,5 +249,7 @@ def test_predicted_peak_is_within_15_percent_of_measured(forced):
     assert abs(peak - di.plan.peak_bytes) <= 0.15 * di.plan.peak_bytes, (peak, di.plan.describe())
     strategies = {lp.strategy for lp in di.plan.layers}
     assert strategies == {"fft"} if forced else "fft" not in strategies
+    ran = {r.name: r.lowering.inner.name for _i, r, _b, _t in di.runner.steps if hasattr(r, "lowering")}
+    assert ran == di.plan.strategies()  # the layers run the plan's lowerings
     want = sorted((role, n) for r in di.plan.scratch_roles for role, n in r.items() if n and role != "weights")
     assert di.runner.scratch.sizes() == want

@@ -23,7 +23,7 @@ convolutions of a host net on ``device`` in sub-layers instead.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -58,11 +58,14 @@ class PatchRunner:
     layers (default); ``theta``: the two-stage pipeline's split (:mod:`cct.infer.stages`; 0: one stage), whose
     stages then get separate buffers since they run at the same time. ``splits``: convolutions (by layer
     name) run on ``device`` in sub-layers with their activations in host RAM (:mod:`cct.infer.hostsplit`).
+    ``strategies``: the lowering of each named convolution (the plan's: the layers are planned and run under
+    the net's config with these as its lowering overrides).
     """
 
     def __init__(self, net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool] | None = None,
                  method: str = "mpf", blob: str | None = None, reuse: bool = True, theta: int = 0,
-                 splits: Sequence[SplitPlan] = (), device: Device | None = None) -> None:
+                 splits: Sequence[SplitPlan] = (), device: Device | None = None,
+                 strategies: Mapping[str, str] | None = None) -> None:
         if method not in METHODS:
             raise CctError(f"unknown dense-inference method '{method}' (use {', '.join(METHODS)})")
         npool = len(geom.pools)
@@ -73,6 +76,8 @@ class PatchRunner:
         if len(mpf) != npool:
             raise CctError(f"mpf has {len(mpf)} entries for {npool} pooling layers")
         self.net, self.geom, self.method = net, geom, method
+        overrides = {**net.config.engine.overrides, **(strategies or {})}
+        self.config = net.config.replace(engine={"overrides": overrides}) if strategies else net.config
         self.reuse, self.theta = bool(reuse), int(theta)
         if self.theta and not 1 <= self.theta < len(geom.ops):
             raise CctError(f"pipeline theta {theta}: the net has {len(geom.ops)} convolution/pooling layers, so theta "
@@ -257,11 +262,6 @@ class PatchRunner:
         """Copy the window of ``patch`` at ``shift`` (one run's input) into the net's input blob."""
         window = tuple(slice(s, s + n) for s, n in zip(shift, self.run_shape))
         self.net.blobs[self.geom.input_blob].data[0] = patch[(slice(None),) + window]
-
-    @property
-    def config(self):
-        """The net's :class:`cct.config.Config`: the layers are planned and run under it."""
-        return self.net.config
 
     @runs_in_own_config
     def forward(self, steps: Sequence[tuple[int, object, list, list]]) -> None:

@@ -138,7 +138,8 @@ class DenseInference:
             log.debug("%s", self.plan.describe())
             self.runner = PatchRunner(self.net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob,
                                       theta=self.plan.theta, splits=self.plan.splits,
-                                      device=self.device if self.target == "gpu+host" else None)
+                                      device=self.device if self.target == "gpu+host" else None,
+                                      strategies=self.plan.strategies())
             second = None
             if self.target == "cpu-gpu":
                 second = PatchRunner(self.device_net, self.geom, self.plan.grid, self.plan.mpf, self.method, self.blob,

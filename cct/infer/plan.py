@@ -1,11 +1,13 @@
 """Choosing the input patch and max-pooling fragments under the memory budget (ZNNi, section VI-A).
 
-For every choice of MPF or plain pooling per pooling layer and every patch size (the grid of output
-voxels per fragment, the same on every axis, capped by the volume), the planner walks the net without
-allocating anything: each blob's shape (batch = fragments so far), each convolution's fastest lowering by
-cct's optimizer and cost model (:func:`cct.lowering.optimizer.predictions` of the forward pass, chunk-aware,
-priced at the batch the fragments create), its predicted seconds and workspace. It keeps the candidate with the most
-predicted output voxels per second whose predicted peak memory fits the budget.
+For every choice of MPF or plain pooling per pooling layer and every patch size (the grid of output voxels per
+fragment, the same on every axis, capped by the volume), the planner walks the net without allocating
+anything: each blob's shape (batch = fragments so far), each convolution's fastest lowering by cct's optimizer
+and cost model (:func:`cct.lowering.optimizer.predictions` of the forward pass, chunk-aware, priced at the
+batch the fragments create; FFT without its weights' transform, made once for the fixed weights; the fastest
+whose buffers fit the budget beside the activations and the layers before it, else the leanest), its predicted
+seconds and workspace; the layers then run the plan's lowerings (:meth:`InferencePlan.strategies`). It keeps
+the candidate with the most predicted output voxels per second whose predicted peak memory fits the budget.
 
 Predicted peak bytes = the activation pool: every blob's data and the per-axis stride-1 pooling buffers of each
 MPF layer in slots reused once their last reader has run, the same slot plan the runner allocates
@@ -37,11 +39,11 @@ from ..errors import CctError, MemoryBudgetError
 from ..lowering import direct_layout as dl
 from ..lowering.calibrate import load_machine
 from ..lowering.chunking import split
-from ..lowering.cost_model import Machine, workspace_bytes
+from ..lowering.cost_model import Machine, price, workspace_bytes
 from ..lowering.cost_model import strategy as priced_strategy
 from ..lowering.engine import lowering_budget, override_for
 from ..lowering.geometry import ConvGeometry
-from ..lowering.optimizer import machine_for_threads, plan_convolution, predictions
+from ..lowering.optimizer import machine_for_threads, plan_convolution, predictions, priced_chunk
 from ..lowering.partition import memory_budget
 from ..membudget import human
 from ..proto import caffe_pb2
@@ -91,6 +93,11 @@ class InferencePlan:
     device_peak_bytes: int = 0  # gpu+host: the largest sub-layer's device bytes
     device_speedup: float = 1.0  # cpu-gpu: the device's speed over the host's the second stage is priced at
     splits: list[SplitPlan] = field(default_factory=list)  # gpu+host: each convolution's sub-layers
+
+    def strategies(self) -> dict[str, str]:
+        """The host lowering of each convolution by layer name (what the patch runner makes the layers run), or
+        nothing when the convolutions run on a device (``gpu``, ``gpu+host``: the device's own lowering)."""
+        return {lp.name: lp.strategy for lp in self.layers} if self.target in ("host", "cpu-gpu") else {}
 
     @property
     def voxels_per_second(self) -> float:
@@ -171,6 +178,25 @@ def direct_buffers(cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, in
     return itemsize * batch * cg.channels_in * lay.x_cs, int(itemsize * out), itemsize * _prod(cg.weight_shape)
 
 
+def layer_growth(net, name: str, cg: ConvGeometry, batch: int, itemsize: int, cache: dict, roles: list[dict[str, int]],
+            work: int) -> tuple[int, list[dict[str, int]], int]:
+    """``(bytes the peak grows by, the shared roles after, the layer's own shared bytes)`` when a convolution by
+    ``name`` joins layers holding ``roles`` (per partition thread, bytes per role) and a largest transient ``work``:
+    what it keeps, its transient beyond ``work`` and the growth of the roles (one buffer per role and thread, as
+    large as the largest request; one set per partition thread, each sized for its chunk)."""
+    kept, transient = conv_memory(name, cg, batch, itemsize)
+    after, own = [dict(r) for r in roles], 0
+    if scratch_buffers(name, cg, batch, itemsize) is not None:
+        for k, chunk in enumerate(partition_chunks(net, cg, batch, cache, name)):
+            if k == len(after):
+                after.append({})
+            for role, nbytes in scratch_buffers(name, cg, chunk, itemsize).items():
+                after[k][role] = max(after[k].get(role, 0), nbytes)
+                own += nbytes
+    shared = sum(sum(r.values()) for r in after) - sum(sum(r.values()) for r in roles)
+    return kept + max(0, transient - work) + shared, after, own
+
+
 # Per-voxel layers that write their top in one pass (a compiled kernel or a ufunc with ``out=``); the others
 # (Sigmoid, ELU, Scale, BatchNorm, ...) compute through numpy temporaries.
 _ONE_PASS = frozenset({"ReLU", "TanH", "AbsVal", "Dropout", "Split", "Silence", "Input", "Convolution", "Pooling"})
@@ -246,6 +272,11 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         patch = tuple(t + f - 1 for t, f in zip(tile, geom.field_of_view))
     shapes = blob_shapes(net, geom, run_shape, mpf)
     blob_bytes = sum(_prod(s) for s in shapes.values()) * itemsize
+    c_in = net.blobs[geom.input_blob].shape[1]
+    c_out = net.blobs[geom.output_blob].shape[1]
+    io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
+    active = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize)
+    limit = budget if budget is not None else cap
     layers, seconds, work, kept = [], 0.0, 0, 0
     roles: list[dict[str, int]] = []  # per partition thread: the largest request of each shared buffer role
     splits: list[SplitPlan] = []
@@ -268,8 +299,17 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         key = (cg, shape[0], machine.threads, forced)  # one cache serves the full and the half-thread machine
         if key not in cache:  # the optimizer's chunk-aware forward prices, as a TEST net's layer plans
             preds = predictions(cg, shape[0], machine, "fwd", [forced] if forced else None, cap)
-            cache[key] = min(preds.items(), key=lambda kv: (kv[1], kv[0]))
-        name, t = cache[key]
+            if "fft" in preds:  # the weights stay fixed: FFT transforms them once, not in every chunk of every run
+                chunks = -(-shape[0] // priced_chunk("fft", cg, shape[0], machine, cap))
+                preds["fft"] -= chunks * price(priced_strategy("fft").weight_transform_ops(cg), machine)["total"]
+            cache[key] = sorted(preds.items(), key=lambda kv: (kv[1], kv[0]))
+        if target == "host":  # the fastest whose buffers fit beside what the layers before it hold, else the leanest
+            room = limit - (active + io_bytes + kept + work + sum(sum(r.values()) for r in roles))
+            grows = {n: layer_growth(net, n, cg, shape[0], itemsize, cache, roles, work) for n, _ in cache[key]}
+            fits = [(n, sec) for n, sec in cache[key] if grows[n][0] <= room]
+            name, t = fits[0] if fits else min(cache[key], key=lambda kv: grows[kv[0]][0])
+        else:
+            name, t = cache[key][0]
         if target != "host":  # type 1 over the whole batch on the device
             name, t = "type1", predictions(cg, shape[0], machine, "fwd", ["type1"], None)["type1"]
             if target == "gpu+host":  # priced with the transfers once the sub-layers are chosen, below
@@ -282,14 +322,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
             work = max(work, ws)
             continue
         kept_ws, transient = conv_memory(name, cg, shape[0], itemsize)
-        own = 0  # the layer's share of the shared buffers, for its line of the plan
-        if scratch_buffers(name, cg, shape[0], itemsize) is not None:  # one buffer per role and thread (SharedScratch)
-            for k, chunk in enumerate(partition_chunks(net, cg, shape[0], cache, name)):
-                if k == len(roles):
-                    roles.append({})
-                for role, nbytes in scratch_buffers(name, cg, chunk, itemsize).items():
-                    roles[k][role] = max(roles[k].get(role, 0), nbytes)
-                    own += nbytes
+        _grow, roles, own = grows[name]
         layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient + own))
         seconds += t
         kept += kept_ws
@@ -305,11 +338,8 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     seconds += machine.streaming_seconds(blob_bytes / 2) if hasattr(machine, "streaming_seconds") else 0.0
     seconds *= runs
     work = max(work, elementwise_temporaries(net, shapes, itemsize))
-    c_in = net.blobs[geom.input_blob].shape[1]
-    c_out = net.blobs[geom.output_blob].shape[1]
-    io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
     shared = sum(sum(r.values()) for r in roles)
-    peak = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize) + kept + shared + work + io_bytes
+    peak = active + kept + shared + work + io_bytes
     return InferencePlan(tuple(grid), mpf, method, patch, tile, runs, batches[-1], seconds, peak, budget, layers,
                          shared_scratch=shared, scratch_roles=roles, target=target, device_budget=device_budget,
                          device_peak_bytes=device_peak, splits=splits)

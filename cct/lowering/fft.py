@@ -387,7 +387,7 @@ class FFTConvolution(IntoLowering):
         pts = max(shape)  # the transforms' rate depends on their size
         if pass_ == "fwd":
             return [("copy", batch * c * geom.in_size), ("fft", batch * c * fwd_in, pts),
-                    ("fft", m * cg * _fft_flops(shape, geom.kernel_extent), pts), ("cgemm", batch, mg, cg, freq * g),
+                    *self.weight_transform_ops(geom), ("cgemm", batch, mg, cg, freq * g),
                     ("ifft", batch * m * _fft_flops(shape, spread)), ("copy", batch * m * geom.out_size)]
         if pass_ == "bwd_data":
             uncovered = _uncovered(geom)
@@ -400,6 +400,13 @@ class FFTConvolution(IntoLowering):
                     ("cgemm", mg, cg, batch, freq * g), ("ifft", m * cg * _fft_flops(shape, geom.kernel_extent)),
                     ("sum", batch * m * geom.out_size)]
         raise ValueError(f"unknown pass {pass_!r}")
+
+    def weight_transform_ops(self, geom: ConvGeometry) -> list[tuple]:
+        """The weights' pruned transform as the forward pass declares it (once per call: the weights may have
+        changed; a caller whose weights stay fixed, as dense inference's, pays it once)."""
+        cg = geom.channels_in // geom.group
+        shape = fft_shape(geom)
+        return [("fft", geom.channels_out * cg * _fft_flops(shape, geom.kernel_extent), max(shape))]
 
     def workspace_bytes(self, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
         """ZNNi Table II, as this implementation keeps it (every buffer is kept between calls): the

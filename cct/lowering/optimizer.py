@@ -54,14 +54,20 @@ def predictions(geom: ConvGeometry, batch: int, machine: Machine | None = None, 
     return {n: _chunked_seconds(n, geom, batch, machine, pass_, budget) for n in candidates(geom, names)}
 
 
+def priced_chunk(name: str, geom: ConvGeometry, batch: int, machine: Machine, budget: int | str | None) -> int:
+    """The images per chunk :func:`predictions` prices ``name`` at: the fastest predicted chunk size for the
+    whole iteration (all three passes, as BatchedLowering chooses it) among those whose workspace fits."""
+    if batch <= 1:
+        return max(batch, 1)
+    cap = max_batch_partition(get_strategy(name), geom, batch, 4, budget)
+    return best_batch_partition(name, geom, batch, machine, "total", max_bp=cap)[0]
+
+
 def _chunked_seconds(name: str, geom: ConvGeometry, batch: int, machine: Machine, pass_: str,
                      budget: int | str | None) -> float:
     if batch <= 1:
         return predict_seconds(name, geom, max(batch, 1), machine, pass_)
-    cap = max_batch_partition(get_strategy(name), geom, batch, 4, budget)
-    # the chunk size is chosen once for the whole iteration (all three passes), as BatchedLowering does
-    bp, _ = best_batch_partition(name, geom, batch, machine, "total", max_bp=cap)
-    return chunked_seconds(name, geom, batch, bp, machine, pass_)
+    return chunked_seconds(name, geom, batch, priced_chunk(name, geom, batch, machine, budget), machine, pass_)
 
 
 @dataclass
