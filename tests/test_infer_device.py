@@ -16,7 +16,7 @@ from cct.infer.geometry import analyze
 from cct.infer.hostsplit import choose_split, split_costs
 from cct.infer.pipeline import DenseInference
 from cct.infer.placement import target_of
-from cct.infer.plan import choose_plan, predict
+from cct.infer.plan import choose_plan, device_stage_bytes, predict
 from cct.lowering.geometry import ConvGeometry
 from cct.paths import repo_root
 from cct.proto import caffe_pb2
@@ -146,6 +146,28 @@ def test_cpu_gpu_pipeline_with_the_host_as_the_device_gives_the_one_stage_output
     for theta in (1, 4, 7):  # auto balances the host's and the device's seconds best
         fixed = DenseInference(net, patch=(16, 16, 16), device=HostDevice(), pipeline=theta, device_speedup=0.25)
         assert max(slow.plan.stage_seconds) <= max(fixed.make_plan(vol.shape).stage_seconds) * (1 + 1e-9)
+
+
+def test_cpu_gpu_pipeline_keeps_the_device_stage_within_the_device_budget(case):
+    """The device copy's memory (its activation pool, type 1's work buffers after the split, the output tile, the
+    weights) is checked against the device's budget: auto takes the best split that fits, a --patch that cannot
+    fit at any split is refused in one line, and without --patch the planner takes a patch whose stage fits."""
+    net, vol, _want = case
+    free = DenseInference(net, patch=(16, 16, 16), device=HostDevice(), pipeline="auto", device_speedup=4.0,
+                          device_budget=1 << 40).make_plan(vol.shape)
+    needs = {th: device_stage_bytes(net, analyze(net), free, th) for th in range(1, len(analyze(net).ops))}
+    assert free.device_peak_bytes == needs[free.theta] and "device stage" in free.describe()
+    tight = sorted(set(needs.values()))[0]
+    if needs[free.theta] > tight:  # a budget below the free choice's need moves the split to one that fits
+        plan = DenseInference(net, patch=(16, 16, 16), device=HostDevice(), pipeline="auto", device_speedup=4.0,
+                              device_budget=tight).make_plan(vol.shape)
+        assert plan.device_peak_bytes <= tight and plan.theta != free.theta
+    with pytest.raises(MemoryBudgetError, match="device stage needs .* device's memory budget"):
+        DenseInference(net, patch=(16, 16, 16), device=HostDevice(), pipeline="auto", device_speedup=4.0,
+                       device_budget=tight - 1).make_plan(vol.shape)
+    auto = DenseInference(net, device=HostDevice(), pipeline="auto", device_speedup=4.0, device_budget=tight - 1)
+    plan = auto.make_plan(vol.shape)
+    assert plan.device_peak_bytes <= tight - 1 < free.device_peak_bytes and plan.target == "cpu-gpu"
 
 
 @pytest.mark.skipif(cupy_available(), reason="checks the error of a machine without a GPU")

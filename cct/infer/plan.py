@@ -131,7 +131,9 @@ class InferencePlan:
             lines.append(f"  CPU-GPU pipeline: first {self.theta} convolution/pooling layers on the host, the rest on "
                          f"the device (queue of one; device priced at {self.device_speedup:.3g}x the host); predicted "
                          f"{self.stage_seconds[0] * 1e3:.2f} + {self.stage_seconds[1] * 1e3:.2f} ms per run against "
-                         f"{self.one_stage_seconds * 1e3:.2f} ms per patch on the host alone")
+                         f"{self.one_stage_seconds * 1e3:.2f} ms per patch on the host alone; device stage "
+                         f"{human(self.device_peak_bytes)}"
+                         + (f" (device budget {human(self.device_budget)})" if self.device_budget else ""))
         elif self.theta:
             lines.append(f"  two-stage pipeline: first {self.theta} convolution/pooling layers on one worker, the rest "
                          f"on another (queue of one); predicted {self.stage_seconds[0] * 1e3:.2f} + "
@@ -390,7 +392,16 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
         second = [t / device_speedup for t in first]
         plan.target, plan.device_speedup = "cpu-gpu", float(device_speedup)
     thetas = [pipeline] if isinstance(pipeline, int) else range(1, nops)
+    if device_speedup is not None:  # the device copy's memory must fit the device's budget
+        needs = {th: device_stage_bytes(net, geom, plan, th) for th in thetas}
+        fit = [th for th in thetas if plan.device_budget is None or needs[th] <= plan.device_budget]
+        if not fit:  # marked unfit (choose_plan skips it, plan_for_patch refuses it)
+            plan.device_peak_bytes = min(needs.values())
+            return plan
+        thetas = fit
     best = min(thetas, key=lambda th: (max(sum(first[:th]), sum(second[th:])), th))
+    if device_speedup is not None:
+        plan.device_peak_bytes = needs[best]
     stages = (sum(first[:best]), sum(second[best:]))
     seconds = max(stages) * plan.runs
     if pipeline == "auto" and seconds >= plan.seconds and device_speedup is None:
@@ -409,6 +420,31 @@ def with_pipeline(net, geom: NetGeometry, plan: InferencePlan, pipeline: str | i
         - activation_bytes(net, geom, run_shape, plan.mpf)  # the stages' activations are pooled apart
     plan.peak_bytes += plan.shared_scratch  # and each stage's thread has its own set of direct buffers
     return plan
+
+
+def device_stage_bytes(net, geom: NetGeometry, plan: InferencePlan, theta: int) -> int:
+    """Device bytes of the CPU-GPU pipeline's second stage at split ``theta``: the device copy's activation pool
+    (planned with the split, as the host's), type 1's work buffers of the largest convolution after the split (the
+    device layers share one set), the output tile and the net's weights."""
+    itemsize = net.dtype.itemsize
+    run_shape = geom.input_size(plan.grid, plan.mpf)
+    sizes = [run_shape] + geom.layer_sizes(run_shape, plan.mpf)
+    batches = op_batches(geom, plan.mpf)
+    work = 0
+    for k in range(theta, len(geom.ops)):
+        op = geom.ops[k]
+        if op.kind == "conv":
+            shape = (batches[k], net.bottom_vecs[op.layer][0].shape[1]) + tuple(sizes[k])
+            cg = ConvGeometry.from_param(net.param.layer[op.layer].convolution_param, shape)
+            work = max(work, workspace_bytes("type1", cg, batches[k], itemsize))
+    weights = sum(b.data.nbytes for blobs in net.params.values() for b in blobs)
+    tile = net.blobs[geom.output_blob].shape[1] * _prod(plan.tile) * itemsize
+    return activation_bytes(net, geom, run_shape, plan.mpf, theta, itemsize) + work + tile + weights
+
+
+def fits_device(plan: InferencePlan) -> bool:
+    """Whether a CPU-GPU pipeline plan's device stage fits the device's budget (any other plan: True)."""
+    return plan.target != "cpu-gpu" or plan.device_budget is None or plan.device_peak_bytes <= plan.device_budget
 
 
 def half_machine(machine: Machine) -> tuple[Machine, float]:
@@ -467,13 +503,18 @@ def choose_plan(net, geom: NetGeometry, budget: int | None, limit: Sequence[int]
                                      device_speedup)
             if smallest is None or cand.peak_bytes < smallest.peak_bytes:
                 smallest = cand
-            if budget is not None and cand.peak_bytes > budget:
+            if budget is not None and cand.peak_bytes > budget or not fits_device(cand):
                 break  # larger grids only need more
             if best is None or cand.voxels_per_second > best.voxels_per_second * (1 + 1e-9):
                 best = cand
             if all(g >= lim for lim in limit) or cand.voxels_per_second < 0.7 * top:
                 break  # the whole volume in one patch, or past this choice's best size
             top = max(top, cand.voxels_per_second)
+    if best is None and smallest is not None and not fits_device(smallest) and (
+            budget is None or smallest.peak_bytes <= budget):
+        raise MemoryBudgetError(f"the CPU-GPU pipeline's device stage needs {human(smallest.device_peak_bytes)} at "
+                                f"the smallest patch {list(smallest.patch)}, more than the device's memory budget of "
+                                f"{human(smallest.device_budget or 0)} (--device_memory_budget)")
     if best is None:
         knob = "the GPU's: --device_memory_budget" if target == "gpu" else "CCT_MEMORY_BUDGET / Config.memory_budget"
         raise MemoryBudgetError(f"even the smallest patch {list(smallest.patch) if smallest else '?'} needs "
@@ -519,5 +560,9 @@ def plan_for_patch(net, geom: NetGeometry, patch: Sequence[int], limit: Sequence
         half, scale = half_machine(machine)
         plan = with_pipeline(net, geom, plan, pipeline,
                              predict(net, geom, tuple(grid), flags, method, half, budget), scale, device_speedup)
+        if not fits_device(plan):
+            raise MemoryBudgetError(f"the CPU-GPU pipeline's device stage needs {human(plan.device_peak_bytes)} at "
+                                    f"patch {list(plan.patch)}, more than the device's memory budget of "
+                                    f"{human(plan.device_budget or 0)} (--device_memory_budget)")
     plan.chosen_by = "--patch"
     return plan
