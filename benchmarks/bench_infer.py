@@ -18,7 +18,10 @@ row runs in its own process (so its peak resident memory is its own) and times, 
   sub-layers under ``--device_budget``) and ``cpu-gpu`` (the first theta layers on the CPU, the rest on the GPU,
   ``--theta``), each at the given patch; the GPU rows report the CuPy pool's size after the run too.
 
-Every output is compared with cct-mpf's at the largest patch (max abs difference in the table).
+Every output is compared with cct-mpf's at the largest patch (max abs difference in the table). The cct rows
+give the plan's predicted peak; with ``--trace_memory`` they run one more pass under tracemalloc from setup on
+and give its peak too (what the plan predicts: allocated bytes, where resident memory leaves out zero pages
+never touched).
 torch and monai come from the ``[bench-infer]`` extra: ``pip install -e '.[bench-infer]'``.
 
     python benchmarks/bench_infer.py [--nets n337:8:1,2 n537:4:1] [--runs 3]
@@ -37,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 
 import numpy as np  # noqa: I001
 from common import environment_report, print_environment, print_table, reexec_clean, time_call, write_json
@@ -173,6 +177,16 @@ def worker(spec: dict) -> dict:
         extra = {"plan": di.plan.describe().splitlines()[0], "predicted_peak_bytes": di.plan.peak_bytes,
                  "predicted_voxels_per_s": di.plan.voxels_per_second, "patch": list(di.plan.patch),
                  "mpf": list(di.plan.mpf), "theta": di.plan.theta}
+        if spec.get("trace_memory") and method not in GPU_METHODS:  # one more pass, traced from setup on
+            del di, last
+            fresh = cct.Net(spec["model"], cct.TEST, weights=spec["weights"])
+            tracemalloc.start()
+            try:
+                result = _dense_inference(method, fresh, spec, patch)(vol)
+                _, traced = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            extra["traced_peak_bytes"] = traced - result.nbytes  # the returned volume is not the plan's
         if method in GPU_METHODS:
             import cupy
 
@@ -186,6 +200,12 @@ def worker(spec: dict) -> dict:
 
 
 GPU_METHODS = ("gpu", "gpu+host", "cpu-gpu")
+HEADER = ["net", "fmaps", "method", "patch", "voxels/s", "median s", "peak RSS MiB", "predicted MiB", "traced MiB",
+          "max|diff|", "sw_bs"]
+
+
+def _mib(nbytes: int | None) -> int | str:
+    return "" if nbytes is None else round(nbytes / 2**20)
 
 
 def main() -> None:
@@ -201,6 +221,8 @@ def main() -> None:
     ap.add_argument("--budget", default=None, help="memory budget of cct-plan (default CCT_MEMORY_BUDGET)")
     ap.add_argument("--device_budget", default=None, help="GPU memory of the gpu and gpu+host rows (default: free)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--trace_memory", action="store_true",
+                    help="cct rows: one more pass under tracemalloc from setup on (beside the predicted peak)")
     ap.add_argument("--keep-env", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -253,7 +275,7 @@ def main() -> None:
                     out = os.path.join(tmp, f"{name}_{method}_{g}.npy")
                     job = {"model": model, "weights": weights, "volume": vpath, "method": method, "patch": patch,
                            "runs": args.runs, "out": out, "windows": args.windows, "budget": budget,
-                           "theta": args.theta, "device_budget": device_budget}
+                           "theta": args.theta, "device_budget": device_budget, "trace_memory": args.trace_memory}
                     t0 = time.perf_counter()
                     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
                                           capture_output=True, text=True, env=os.environ.copy())
@@ -276,12 +298,11 @@ def main() -> None:
                     label = f"{method} (theta {res.get('theta')})" if method in ("cct-pipe", "cpu-gpu") else method
                     rows.append([name, int(fmaps), label, "x".join(map(str, res["patch"])) if method != "naive"
                                  else f"{fov}^3 windows", round(res["voxels_per_s"], 1), res["timing"]["median"],
-                                 round(res["peak_rss"] / 2**20), f"{diff:.1e}", res.get("sw_batch_size", "")])
-                    print_table(["net", "fmaps", "method", "patch", "voxels/s", "median s", "peak RSS MiB",
-                                 "max|diff|", "sw_bs"], rows[-1:])
+                                 round(res["peak_rss"] / 2**20), _mib(res.get("predicted_peak_bytes")),
+                                 _mib(res.get("traced_peak_bytes")), f"{diff:.1e}", res.get("sw_batch_size", "")])
+                    print_table(HEADER, rows[-1:])
     print()
-    print_table(["net", "fmaps", "method", "patch", "voxels/s", "median s", "peak RSS MiB", "max|diff|", "sw_bs"],
-                rows)
+    print_table(HEADER, rows)
     path = write_json("bench_infer", {"environment": env, "results": results}, args.out)
     print(f"wrote {path}")
 
