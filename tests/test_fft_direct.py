@@ -134,11 +134,14 @@ def test_layers_sharing_one_scratch_by_role_hold_what_forward_buffers_says():
                   [_geometry(6, 4, (7, 8, 9), 3, 1, 0, 2, 2), _geometry(2, 5, (6, 6, 6), 2, 2, 1)]):
         shared = SharedScratch()
         layers = [FFTConvolution() for _ in geoms]
-        for layer in layers:
+        for layer, g in zip(layers, geoms):
             layer.share_scratch(shared)
+            per_map = 8 * g.channels_in * int(np.prod(half_shape(fft_shape(g))))  # complex64 spectra of one map
+            layer.WEIGHT_STAGE_BYTES = 2 * per_map  # the weights transformed two output maps at a time (a tail of 1)
+            assert layer.weight_block(g, 4) == 2
         want: dict = {}
-        for g, n in zip(geoms, (3, 2)):
-            for role, nbytes in layers[0].forward_buffers(g, n, 4).items():
+        for layer, g, n in zip(layers, geoms, (3, 2)):
+            for role, nbytes in layer.forward_buffers(g, n, 4).items():
                 want[role] = max(want.get(role, 0), nbytes)
         for _ in range(2):
             for layer, g, n in zip(layers, geoms, (3, 2)):
@@ -147,6 +150,19 @@ def test_layers_sharing_one_scratch_by_role_hold_what_forward_buffers_says():
                 out = np.full((n, g.channels_out) + tuple(g.out_shape), np.nan, np.float32)
                 layer.forward_into(x, w, None, g, out)
                 np.testing.assert_allclose(out, t.forward(x, w, None, g), rtol=1e-4, atol=1e-4)
+            dy = rng.standard_normal(out.shape).astype(np.float32)  # the blocked spectrum serves the gradient too
+            dx = np.full(x.shape, np.nan, np.float32)
+            layer.backward_into(dy, x, w, g, dx=dx)
+            np.testing.assert_allclose(dx, t.backward_data(dy, w, g), rtol=1e-4, atol=1e-4)
+        shared = SharedScratch()  # forward only: what the shared scratch holds is the prediction
+        for layer in layers:
+            layer.share_scratch(shared)
+        for layer, g, n in zip(layers, geoms, (3, 2)):
+            x = rng.standard_normal((n, g.channels_in) + g.in_shape).astype(np.float32)
+            w = rng.standard_normal(g.weight_shape).astype(np.float32)
+            out = np.empty((n, g.channels_out) + tuple(g.out_shape), np.float32)
+            layer.forward_into(x, w, None, g, out)
+            np.testing.assert_allclose(out, t.forward(x, w, None, g), rtol=1e-4, atol=1e-4)
         assert shared.sizes() == sorted(want.items())
         cg = geoms[0].channels_in // geoms[0].group
         spectrum_bytes = 8 * geoms[0].channels_out * cg * int(np.prod(half_shape(fft_shape(geoms[0]))))

@@ -219,6 +219,8 @@ class FFTConvolution(IntoLowering):
 
     #: weight spectra kept (the newest): a net's FFT layers each keep theirs from forward to backward
     KERNEL_CACHE = 8
+    #: bytes of the largest stage buffer of the weights' transform (:meth:`weight_block`)
+    WEIGHT_STAGE_BYTES = 64 << 20
 
     def __init__(self) -> None:
         self._wcache: OrderedDict = OrderedDict()
@@ -277,10 +279,16 @@ class FFTConvolution(IntoLowering):
             elif on_host:
                 hit[0][...] = w
             kept, _, spec = hit
-            wsp = self._buffer(("fft.wpad", geom), _last_extended(geom.kernel_extent, shape) + (g, mg, cg), w.dtype, xp)
             taps = tuple(slice(None, e, d) for e, d in zip(geom.kernel_extent, geom.dilation))
-            wsp[taps] = w.reshape((g, mg, cg) + w.shape[2:]).transpose(tuple(range(3, 3 + nd)) + (0, 1, 2))
-            spectrum(wsp, shape, spec, conjugate=True, scratch=self._scratch, tag=("w", geom), axes=tuple(range(nd)))
+            wg = w.reshape((g, mg, cg) + w.shape[2:])
+            step = self.weight_block(geom, np.dtype(w.dtype).itemsize)
+            for j0 in range(0, mg, step):  # a block of output maps at a time: its stage buffers stay small
+                j1 = min(mg, j0 + step)
+                wsp = self._buffer(("fft.wpad", geom), _last_extended(geom.kernel_extent, shape) + (g, j1 - j0, cg),
+                                   w.dtype, xp)
+                wsp[taps] = wg[:, j0:j1].transpose(tuple(range(3, 3 + nd)) + (0, 1, 2))
+                spectrum(wsp, shape, spec[..., j0:j1, :], conjugate=True, scratch=self._scratch, tag=("w", geom),
+                         axes=tuple(range(nd)))
             ws = spec.reshape(-1, g, mg, cg).transpose(1, 0, 3, 2)
             self._wcache[key] = (kept, ws, spec)
             if fresh:
@@ -288,6 +296,14 @@ class FFTConvolution(IntoLowering):
             while len(self._wcache) > self.KERNEL_CACHE:
                 self._prepared.discard(self._wcache.popitem(last=False)[0])
             return ws
+
+    def weight_block(self, geom: ConvGeometry, itemsize: int = 4) -> int:
+        """Output maps (per group) transformed together: as many as keep the largest stage buffer of their
+        transform within :attr:`WEIGHT_STAGE_BYTES` (at least one), instead of one buffer the size of the whole
+        spectrum kept for a transform made once."""
+        shape = fft_shape(geom)
+        per_map = 2 * itemsize * geom.group * (geom.channels_in // geom.group) * math.prod(half_shape(shape))
+        return max(1, min(geom.channels_out // geom.group, self.WEIGHT_STAGE_BYTES // per_map))
 
     def _batch_spectrum(self, a: Any, geom: ConvGeometry, extent: tuple[int, ...], place: tuple[slice, ...],
                         src: tuple[slice, ...], tag: str, conjugate: bool) -> Any:
@@ -440,11 +456,12 @@ class FFTConvolution(IntoLowering):
         def stages(extent: tuple[int, ...]) -> list[int]:  # spectrum(): stage j spans extent[:j], shape[j:-1], half
             return [math.prod(extent[:j]) * math.prod(shape[j:nd - 1]) * half for j in range(nd - 1)]
 
+        wmaps = geom.group * self.weight_block(geom, itemsize) * cg  # kernels transformed together
         out: dict[str, int] = {"fft.xpad": itemsize * batch * c * math.prod(_last_extended(geom.used_extent, shape)),
                                "fft.xs": cplx * batch * c * freq, "fft.ys": cplx * batch * m * freq,
-                               "fft.wpad": itemsize * m * cg * math.prod(_last_extended(geom.kernel_extent, shape))}
+                               "fft.wpad": itemsize * wmaps * math.prod(_last_extended(geom.kernel_extent, shape))}
         for j, (xn, wn) in enumerate(zip(stages(geom.used_extent), stages(geom.kernel_extent))):
-            out[f"fft.stage{j}"] = cplx * max(batch * c * xn, m * cg * wn)
+            out[f"fft.stage{j}"] = cplx * max(batch * c * xn, wmaps * wn)
         keep = _spread_extent(geom)  # inverse_spectrum(): stage j spans keep[:j], shape[j:-1], half
         for j in range(nd - 1):
             out[f"fft.istage{j}"] = cplx * batch * m * math.prod(keep[:j]) * math.prod(shape[j:nd - 1]) * half
