@@ -5,6 +5,7 @@ import scipy.fft as sfft
 
 from cct.device.driver import cupy_available, to_host
 from cct.lowering import ConvGeometry, get_strategy
+from cct.lowering.budget import max_batch_partition
 from cct.lowering.direct_layout import SharedScratch
 from cct.lowering.fft import FFTConvolution, fft_shape, half_shape, inverse_spectrum, spectrum
 from cct.proto import caffe_pb2
@@ -167,6 +168,17 @@ def test_layers_sharing_one_scratch_by_role_hold_what_forward_buffers_says():
         cg = geoms[0].channels_in // geoms[0].group
         spectrum_bytes = 8 * geoms[0].channels_out * cg * int(np.prod(half_shape(fft_shape(geoms[0]))))
         assert layers[0].kernel_bytes(geoms[0], 4) == spectrum_bytes + 4 * int(np.prod(geoms[0].weight_shape))
+
+
+def test_a_forward_only_layer_is_chunked_by_its_forward_buffers():
+    """A TEST net's FFT layer holds its forward buffers and weights' spectrum, not the training pass's spectra: its
+    chunks are sized by that (larger chunks, fewer thin per-frequency products) under the same budget."""
+    g = _geometry(16, 16, (12, 12, 12), 3)
+    f = FFTConvolution()
+    fwd = f.pass_workspace_bytes(g, 8, ("fwd",), 4)
+    assert fwd == sum(f.forward_buffers(g, 8, 4).values()) + f.kernel_bytes(g, 4)
+    assert f.pass_workspace_bytes(g, 8, ("fwd", "bwd_data", "bwd_weights"), 4) == f.workspace_bytes(g, 8, 4) > fwd
+    assert max_batch_partition(f, g, 32, 4, fwd, ("fwd",)) == 8 > max_batch_partition(f, g, 32, 4, fwd)
 
 
 def test_direct_output_channel_blocks_with_a_tail():

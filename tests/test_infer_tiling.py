@@ -216,9 +216,9 @@ def test_fft_layers_are_priced_without_the_fixed_weights_transform_and_share_the
     cap = memory_budget(None)
     for lp in plan.layers:
         cg = ConvGeometry.from_param(net.layer_by_name(lp.name).param.convolution_param, lp.shape)
-        chunks = -(-lp.shape[0] // priced_chunk("fft", cg, lp.shape[0], machine, cap))
+        chunks = -(-lp.shape[0] // priced_chunk("fft", cg, lp.shape[0], machine, cap, ("fwd",)))
         transform = price(priced_strategy("fft").weight_transform_ops(cg), machine)["total"]
-        full = predictions(cg, lp.shape[0], machine, "fwd", ["fft"], cap)["fft"]
+        full = predictions(cg, lp.shape[0], machine, "fwd", ["fft"], cap, ("fwd",))["fft"]
         assert transform > 0 and lp.seconds == pytest.approx(full - chunks * transform, rel=1e-12)
     cg = ConvGeometry.from_param(net.layer_by_name("conv3").param.convolution_param, plan.layers[2].shape)
     first, roles, own = layer_growth(net, "fft", cg, plan.layers[2].shape[0], 4, {}, [], 0)

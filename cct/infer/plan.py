@@ -255,7 +255,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         raise CctError(f"unknown inference target '{target}' (use {', '.join(TARGETS)})")
     machine = machine if machine is not None else load_machine(measure_if_missing=False)
     cache = {} if cache is None else cache
-    cap = memory_budget(budget)
+    cap = lowering_budget(net.config)  # what the layers' chunks may hold, as they run (partition_chunks)
     itemsize = itemsize or net.dtype.itemsize
     mpf = tuple(mpf) if method == "mpf" else (False,) * len(geom.pools)
     run_shape = geom.input_size(tuple(grid), mpf)
@@ -278,7 +278,7 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
     c_out = net.blobs[geom.output_blob].shape[1]
     io_bytes = (c_in * _prod(patch) + c_out * _prod(tile)) * 4
     active = activation_bytes(net, geom, run_shape, mpf, itemsize=itemsize)
-    limit = budget if budget is not None else cap
+    limit = budget if budget is not None else memory_budget(None)
     layers, seconds, work, kept = [], 0.0, 0, 0
     roles: list[dict[str, int]] = []  # per partition thread: the largest request of each shared buffer role
     splits: list[SplitPlan] = []
@@ -300,9 +300,9 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
         forced = "type1" if net.config.engine.mode == "caffe" else override_for(lp.name, net.config.engine)
         key = (cg, shape[0], machine.threads, forced)  # one cache serves the full and the half-thread machine
         if key not in cache:  # the optimizer's chunk-aware forward prices, as a TEST net's layer plans
-            preds = predictions(cg, shape[0], machine, "fwd", [forced] if forced else None, cap)
+            preds = predictions(cg, shape[0], machine, "fwd", [forced] if forced else None, cap, ("fwd",))
             if "fft" in preds:  # the weights stay fixed: FFT transforms them once, not in every chunk of every run
-                chunks = -(-shape[0] // priced_chunk("fft", cg, shape[0], machine, cap))
+                chunks = -(-shape[0] // priced_chunk("fft", cg, shape[0], machine, cap, ("fwd",)))
                 preds["fft"] -= chunks * price(priced_strategy("fft").weight_transform_ops(cg), machine)["total"]
             cache[key] = sorted(preds.items(), key=lambda kv: (kv[1], kv[0]))
         if target == "host":  # the fastest whose buffers fit beside what the layers before it hold, else the leanest

@@ -64,6 +64,12 @@ class LoweringStrategy:
         """Peak temporary bytes of one pass on ``batch`` images (checked against the memory budget)."""
         raise NotImplementedError
 
+    def pass_workspace_bytes(self, geom: ConvGeometry, batch: int, passes: tuple[str, ...],
+                             itemsize: int = 4) -> int:
+        """:meth:`workspace_bytes` of a layer that runs only ``passes`` (a strategy whose buffers depend on the
+        passes, as FFT's, says less for fewer)."""
+        return self.workspace_bytes(geom, batch, itemsize)
+
     def priced(self) -> bool:
         """Whether this strategy declares its operations and workspace (the optimizer may pick it)."""
         cls, base = type(self), LoweringStrategy

@@ -55,25 +55,30 @@ def memory_budget(budget: int | str | None = None, run_budget: int | None = None
     return max(MIN_BUDGET, int(avail * DEFAULT_FRACTION))
 
 
-def workspace_bytes(strategy: LoweringStrategy, geom: ConvGeometry, batch: int, itemsize: int = 4) -> int:
+def workspace_bytes(strategy: LoweringStrategy, geom: ConvGeometry, batch: int, itemsize: int = 4,
+                    passes: tuple[str, ...] | None = None) -> int:
     """Temporary memory of one pass of ``strategy`` on ``batch`` images (0 when it does not declare it:
-    a hand-set strategy without a cost model is not held to the budget)."""
+    a hand-set strategy without a cost model is not held to the budget); ``passes``: of a layer that runs only
+    those (:meth:`~cct.lowering.base.LoweringStrategy.pass_workspace_bytes`)."""
     try:
+        if passes is not None:
+            return int(strategy.pass_workspace_bytes(geom, batch, tuple(passes), itemsize))
         return int(strategy.workspace_bytes(geom, batch, itemsize))
     except NotImplementedError:
         return 0
 
 
 def max_batch_partition(strategy: LoweringStrategy, geom: ConvGeometry, batch: int, itemsize: int = 4,
-                        budget: int | str | None = None) -> int:
-    """Largest ``b_p`` in ``[1, batch]`` whose workspace fits the budget (1 if none does)."""
+                        budget: int | str | None = None, passes: tuple[str, ...] | None = None) -> int:
+    """Largest ``b_p`` in ``[1, batch]`` whose workspace (of a layer running ``passes``, default all) fits the
+    budget (1 if none does)."""
     cap = memory_budget(budget)
-    if batch <= 1 or workspace_bytes(strategy, geom, batch, itemsize) <= cap:
+    if batch <= 1 or workspace_bytes(strategy, geom, batch, itemsize, passes) <= cap:
         return max(1, batch)
     lo, hi = 1, batch  # invariant: answer in [lo, hi]
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if workspace_bytes(strategy, geom, mid, itemsize) <= cap:
+        if workspace_bytes(strategy, geom, mid, itemsize, passes) <= cap:
             lo = mid
         else:
             hi = mid - 1

@@ -72,7 +72,8 @@ def choose_chunking(names: Mapping[str, str], geom: ConvGeometry, batch: int, th
         if per_part < 1:
             bp, t = 1, 0.0
         else:
-            bp_cap = min(max_batch_partition(get_strategy(n), geom, per_part, 4, cap // p) for n in set(names.values()))
+            bp_cap = min(max_batch_partition(get_strategy(n), geom, per_part, 4, cap // p,
+                                             tuple(q for q in names if names[q] == n)) for n in set(names.values()))
             bp, t = best_batch_partition(names, geom, per_part, mach, "total", max_bp=bp_cap)
         t += handoff * p if p > 1 else 0.0
         if "bwd_weights" in names and per_part >= 1:  # the partitions' weight gradients summed, once a call

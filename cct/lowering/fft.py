@@ -468,6 +468,14 @@ class FFTConvolution(IntoLowering):
         out["fft.ireal"] = itemsize * batch * m * math.prod(keep[:nd - 1]) * shape[-1]
         return out
 
+    def pass_workspace_bytes(self, geom: ConvGeometry, batch: int, passes: tuple[str, ...],
+                             itemsize: int = 4) -> int:
+        """A forward-only layer (a TEST net's, dense inference's) holds :meth:`forward_buffers` and its weights'
+        spectrum (:meth:`kernel_bytes`); one with gradients what :meth:`workspace_bytes` counts."""
+        if tuple(passes) != ("fwd",):
+            return self.workspace_bytes(geom, batch, itemsize)
+        return sum(self.forward_buffers(geom, batch, itemsize).values()) + self.kernel_bytes(geom, itemsize)
+
     def kernel_bytes(self, geom: ConvGeometry, itemsize: int = 4) -> int:
         """Bytes a layer keeps for its weights between calls: their spectrum and the copy they are compared with."""
         cg = geom.channels_in // geom.group

@@ -41,33 +41,37 @@ def candidates(geom: ConvGeometry, names: list[str] | None = None) -> list[str]:
 
 
 def predictions(geom: ConvGeometry, batch: int, machine: Machine | None = None, pass_: str = "fwd",
-                names: list[str] | None = None, budget: int | str | None = None) -> dict[str, float]:
+                names: list[str] | None = None, budget: int | str | None = None,
+                passes: tuple[str, ...] = PASSES) -> dict[str, float]:
     """Predicted seconds of ``pass_`` for every candidate lowering.
 
     Chunk-aware: every lowering is priced as the ``b_p``-image chunks
     :class:`~cct.lowering.partition.BatchedLowering` would run -- the chunk size with the least
     predicted time among those whose workspace fits the memory budget
     (:func:`cct.lowering.budget.memory_budget`), see
-    :func:`cct.lowering.cost_model.best_batch_partition`.
+    :func:`cct.lowering.cost_model.best_batch_partition` -- for a layer running ``passes``.
     """
     machine = _machine(machine)
-    return {n: _chunked_seconds(n, geom, batch, machine, pass_, budget) for n in candidates(geom, names)}
+    return {n: _chunked_seconds(n, geom, batch, machine, pass_, budget, passes) for n in candidates(geom, names)}
 
 
-def priced_chunk(name: str, geom: ConvGeometry, batch: int, machine: Machine, budget: int | str | None) -> int:
+def priced_chunk(name: str, geom: ConvGeometry, batch: int, machine: Machine, budget: int | str | None,
+                 passes: tuple[str, ...] = PASSES) -> int:
     """The images per chunk :func:`predictions` prices ``name`` at: the fastest predicted chunk size for the
-    whole iteration (all three passes, as BatchedLowering chooses it) among those whose workspace fits."""
+    passes the layer runs (the whole iteration, as BatchedLowering chooses it) among those whose workspace fits."""
     if batch <= 1:
         return max(batch, 1)
-    cap = max_batch_partition(get_strategy(name), geom, batch, 4, budget)
-    return best_batch_partition(name, geom, batch, machine, "total", max_bp=cap)[0]
+    cap = max_batch_partition(get_strategy(name), geom, batch, 4, budget, passes)
+    run = name if tuple(passes) == PASSES else {p: name for p in passes}
+    return best_batch_partition(run, geom, batch, machine, "total", max_bp=cap)[0]
 
 
 def _chunked_seconds(name: str, geom: ConvGeometry, batch: int, machine: Machine, pass_: str,
-                     budget: int | str | None) -> float:
+                     budget: int | str | None, passes: tuple[str, ...] = PASSES) -> float:
     if batch <= 1:
         return predict_seconds(name, geom, max(batch, 1), machine, pass_)
-    return chunked_seconds(name, geom, batch, priced_chunk(name, geom, batch, machine, budget), machine, pass_)
+    bp = priced_chunk(name, geom, batch, machine, budget, passes)
+    return chunked_seconds(name, geom, batch, bp, machine, pass_)
 
 
 @dataclass
@@ -133,12 +137,12 @@ def choose_plan(geom: ConvGeometry, batch: int, machine: Machine | None = None, 
     that fits wins (ZNNi's memory-aware choice). When none fits, the one with the smallest workspace."""
     machine = _machine(machine)
     cap = memory_budget(budget)
-    preds = {p: predictions(geom, batch, machine, p, names, cap) for p in PASSES}
+    preds = {p: predictions(geom, batch, machine, p, names, cap, passes) for p in PASSES}
     common = [n for n in preds["fwd"] if all(n in preds[p] for p in PASSES)]
     ws = {}
     for n in common:
-        bp = max_batch_partition(get_strategy(n), geom, max(batch, 1), 4, cap) if batch > 1 else 1
-        ws[n] = int(priced_strategy(n).workspace_bytes(geom, bp, 4))
+        bp = max_batch_partition(get_strategy(n), geom, max(batch, 1), 4, cap, passes) if batch > 1 else 1
+        ws[n] = int(priced_strategy(n).pass_workspace_bytes(geom, bp, tuple(passes), 4))
     if override:
         if not supports(get_strategy(override), geom):
             raise ValueError(f"lowering '{override}' cannot compute this convolution")
@@ -206,7 +210,8 @@ def plan_convolution(geom: ConvGeometry, batch: int, machine: Machine | None = N
     p, bp, _t = choose_chunking(run, geom, batch, total, plan.budget, fixed, machine_for)
     plan.partitions, plan.b_p = p, bp
     names = set(plan.names.values())
-    plan.workspace.update({n: int(priced_strategy(n).workspace_bytes(geom, bp, 4)) * p for n in names})
+    plan.workspace.update({n: int(priced_strategy(n).pass_workspace_bytes(geom, bp, tuple(passes), 4)) * p
+                           for n in names})
     return plan
 
 
