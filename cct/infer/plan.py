@@ -180,8 +180,8 @@ def direct_buffers(cg: ConvGeometry, batch: int, itemsize: int) -> tuple[int, in
     return itemsize * batch * cg.channels_in * lay.x_cs, int(itemsize * out), itemsize * _prod(cg.weight_shape)
 
 
-def layer_growth(net, name: str, cg: ConvGeometry, batch: int, itemsize: int, cache: dict, roles: list[dict[str, int]],
-            work: int) -> tuple[int, list[dict[str, int]], int]:
+def layer_growth(net, name: str, cg: ConvGeometry, batch: int, itemsize: int, cache: dict,
+                 roles: list[dict[str, int]], work: int) -> tuple[int, list[dict[str, int]], int]:
     """``(bytes the peak grows by, the shared roles after, the layer's own shared bytes)`` when a convolution by
     ``name`` joins layers holding ``roles`` (per partition thread, bytes per role) and a largest transient ``work``:
     what it keeps, its transient beyond ``work`` and the growth of the roles (one buffer per role and thread, as
