@@ -19,9 +19,10 @@ row runs in its own process (so its peak resident memory is its own) and times, 
   ``--theta``), each at the given patch; the GPU rows report the CuPy pool's size after the run too.
 
 Every output is compared with cct-mpf's at the largest patch (max abs difference in the table). The cct rows
-give the plan's predicted peak; with ``--trace_memory`` they run one more pass under tracemalloc from setup on
-and give its peak too (what the plan predicts: allocated bytes, where resident memory leaves out zero pages
-never touched).
+give the plan's predicted peak; with ``--trace_memory`` they first run one pass of a net of their own under
+tracemalloc from setup on (freed before the timed runs) and give its peak too (what the plan predicts:
+allocated bytes, where resident memory leaves out zero pages never touched).
+
 torch and monai come from the ``[bench-infer]`` extra: ``pip install -e '.[bench-infer]'``.
 
     python benchmarks/bench_infer.py [--nets n337:8:1,2 n537:4:1] [--runs 3]
@@ -151,6 +152,19 @@ def _dense_inference(method: str, net, spec: dict, patch: tuple) -> DenseInferen
     return DenseInference(net, patch=patch, method="shift" if method == "cct-shift" else "mpf")
 
 
+def _traced_peak(method: str, spec: dict, patch: tuple, vol: np.ndarray) -> int:
+    """Peak bytes tracemalloc sees over the setup and one pass of a net of its own (freed before the timed
+    runs: the runner's activation pool lives as long as the net whose blobs it backs)."""
+    net = cct.Net(spec["model"], cct.TEST, weights=spec["weights"])
+    tracemalloc.start()
+    try:
+        result = _dense_inference(method, net, spec, patch)(vol)
+        _, traced = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return traced - result.nbytes  # the returned volume is not part of the plan
+
+
 def worker(spec: dict) -> dict:
     """One row, in this process: time it, save its output, report peak RSS."""
     net = cct.Net(spec["model"], cct.TEST, weights=spec["weights"])
@@ -168,6 +182,8 @@ def worker(spec: dict) -> dict:
         timing, out, extra = _monai(net, geom, vol, patch, runs)
         voxels = int(np.prod(out.shape[1:]))
     else:
+        traced = _traced_peak(method, spec, patch, vol) if spec.get("trace_memory") and method not in GPU_METHODS \
+            else None
         di = _dense_inference(method, net, spec, patch)
         di.prepare(vol.shape)
         last: list = []
@@ -177,16 +193,8 @@ def worker(spec: dict) -> dict:
         extra = {"plan": di.plan.describe().splitlines()[0], "predicted_peak_bytes": di.plan.peak_bytes,
                  "predicted_voxels_per_s": di.plan.voxels_per_second, "patch": list(di.plan.patch),
                  "mpf": list(di.plan.mpf), "theta": di.plan.theta}
-        if spec.get("trace_memory") and method not in GPU_METHODS:  # one more pass, traced from setup on
-            del di, last
-            fresh = cct.Net(spec["model"], cct.TEST, weights=spec["weights"])
-            tracemalloc.start()
-            try:
-                result = _dense_inference(method, fresh, spec, patch)(vol)
-                _, traced = tracemalloc.get_traced_memory()
-            finally:
-                tracemalloc.stop()
-            extra["traced_peak_bytes"] = traced - result.nbytes  # the returned volume is not the plan's
+        if traced is not None:
+            extra["traced_peak_bytes"] = traced
         if method in GPU_METHODS:
             import cupy
 
@@ -222,7 +230,7 @@ def main() -> None:
     ap.add_argument("--device_budget", default=None, help="GPU memory of the gpu and gpu+host rows (default: free)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--trace_memory", action="store_true",
-                    help="cct rows: one more pass under tracemalloc from setup on (beside the predicted peak)")
+                    help="cct rows: one pass under tracemalloc from setup on first (beside the predicted peak)")
     ap.add_argument("--keep-env", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
