@@ -149,14 +149,27 @@ def test_train_snapshot_resume_test_time(workdir):
     assert any(re.fullmatch(r"\s*ip\tbackward: \S+ ms\.", m) for m in m4)
 
 
-def test_train_positional_iterations_and_weights(workdir):
-    r = cct("train", "solver.prototxt", "--iterations", "3", cwd=workdir)
-    assert r.returncode == 0, r.stderr
+def _main_here(args, cwd, monkeypatch, capfd) -> tuple[int, str]:
+    """``cct ARGS`` in this process (``cct.cli.main``, what ``python -m cct`` runs) in ``cwd``: the exit
+    status and what it wrote to stderr. The real processes are the tests above and below."""
+    monkeypatch.chdir(cwd)
+    capfd.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # what python -m cct's sys.exit(main()) exits with
+        code = e.code
+    return code, capfd.readouterr().err
+
+
+def test_train_positional_iterations_and_weights(workdir, monkeypatch, capfd):
+    """In this process: the positional solver, ``--iterations`` and a comma list of ``--weights``."""
+    code, err = _main_here(["train", "solver.prototxt", "--iterations", "3"], workdir, monkeypatch, capfd)
+    assert code == 0, err
     assert (workdir / "snap" / "tiny_iter_3.caffemodel").is_file()  # snapshot_after_train at the new max_iter
-    r = cct("train", "--solver", "solver.prototxt", "--iterations=1", "--weights",
-            "snap/tiny_iter_3.caffemodel,snap/tiny_iter_3.caffemodel", cwd=workdir)
-    assert r.returncode == 0, r.stderr
-    assert _lines(r.stderr).count("Finetuning from snap/tiny_iter_3.caffemodel") >= 2
+    code, err = _main_here(["train", "--solver", "solver.prototxt", "--iterations=1", "--weights",
+                            "snap/tiny_iter_3.caffemodel,snap/tiny_iter_3.caffemodel"], workdir, monkeypatch, capfd)
+    assert code == 0, err
+    assert _lines(err).count("Finetuning from snap/tiny_iter_3.caffemodel") >= 2
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -211,17 +224,19 @@ def test_gpu_flag_without_gpu_is_an_error(workdir, monkeypatch, capfd):
     assert GPU_FALLBACK in _lines(r.stderr)
 
 
-def test_nan_loss_exits_nonzero_naming_iteration(tmp_path):
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the loss overflowing is the case
+def test_nan_loss_exits_nonzero_naming_iteration(tmp_path, monkeypatch, capfd):
+    """In this process (the exit status and message ``python -m cct`` gives: the bad-input tests above)."""
     (tmp_path / "net.prototxt").write_text(DUMMY_NET)
     (tmp_path / "solver.prototxt").write_text('net: "net.prototxt" base_lr: 1e18 momentum: 0.9 lr_policy: "fixed" '
                                               'max_iter: 100 display: 1 solver_mode: CPU random_seed: 2 '
                                               'snapshot_prefix: "out/d"\n')
-    r = cct("train", "--solver=solver.prototxt", cwd=tmp_path)
-    assert r.returncode == 1
-    m = re.search(r"error: Iteration (\d+): loss is (\S+)", r.stderr)
-    assert m and m.group(2) in ("inf", "nan"), r.stderr
+    code, err = _main_here(["train", "--solver=solver.prototxt"], tmp_path, monkeypatch, capfd)
+    assert code == 1
+    m = re.search(r"error: Iteration (\d+): loss is (\S+)", err)
+    assert m and m.group(2) in ("inf", "nan"), err
     assert (tmp_path / "out" / f"d_iter_{m.group(1)}.caffemodel").is_file()
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in err
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
