@@ -55,3 +55,15 @@ def pytest_sessionfinish(session, exitstatus):
     if new:
         session.exitstatus = 1
         print(f"\nERROR: tests left snapshot files outside tmp_path: {', '.join(new)}", file=sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def numpy_kernels():
+    """``CCT_KERNELS=numpy`` for a module's tests and every process they start (``pytest.mark.usefixtures``).
+    For the MPI tests of the per-layer executor: each rank otherwise loads the compiled kernels (3-4 ranks on
+    2 cores), and what they check is the executor, not the kernels, which give the numpy path's results
+    bit for bit (tests/test_kernels.py). The data-parallel (test_distributed_train), in-process worker
+    (test_parallel_plan_devices) and CLI MPI tests keep the compiled kernels."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CCT_KERNELS", "numpy")
+        yield
