@@ -13,7 +13,8 @@ import pytest
 import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
 
-pytestmark = [needs_mpi(), pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")]
+pytestmark = [needs_mpi(), pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available"),
+              pytest.mark.usefixtures("numpy_kernels")]  # conftest.py: the ranks run the numpy kernels
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 _compare = dp._compare
 
