@@ -27,7 +27,8 @@ from cct.parallel_plan.split import PlanError, Split
 from cct.parallel_plan.transfer import loss_reduction_cost
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
-pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+pytestmark = [pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available"),
+              pytest.mark.usefixtures("numpy_kernels")]  # conftest.py: the ranks run the numpy kernels
 
 #: a fully-convolutional net: per-pixel labels (255 ignored), conv1 normalised in place (LRN), read by two grouped
 #: convolutions (a Split),
