@@ -77,6 +77,18 @@ def load_case(name: str) -> Case:
     return Case(name=name, meta=meta, arrays=arrays, net=net, dir=d, params=params)
 
 
+def once_per_name(compute):
+    """``get(name)``: ``compute(name)`` on the first call for a name, the same result after (a test module's
+    fixture holds it, so the cases read and run once for the tests that only read them)."""
+    results: dict = {}
+
+    def get(name):
+        if name not in results:
+            results[name] = compute(name)
+        return results[name]
+    return get
+
+
 def max_rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     """max|a - e| / max|e| (the reference README's robust per-array check)."""
     actual = np.asarray(actual, dtype=np.float64)

@@ -8,7 +8,16 @@ import subprocess
 import sys
 
 import pytest
-from refcase import conv_geometries, has_convolutions, list_cases, load_case, max_rel_err, reference_available, run_case
+from refcase import (
+    conv_geometries,
+    has_convolutions,
+    list_cases,
+    load_case,
+    max_rel_err,
+    once_per_name,
+    reference_available,
+    run_case,
+)
 
 from cct.config import using_config
 from cct.lowering import get_strategy, strategy_names, supports
@@ -44,13 +53,7 @@ def test_cases_with_convolutions_are_found():
 def loaded():
     """``load(case)``: the case's arrays and weights and its conv geometries, read once for all the strategies
     (each run only reads them)."""
-    cases: dict = {}
-
-    def load(name):
-        if name not in cases:
-            cases[name] = load_case(name), conv_geometries(name)
-        return cases[name]
-    return load
+    return once_per_name(lambda name: (load_case(name), conv_geometries(name)))
 
 
 @pytest.mark.parametrize("strategy", strategy_names())
