@@ -55,3 +55,17 @@ def pytest_sessionfinish(session, exitstatus):
     if new:
         session.exitstatus = 1
         print(f"\nERROR: tests left snapshot files outside tmp_path: {', '.join(new)}", file=sys.stderr)
+
+
+@pytest.fixture(scope="module")
+def numpy_kernels():
+    """``CCT_KERNELS=numpy`` for a module's tests and every process they start (``pytest.mark.usefixtures``).
+    For the MPI tests of the per-layer executor: each rank otherwise loads the compiled kernels (3-4 ranks on
+    2 cores). What they check is the executor: its runs against real Caffe's (1e-5) or against one process
+    started under the same setting (the engine may pick another convolution without the compiled direct
+    kernels, so a module's references and its MPI runs must share it). The kernels are checked against the
+    numpy path in tests/test_kernels.py; the data-parallel (test_distributed_train), in-process worker
+    (test_parallel_plan_devices) and CLI MPI tests keep the compiled kernels."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CCT_KERNELS", "numpy")
+        yield

@@ -51,10 +51,15 @@ class Case:
     params: dict = field(default_factory=dict)  # layer name -> list of arrays
 
 
+def load_meta(name: str) -> dict:
+    """The case's meta.json (phase, blobs, weights file; no arrays read)."""
+    with open(os.path.join(case_dir(name), "meta.json")) as f:
+        return json.load(f)
+
+
 def load_case(name: str) -> Case:
     d = case_dir(name)
-    with open(os.path.join(d, "meta.json")) as f:
-        meta = json.load(f)
+    meta = load_meta(name)
     npz = np.load(os.path.join(d, "arrays.npz"))
     arrays = {k: npz[k] for k in npz.files}
     net = caffe_pb2.NetParameter()
@@ -72,6 +77,18 @@ def load_case(name: str) -> Case:
     return Case(name=name, meta=meta, arrays=arrays, net=net, dir=d, params=params)
 
 
+def once_per_name(compute):
+    """``get(name)``: ``compute(name)`` on the first call for a name, the same result after (a test module's
+    fixture holds it, so the cases read and run once for the tests that only read them)."""
+    results: dict = {}
+
+    def get(name):
+        if name not in results:
+            results[name] = compute(name)
+        return results[name]
+    return get
+
+
 def max_rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     """max|a - e| / max|e| (the reference README's robust per-array check)."""
     actual = np.asarray(actual, dtype=np.float64)
@@ -84,25 +101,27 @@ def max_rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(diff / scale)
 
 
-def run_case_layerwise(name: str, phase: int | None = None, device: Device | None = None, built: list | None = None):
+def run_case_layerwise(name: str, phase: int | None = None, device: Device | None = None, built: list | None = None,
+                       case: Case | None = None):
     """Run each layer of a case on Caffe's own inputs; return a list of (what, cct, caffe) triples.
 
     Runs with the case directory as working directory, as Caffe did (relative sources). ``device``
     is where the blobs live (default the host; a CupyDevice for the GPU path); results come back as numpy.
-    ``built``: a list that receives the layers built.
+    ``built``: a list that receives the layers built. ``case``: the case already loaded (read only).
     """
     cwd = os.getcwd()
     os.chdir(case_dir(name))
     try:
-        return _run_case_layerwise(name, device or HostDevice(), built if built is not None else [])
+        return _run_case_layerwise(case or load_case(name), device or HostDevice(),
+                                   built if built is not None else [])
     finally:
         os.chdir(cwd)
 
 
-def run_model_case(name: str):
+def run_model_case(name: str, case: Case | None = None):
     """A model case's net with Caffe's weights after one forward and backward on Caffe's inputs:
-    ``(case, net, loss)``."""
-    case = load_case(name)
+    ``(case, net, loss)``. ``case``: the case already loaded (its arrays are only read)."""
+    case = case or load_case(name)
     net = cct.Net(os.path.join(case.dir, "net.prototxt"), case.meta["phase"],
                   weights=os.path.join(case.dir, case.meta["weights_file"]))
     a = case.arrays
@@ -146,11 +165,10 @@ def has_convolutions(name: str) -> bool:
 
 def conv_geometries(name: str) -> dict:
     """``{layer name: ConvGeometry}`` of the case's Convolution and Deconvolution layers."""
-    case = load_case(name)
     cwd = os.getcwd()
-    os.chdir(case.dir)
+    os.chdir(case_dir(name))
     try:
-        net = cct.Net("net.prototxt", case.meta["phase"])
+        net = cct.Net("net.prototxt", load_meta(name)["phase"])
     finally:
         os.chdir(cwd)
     return {layer.name: layer.geom for layer in net.layers if layer.type in CONV_TYPES}
@@ -161,14 +179,14 @@ def conv_strategies(layers) -> dict[str, str]:
     return {layer.name: layer.lowering.name for layer in layers if layer.type in CONV_TYPES}
 
 
-def run_case(name: str) -> tuple[list[tuple[str, np.ndarray, np.ndarray]], dict[str, str]]:
+def run_case(name: str, case: Case | None = None) -> tuple[list[tuple[str, np.ndarray, np.ndarray]], dict[str, str]]:
     """Any case, unit (layer by layer) or model (one net): its ``(what, cct, caffe)`` triples and the
-    strategies its conv layers ran."""
+    strategies its conv layers ran. ``case``: the case already loaded (read only)."""
     if name in list_cases("model"):
-        case, net, _ = run_model_case(name)
+        case, net, _ = run_model_case(name, case)
         return compare_model_case(case, net), conv_strategies(net.layers)
     built: list = []
-    results = run_case_layerwise(name, built=built)
+    results = run_case_layerwise(name, built=built, case=case)
     return results, conv_strategies(layer for layer, _, _ in built)
 
 
@@ -188,8 +206,7 @@ def _host_copy(arr) -> np.ndarray:
     return np.array(to_host(arr))
 
 
-def _run_case_layerwise(name: str, device: Device, built: list):
-    case = load_case(name)
+def _run_case_layerwise(case: Case, device: Device, built: list):
     a = case.arrays
     phase = caffe_pb2.TRAIN if case.meta["phase"] == "TRAIN" else caffe_pb2.TEST
     results = []

@@ -68,8 +68,8 @@ def cct(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProce
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("digits")
-    r = cct("make_digits", "data", "--train", "48", "--test", "24", "--seed", "3", cwd=base)
-    assert r.returncode == 0, r.stderr
+    # in this process (make_digits as a process: tests/test_models.py)
+    assert main(["make_digits", str(base / "data"), "--train", "48", "--test", "24", "--seed", "3"]) == 0
     assert (base / "data" / "digits_train_lmdb").is_dir()
     return base
 
@@ -87,7 +87,21 @@ def _lines(stderr: str) -> list[str]:
     return [GLOG.sub("", l) for l in stderr.splitlines() if GLOG.match(l)]
 
 
-def test_train_snapshot_resume_test_time(workdir):
+def _main_here(args, cwd, monkeypatch, capfd) -> tuple[int, str]:
+    """``cct ARGS`` in this process (``cct.cli.main``, what ``python -m cct`` runs) in ``cwd``: the exit
+    status and what it wrote to stderr."""
+    monkeypatch.chdir(cwd)
+    capfd.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # what python -m cct's sys.exit(main()) exits with
+        code = e.code
+    return code, capfd.readouterr().err
+
+
+def test_train_snapshot_resume_test_time(workdir, monkeypatch, capfd):
+    """train and test as real processes; the resume and time in this process (``cct.cli.main``; ``cct time``
+    as a process: tests/test_runtime.py)."""
     r = cct("train", "--solver=solver.prototxt", cwd=workdir)
     assert r.returncode == 0, r.stderr
     assert "\r" not in r.stderr  # no progress bar when stderr is not a TTY
@@ -116,9 +130,10 @@ def test_train_snapshot_resume_test_time(workdir):
     (other / "snap").mkdir()
     for ext in (".caffemodel", ".solverstate", ".cctstate"):
         shutil.copy(workdir / "snap" / f"tiny_iter_5{ext}", other / "snap" / f"tiny_iter_5{ext}")
-    r2 = cct("train", "-solver", "solver.prototxt", "-snapshot", "snap/tiny_iter_5.solverstate", cwd=other)
-    assert r2.returncode == 0, r2.stderr
-    msgs2 = _lines(r2.stderr)
+    code, err = _main_here(["train", "-solver", "solver.prototxt", "-snapshot", "snap/tiny_iter_5.solverstate"],
+                           other, monkeypatch, capfd)
+    assert code == 0, err
+    msgs2 = _lines(err)
     assert "Resuming from snap/tiny_iter_5.solverstate" in msgs2
     assert not any(m.startswith("Iteration 4,") for m in msgs2)
     assert (other / "snap" / "tiny_iter_10.caffemodel").is_file()
@@ -140,23 +155,24 @@ def test_train_snapshot_resume_test_time(workdir):
     assert any(m.startswith("Loss: ") for m in m3)
 
     # time the net
-    r4 = cct("time", "-model", "net.prototxt", "-iterations", "2", cwd=workdir)
-    assert r4.returncode == 0, r4.stderr
-    m4 = _lines(r4.stderr)
+    code, err = _main_here(["time", "-model", "net.prototxt", "-iterations", "2"], workdir, monkeypatch, capfd)
+    assert code == 0, err
+    m4 = _lines(err)
     for key in ("Average Forward pass: ", "Average Backward pass: ", "Average Forward-Backward: ", "Total Time: "):
         assert any(m.startswith(key) and m.endswith(" ms.") for m in m4), key
     assert any(re.fullmatch(r"\s*ip\tforward: \S+ ms\.", m) for m in m4)
     assert any(re.fullmatch(r"\s*ip\tbackward: \S+ ms\.", m) for m in m4)
 
 
-def test_train_positional_iterations_and_weights(workdir):
-    r = cct("train", "solver.prototxt", "--iterations", "3", cwd=workdir)
-    assert r.returncode == 0, r.stderr
+def test_train_positional_iterations_and_weights(workdir, monkeypatch, capfd):
+    """In this process: the positional solver, ``--iterations`` and a comma list of ``--weights``."""
+    code, err = _main_here(["train", "solver.prototxt", "--iterations", "3"], workdir, monkeypatch, capfd)
+    assert code == 0, err
     assert (workdir / "snap" / "tiny_iter_3.caffemodel").is_file()  # snapshot_after_train at the new max_iter
-    r = cct("train", "--solver", "solver.prototxt", "--iterations=1", "--weights",
-            "snap/tiny_iter_3.caffemodel,snap/tiny_iter_3.caffemodel", cwd=workdir)
-    assert r.returncode == 0, r.stderr
-    assert _lines(r.stderr).count("Finetuning from snap/tiny_iter_3.caffemodel") >= 2
+    code, err = _main_here(["train", "--solver", "solver.prototxt", "--iterations=1", "--weights",
+                            "snap/tiny_iter_3.caffemodel,snap/tiny_iter_3.caffemodel"], workdir, monkeypatch, capfd)
+    assert code == 0, err
+    assert _lines(err).count("Finetuning from snap/tiny_iter_3.caffemodel") >= 2
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -211,17 +227,19 @@ def test_gpu_flag_without_gpu_is_an_error(workdir, monkeypatch, capfd):
     assert GPU_FALLBACK in _lines(r.stderr)
 
 
-def test_nan_loss_exits_nonzero_naming_iteration(tmp_path):
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the loss overflowing is the case
+def test_nan_loss_exits_nonzero_naming_iteration(tmp_path, monkeypatch, capfd):
+    """In this process (the exit status and message ``python -m cct`` gives: the bad-input tests above)."""
     (tmp_path / "net.prototxt").write_text(DUMMY_NET)
     (tmp_path / "solver.prototxt").write_text('net: "net.prototxt" base_lr: 1e18 momentum: 0.9 lr_policy: "fixed" '
                                               'max_iter: 100 display: 1 solver_mode: CPU random_seed: 2 '
                                               'snapshot_prefix: "out/d"\n')
-    r = cct("train", "--solver=solver.prototxt", cwd=tmp_path)
-    assert r.returncode == 1
-    m = re.search(r"error: Iteration (\d+): loss is (\S+)", r.stderr)
-    assert m and m.group(2) in ("inf", "nan"), r.stderr
+    code, err = _main_here(["train", "--solver=solver.prototxt"], tmp_path, monkeypatch, capfd)
+    assert code == 1
+    m = re.search(r"error: Iteration (\d+): loss is (\S+)", err)
+    assert m and m.group(2) in ("inf", "nan"), err
     assert (tmp_path / "out" / f"d_iter_{m.group(1)}.caffemodel").is_file()
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in err
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")

@@ -16,7 +16,8 @@ from cct.parallel_plan.perlayer import PerLayerExecutor
 from cct.parallel_plan.split import PlanError, Split
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
-pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+pytestmark = [pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available"),
+              pytest.mark.usefixtures("numpy_kernels")]  # conftest.py: the ranks run the numpy kernels
 
 
 def _train(case, ranks, batch, iters, out, *extra):

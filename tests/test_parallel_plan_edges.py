@@ -7,8 +7,6 @@ convolutions split by channel (c dividing the groups or the groups dividing c). 
 the global batch; the bytes the ranks receive equal the planner's count."""
 import json
 import re
-import subprocess
-import sys
 
 import h5py
 import numpy as np
@@ -20,6 +18,7 @@ from test_parallel_plan_perlayer import _plan_file
 from test_parallel_plan_spatial import _predicted, _Rank
 
 import cct
+from cct.cli import main
 from cct.parallel_plan.costs import price
 from cct.parallel_plan.graph import graph_from_net
 from cct.parallel_plan.perlayer import PerLayerExecutor, group_refusal
@@ -27,7 +26,8 @@ from cct.parallel_plan.split import PlanError, Split
 from cct.parallel_plan.transfer import loss_reduction_cost
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
-pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+pytestmark = [pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available"),
+              pytest.mark.usefixtures("numpy_kernels")]  # conftest.py: the ranks run the numpy kernels
 
 #: a fully-convolutional net: per-pixel labels (255 ignored), conv1 normalised in place (LRN), read by two grouped
 #: convolutions (a Split),
@@ -223,7 +223,7 @@ def test_loss_regions_groups_and_refusals(case, monkeypatch):
 
 
 @needs_mpi()
-def test_snapshots_resume_across_a_split_data_layer_and_data_parallelism(case):
+def test_snapshots_resume_across_a_split_data_layer_and_data_parallelism(case, monkeypatch, capfd):
     """Issue 32's resume across configurations when the data layer is split other than by sample (every worker
     reads the global batch and keeps its band of rows; under data parallelism each reads its shard and stops at
     its own position): one process at batch 4 for 3 iterations with a snapshot, then one launch of 2 ranks at
@@ -251,11 +251,14 @@ def test_snapshots_resume_across_a_split_data_layer_and_data_parallelism(case):
     # the same plan on in-process workers (ThreadComm), each at the prototxt's batch of 2
     (case / "net.prototxt").write_text((case / "net.prototxt").read_text().replace("batch_size: 4", "batch_size: 2"))
     (case / "solver.prototxt").write_text((case / "solver.prototxt").read_text().replace("solver_sgd_lenet", "snap"))
-    q = subprocess.run([sys.executable, "-m", "cct", "train", "--solver", "solver.prototxt", "--snapshot",
-                        "snap_iter_8.solverstate", "--devices", "cpu,cpu:1", "--parallel", str(plan), "--noprogress"],
-                       cwd=case, env=dp._plain_env(), capture_output=True, text=True, timeout=120)
-    assert q.returncode == 0, q.stderr[-3000:]
-    assert "Per-layer splits on 2 in-process workers: mnist n=1 h=2 w=1 c=1, conv1 n=1 h=2" in q.stderr
-    logged = [float(x) for x in re.findall(r"Iteration \d+ \(.*\), loss = (\S+)", q.stderr)]
+    # in this process (cct.cli.main, what cct runs; as a process: test_parallel_plan_devices)
+    monkeypatch.chdir(case)
+    capfd.readouterr()
+    code = main(["train", "--solver", "solver.prototxt", "--snapshot", "snap_iter_8.solverstate", "--devices",
+                 "cpu,cpu:1", "--parallel", str(plan), "--noprogress"])
+    err = capfd.readouterr().err
+    assert code == 0, err[-3000:]
+    assert "Per-layer splits on 2 in-process workers: mnist n=1 h=2 w=1 c=1, conv1 n=1 h=2" in err
+    logged = [float(x) for x in re.findall(r"Iteration \d+ \(.*\), loss = (\S+)", err)]
     assert np.allclose(logged, want[8:], rtol=1e-5), (logged, want[8:])
     dp._compare(case / "snap_iter_10.caffemodel", case / "final.caffemodel", 1e-5)

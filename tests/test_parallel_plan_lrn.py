@@ -20,7 +20,8 @@ from cct.parallel_plan.perlayer import PerLayerExecutor
 from cct.parallel_plan.split import PlanError, Split
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case (its HDF5 data)
-pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+pytestmark = [pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available"),
+              pytest.mark.usefixtures("numpy_kernels")]  # conftest.py: the ranks run the numpy kernels
 
 CONV2 = """layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2"
         convolution_param { num_output: 16 kernel_size: 3 pad: 1 group: 2 weight_filler { type: "gaussian" std: 0.1 }

@@ -38,6 +38,7 @@ def test_the_pick_needs_data_parallelism_measured():
 
 @needs_mpi()
 @pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+@pytest.mark.usefixtures("numpy_kernels")  # conftest.py: the ranks run the numpy kernels
 def test_auto_measures_on_the_ranks_leaves_training_exact_and_caches(case, tmp_path):
     env = {"CCT_CACHE_DIR": str(tmp_path / "cache")}
     auto = ("--init", "init.caffemodel", "--parallel", "auto")

@@ -11,7 +11,8 @@ import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
-pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+pytestmark = [pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available"),
+              pytest.mark.usefixtures("numpy_kernels")]  # conftest.py: the ranks run the numpy kernels
 
 #: 4 ranks at batch 1. ``four``: conv2 and ip1 n=2 c=2 (each slice summed by the 2 ranks holding it), conv1
 #: whole on every rank (all-reduced); ``chan``: conv1 and ip1 n=2 c=2, conv2 and ip2 by sample (all-reduced)

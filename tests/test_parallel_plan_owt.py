@@ -13,7 +13,10 @@ import pytest
 import test_distributed_train as dp
 from mpirun import needs_mpi, run_mpi, script
 
-pytestmark = [needs_mpi(), pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")]
+from cct.cli import main
+
+pytestmark = [needs_mpi(), pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available"),
+              pytest.mark.usefixtures("numpy_kernels")]  # conftest.py: the ranks run the numpy kernels
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
 _compare = dp._compare
 
@@ -126,7 +129,7 @@ def test_a_caffenet_like_net_with_groups_and_lrn_under_owt_equals_one_process(ru
     _compare(other / "owt.caffemodel", other / "one.caffemodel", 1e-5)
 
 
-def test_cct_train_parallel_auto_and_omnivore_refused(case):
+def test_cct_train_parallel_auto_and_omnivore_refused(case, monkeypatch, capfd):
     """--parallel auto measures the links and the layers, logs the cost model's cheapest executable plan
     beside DeePa's unrestricted optimum, then runs the measured pick (test_parallel_plan_measured.py); Omnivore's
     --groups is refused with any per-layer plan. (Plan files: the family check below; the same setup.)"""
@@ -136,9 +139,10 @@ def test_cct_train_parallel_auto_and_omnivore_refused(case):
     assert "DeePa's unrestricted optimum (" in p.stderr and "update ms" in p.stderr
     assert "--parallel auto: the optimum cct train executes ('deepa') splits " in p.stderr
     assert "--parallel auto: measured step ms" in p.stderr
-    p = run_mpi(1, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", "owt", "--groups",
-                    "2"], cwd=str(case), timeout=60, check=False)
-    assert p.returncode == 1 and "cannot be combined with Omnivore's --groups" in p.stderr
+    monkeypatch.chdir(case)  # checked before any rank's work: in this process (cct.cli.main, what cct runs)
+    capfd.readouterr()
+    assert main(["train", "--solver", "solver.prototxt", "--parallel", "owt", "--groups", "2"]) == 1
+    assert "cannot be combined with Omnivore's --groups" in capfd.readouterr().err
     p = run_mpi(2, ["python", "-m", "cct", "train", "--solver", "solver.prototxt", "--parallel", "owt", "--devices",
                     "cpu,cpu:1"], cwd=str(case), timeout=60, check=False)  # in-process workers inside a rank: refused
     assert p.returncode != 0 and "--parallel owt with several --devices per MPI rank is not supported" in p.stderr

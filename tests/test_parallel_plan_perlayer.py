@@ -19,7 +19,8 @@ from cct.parallel_plan.planfile import read_plan
 from cct.parallel_plan.split import PlanError, Split
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
-pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+pytestmark = [pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available"),
+              pytest.mark.usefixtures("numpy_kernels")]  # conftest.py: the ranks run the numpy kernels
 
 NODES = ("mnist", "conv1", "pool1", "conv2", "pool2", "ip1", "ip2", "loss")
 
@@ -57,11 +58,14 @@ FEWER = {"conv1": Split(h=2), "pool1": Split(w=4), "conv2": Split(c=2), "pool2":
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     """The 4-rank runs below in one launch in one copy of the case: 10 SGD iterations at batch 1 from Caffe's
-    initial weights under the plans FOUR and FEWER. Returns the case folder."""
+    initial weights under the plans FOUR and FEWER, and with conv1 to pool2 split h=2 w=2 (given as
+    ``spatial:``, as test_parallel_plan_spatial gives its splits). Returns the case folder."""
     case = tmp_path_factory.mktemp("perlayer") / "case"
     shutil.copytree(dp.CASE, case)
     runs = [(case, 1, 10, case / f"{out}.caffemodel", "--init", "init.caffemodel", "--parallel",
              str(_plan_file(case / f"{out}.plan", 4, splits))) for out, splits in (("four", FOUR), ("fewer", FEWER))]
+    runs.append((case, 1, 10, case / "quarters.caffemodel", "--init", "init.caffemodel", "--parallel",
+                 "spatial:h=2,w=2:conv1,pool1,conv2,pool2"))
     dp._train_runs(4, runs, timeout=180)
     return case
 
@@ -104,6 +108,20 @@ def test_configurations_on_fewer_ranks_equal_caffe_with_the_planned_bytes(four_r
     got, (step, forward) = _check_run(four_ranks, monkeypatch, 4, 1, FEWER, "fewer")
     assert sum(got["split_bytes_all"]) == 10 * step + forward
     assert got["stats"]["bytes"] == 4 * (20 * 25 + 20 + 800 * 500 + 500)
+
+
+@needs_mpi()
+def test_rows_and_columns_together_on_four_ranks_equal_caffe(four_ranks, monkeypatch):
+    """conv1, pool1, conv2 and pool2 split h=2 w=2 (each rank a quarter of every map): 4 ranks at batch 1
+    end with real Caffe's batch-4 weights after 10 SGD iterations, with the planner's byte count. (A spatial
+    split, here for the 4-rank launch this module makes anyway.)"""
+    case = four_ranks
+    dp._compare(case / "quarters.caffemodel", case / "final.caffemodel", 1e-5)
+    monkeypatch.chdir(case)
+    quarters = {k: Split(h=2, w=2) for k in ("conv1", "pool1", "conv2", "pool2")}
+    step, forward = _predicted(case / "net.prototxt", 4, 1, quarters)
+    got = json.loads((case / "quarters.caffemodel.json").read_text())
+    assert sum(got["split_bytes_all"]) == 10 * step + forward
 
 
 def test_what_cannot_run_is_refused_naming_the_layer_and_configuration(case, monkeypatch):

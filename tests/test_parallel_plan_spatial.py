@@ -19,7 +19,8 @@ from cct.parallel_plan.split import PlanError, Split
 from cct.parallel_plan.transfer import edge_cost
 
 case = dp.case  # the fixture: a fresh copy of Caffe's solver_sgd_lenet case
-pytestmark = pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available")
+pytestmark = [pytest.mark.skipif(not dp.CASE.is_dir(), reason="shared/reference not available"),
+              pytest.mark.usefixtures("numpy_kernels")]  # conftest.py: the ranks run the numpy kernels
 
 
 def _train(case, ranks, batch, iters, out, *extra):
@@ -85,18 +86,7 @@ def test_lenet_split_by_height_on_two_ranks_equals_caffe_with_the_predicted_byte
     assert sum(got["split_bytes_all"]) == 10 * step + forward
 
 
-@needs_mpi()
-def test_rows_and_columns_together_on_four_ranks_equal_caffe(case, monkeypatch):
-    """conv1, pool1, conv2 and pool2 split h=2 w=2 (each rank a quarter of every map): 4 ranks at batch 1
-    end with real Caffe's batch-4 weights after 10 SGD iterations, with the planner's byte count."""
-    _train(case, 4, 1, 10, "four.caffemodel", "--init", "init.caffemodel", "--parallel",
-           "spatial:h=2,w=2:conv1,pool1,conv2,pool2")
-    dp._compare(case / "four.caffemodel", case / "final.caffemodel", 1e-5)
-    monkeypatch.chdir(case)
-    quarters = {k: Split(h=2, w=2) for k in ("conv1", "pool1", "conv2", "pool2")}
-    step, forward = _predicted(case / "net.prototxt", 4, 1, quarters)
-    got = json.loads((case / "four.caffemodel.json").read_text())
-    assert sum(got["split_bytes_all"]) == 10 * step + forward
+# rows and columns together (h=2 w=2) on 4 ranks: test_parallel_plan_perlayer.py, in its 4-rank launch
 
 
 def _padded_net(case):

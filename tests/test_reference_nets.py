@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from refcase import REFERENCE_DIR, list_cases, max_rel_err, reference_available, run_model_case
+from refcase import REFERENCE_DIR, list_cases, max_rel_err, once_per_name, reference_available, run_model_case
 
 import cct
 from cct.io.prototxt import read_net_prototxt
@@ -56,9 +56,16 @@ def test_upstream_net_shapes(key, phase):
 MODEL_CASES = [c for c in list_cases("model")] if reference_available() else []
 
 
+@pytest.fixture(scope="module")
+def model_run():
+    """``model_run(name)``: :func:`refcase.run_model_case` once per case for the forward and the backward test
+    (one forward and backward; both tests only read the net)."""
+    return once_per_name(run_model_case)
+
+
 @pytest.mark.parametrize("name", MODEL_CASES)
-def test_model_case_forward_matches_caffe(name):
-    case, net, loss = run_model_case(name)
+def test_model_case_forward_matches_caffe(model_run, name):
+    case, net, loss = model_run(name)
     a = case.arrays
     for blob in case.meta["blobs"]:
         key = f"data/{blob}"
@@ -69,8 +76,8 @@ def test_model_case_forward_matches_caffe(name):
 
 
 @pytest.mark.parametrize("name", MODEL_CASES)
-def test_model_case_backward_matches_caffe(name):
-    case, net, _ = run_model_case(name)
+def test_model_case_backward_matches_caffe(model_run, name):
+    case, net, _ = model_run(name)
     a = case.arrays
     checked = 0
     for key in a:
