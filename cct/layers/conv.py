@@ -17,7 +17,7 @@ from ..config import current
 from ..device.driver import device_of
 from ..errors import CctError
 from ..lowering import LoweringStrategy, get_strategy
-from ..lowering.engine import override_for, plan_device_lowering, plan_lowering
+from ..lowering.engine import plan_device_lowering, plan_lowering
 from ..lowering.geometry import ConvGeometry, conv_spatial_params
 from ..lowering.im2col import col2im, im2col
 from ..proto import caffe_pb2
@@ -99,8 +99,8 @@ class _BaseConvolution(Layer):
             if self._lowering is None:
                 self._lowering = get_strategy("type1")
             return
-        forced = override_for(self.name, current().engine)  # a new override replans the layer
-        key = (self.geom, self.num, self._device_xp, forced)
+        overrides = current().engine.overrides  # a config with another override for the layer replans it
+        key = (self.geom, self.num, self._device_xp, overrides.get(self.name, overrides.get("*")))
         if key != self._planned_for:
             if self._device_xp is not None:
                 self._lowering = plan_device_lowering(self.name, self.geom, self.num, self._device_xp,
