@@ -37,7 +37,6 @@ def keeps(shard: tuple[int, int, int], offset: int) -> bool:
     return start <= offset % period < start + count
 
 
-
 def continued_state(state: dict, shard: tuple[int, int, int]) -> dict:
     """The read state a loader sharded as ``shard`` continues from: ``state``, or its shared counter state
     (``state["shared"]``) when ``state`` was taken under another sharding and a snapshot gave it one."""

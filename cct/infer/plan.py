@@ -297,21 +297,6 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
             pool_i += 1
             continue
         cg = ConvGeometry.from_param(lp.convolution_param, shape)
-        forced = "type1" if net.config.engine.mode == "caffe" else override_for(lp.name, net.config.engine)
-        key = (cg, shape[0], machine.threads, forced)  # one cache serves the full and the half-thread machine
-        if key not in cache:  # the optimizer's chunk-aware forward prices, as a TEST net's layer plans
-            preds = predictions(cg, shape[0], machine, "fwd", [forced] if forced else None, cap, ("fwd",))
-            if "fft" in preds:  # the weights stay fixed: FFT transforms them once, not in every chunk of every run
-                chunks = -(-shape[0] // priced_chunk("fft", cg, shape[0], machine, cap, ("fwd",)))
-                preds["fft"] -= chunks * price(priced_strategy("fft").weight_transform_ops(cg), machine)["total"]
-            cache[key] = sorted(preds.items(), key=lambda kv: (kv[1], kv[0]))
-        if target == "host":  # the fastest whose buffers fit beside what the layers before it hold, else the leanest
-            room = limit - (active + io_bytes + kept + work + sum(sum(r.values()) for r in roles))
-            grows = {n: layer_growth(net, n, cg, shape[0], itemsize, cache, roles, work) for n, _ in cache[key]}
-            fits = [(n, sec) for n, sec in cache[key] if grows[n][0] <= room]
-            name, t = fits[0] if fits else min(cache[key], key=lambda kv: grows[kv[0]][0])
-        else:
-            name, t = cache[key][0]
         if target != "host":  # type 1 over the whole batch on the device
             name, t = "type1", predictions(cg, shape[0], machine, "fwd", ["type1"], None)["type1"]
             if target == "gpu+host":  # priced with the transfers once the sub-layers are chosen, below
@@ -323,6 +308,19 @@ def predict(net, geom: NetGeometry, grid: Sequence[int], mpf: Sequence[bool], me
             seconds += t
             work = max(work, ws)
             continue
+        forced = "type1" if net.config.engine.mode == "caffe" else override_for(lp.name, net.config.engine)
+        key = (cg, shape[0], machine.threads, forced)  # one cache serves the full and the half-thread machine
+        if key not in cache:  # the optimizer's chunk-aware forward prices, as a TEST net's layer plans
+            preds = predictions(cg, shape[0], machine, "fwd", [forced] if forced else None, cap, ("fwd",))
+            if "fft" in preds:  # the weights stay fixed: FFT transforms them once, not in every chunk of every run
+                chunks = -(-shape[0] // priced_chunk("fft", cg, shape[0], machine, cap, ("fwd",)))
+                preds["fft"] -= chunks * price(priced_strategy("fft").weight_transform_ops(cg), machine)["total"]
+            cache[key] = sorted(preds.items(), key=lambda kv: (kv[1], kv[0]))
+        # the fastest whose buffers fit beside what the layers before it hold, else the leanest
+        room = limit - (active + io_bytes + kept + work + sum(sum(r.values()) for r in roles))
+        grows = {n: layer_growth(net, n, cg, shape[0], itemsize, cache, roles, work) for n, _ in cache[key]}
+        fits = [(n, sec) for n, sec in cache[key] if grows[n][0] <= room]
+        name, t = fits[0] if fits else min(cache[key], key=lambda kv: grows[kv[0]][0])
         kept_ws, transient = conv_memory(name, cg, shape[0], itemsize)
         _grow, roles, own = grows[name]
         layers.append(LayerPlan(lp.name, shape, name, t, kept_ws + transient + own))
